@@ -1,0 +1,614 @@
+"""Cluster configuration: read, validate and resolve a dpwa cluster file.
+
+A cluster file is YAML in one of two shapes, read the same way:
+
+* a mapping (``nodes: [...]``, ``fetch_probability: 1.0``, ...), or
+* the original dpwa shape, a list of one-key maps (``- nodes: [...]``, ``- fetch_probability: 1``).
+
+Every problem is a :class:`ConfigError` naming file, line, key and what is allowed.
+Validation lives here only: the value objects check themselves on construction (so a
+config built in Python is checked the same way) and the YAML reader adds file and line.
+
+Adding a top-level key is one field on :class:`ClusterConfig` declared with
+:func:`setting`, :func:`choice` or another ``_Spec``; adding a rule is one
+frozen :class:`Settings` subclass whose fields use :func:`setting`, registered in
+:data:`RULE_SETTINGS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+from yaml.constructor import SafeConstructor
+
+__all__ = [
+    "RULE_SETTINGS",
+    "ClockSettings",
+    "ClusterConfig",
+    "ConfigError",
+    "ConstantSettings",
+    "LossSettings",
+    "NodeSpec",
+    "Settings",
+    "choice",
+    "load_config",
+    "parse_config",
+    "resolve_config",
+    "setting",
+]
+
+log = logging.getLogger(__name__)
+
+MEMORY = "<memory>"
+_SPEC = "dpwa.config.spec"  # dataclasses.field metadata key holding a field's _Spec
+_LOOPBACK = frozenset({"localhost", "127.0.0.1"})  # spellings of one host, for duplicate host:port
+
+
+class ConfigError(ValueError):
+    """Invalid cluster file: ``str(err)`` is ``"<file>:<line>: <key>: <reason>"``.
+
+    ``line`` is 1-based (``None`` when unknown, then ``":<line>"`` is left out);
+    ``key`` is a path such as ``"nodes[1].port"`` (``None`` when no key applies).
+    """
+
+    def __init__(self, reason: str, file: str = MEMORY, line: int | None = None, key: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.file = file
+        self.line = line
+        self.key = key or None
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{where}: {self.key}: {self.reason}" if self.key else f"{where}: {self.reason}"
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str, int | None, str | None]]:
+        return type(self), (self.reason, self.file, self.line, self.key)
+
+
+# --------------------------------------------------------------------------- field specs
+
+
+class _Spec:
+    """How one field is read from YAML, what it allows and how it is written back.
+
+    ``check`` yields (sub-key, reason) per problem; ``coerce`` normalizes a valid value.
+    """
+
+    def read(self, doc: _Document, node: yaml.Node, key: str) -> object:
+        """The Python value of ``key``'s YAML ``node`` (checked later by ``check``)."""
+        return doc.value(node, key)
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        return iter(())
+
+    def coerce(self, value: object) -> object:
+        return value
+
+    def dump(self, value: object) -> object:
+        """The value as plain YAML-dumpable data."""
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Number(_Spec):
+    """A finite real number (never a bool) in an optionally open/closed range; optionally an integer."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
+
+    def allowed(self) -> str:
+        """E.g. ``"a number in [0, 1]"``, ``"a number > 0"``, ``"an integer in [1, 65535]"``."""
+        noun = "an integer" if self.integer else "a number"
+        lo, hi = (None if b is None else f"{b:g}" for b in (self.lo, self.hi))
+        if lo is not None and hi is not None:
+            return f"{noun} in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        if lo is not None:
+            return f"{noun} {'>' if self.lo_open else '>='} {lo}"
+        if hi is not None:
+            return f"{noun} {'<' if self.hi_open else '<='} {hi}"
+        return noun
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if not self._ok(value):
+            yield "", f"must be {self.allowed()}, got {_show(value)}"
+
+    def _ok(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        try:
+            if not math.isfinite(value):  # also rules out ints too large for a float
+                return False
+        except OverflowError:
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def coerce(self, value: object) -> object:
+        return value if self.integer else float(value)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice(_Spec):
+    """One of a fixed set of strings; ``options`` may be a live mapping (e.g. RULE_SETTINGS)."""
+
+    options: Iterable[str]
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        names = list(self.options)
+        if not isinstance(value, str):
+            yield "", f"must be one of: {', '.join(names)}, got {_show(value)}"
+        elif value not in names:
+            yield "", f"unknown value {value!r}{_allowed(value, names)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Word(_Spec):
+    """A non-empty string without whitespace (node names and hosts)."""
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+            yield "", f"must be a non-empty string without spaces, got {_show(value)}"
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    integer: bool = False,
+) -> Any:
+    """A numeric dataclass field whose allowed range travels in its metadata (checked by ``_validate``)."""
+    spec = _Number(lo, hi, lo_open, hi_open, integer)
+    return dataclasses.field(default=default, metadata={_SPEC: spec})
+
+
+def choice(default: Any, options: Iterable[str]) -> Any:
+    """A string dataclass field that must be one of ``options`` (read when validating, so it may grow)."""
+    return dataclasses.field(default=default, metadata={_SPEC: _Choice(options)})
+
+
+def _validate(obj: Any, on_error: Callable[[str, str], ConfigError]) -> None:
+    """Check, then normalize, every spec'd field of dataclass ``obj``; raise ``on_error(key, reason)``."""
+    for f in dataclasses.fields(obj):
+        spec: _Spec | None = f.metadata.get(_SPEC)
+        if spec is None:
+            continue
+        value = getattr(obj, f.name)
+        for sub, reason in spec.check(value):
+            raise on_error(f.name + sub, reason)
+        object.__setattr__(obj, f.name, spec.coerce(value))
+
+
+def _error_in_memory(key: str, reason: str) -> ConfigError:
+    return ConfigError(reason, MEMORY, None, key)
+
+
+# --------------------------------------------------------------------------- value objects
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSpec:
+    """One cluster member: a unique name and the host:port its server binds/peers connect to."""
+
+    name: str = dataclasses.field(metadata={_SPEC: _Word()})
+    host: str = dataclasses.field(metadata={_SPEC: _Word()})
+    port: int = setting(lo=1, hi=65535, integer=True)
+
+    def __post_init__(self) -> None:
+        _validate(self, _error_in_memory)
+
+    @property
+    def endpoint(self) -> str:
+        """ZeroMQ address ``"tcp://host:port"``."""
+        return f"tcp://{self.host}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Base of rule settings: fields made by :func:`setting` or :func:`choice` are checked on construction."""
+
+    def __post_init__(self) -> None:
+        _validate(self, _error_in_memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantSettings(Settings):
+    """``f = value``: the fixed interpolation factor (0.5 = plain pairwise average)."""
+
+    value: float = setting(0.5, lo=0, hi=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockSettings(Settings):
+    """``f = peer_clock / (clock + peer_clock)``; no settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings(Settings):
+    """``f = loss / (loss + peer_loss)``; no settings."""
+
+
+#: Interpolation rule name -> its settings dataclass; each name is also a top-level key of the cluster file.
+RULE_SETTINGS: dict[str, type] = {
+    "constant": ConstantSettings,
+    "clock": ClockSettings,
+    "loss": LossSettings,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Nodes(_Spec):
+    """A non-empty sequence of NodeSpec with unique names and unique host:port pairs."""
+
+    def read(self, doc: _Document, node: yaml.Node, key: str) -> object:
+        return doc.nodes(node, key)
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if not isinstance(value, (list, tuple)) or not value:
+            yield "", f"must list at least one node ({{name, host, port}} maps), got {_show(value)}"
+            return
+        names: dict[str, int] = {}
+        addresses: dict[tuple[str, int], int] = {}
+        for i, node in enumerate(value):
+            if not isinstance(node, NodeSpec):
+                yield f"[{i}]", f"must be a NodeSpec, got {_show(node)}"
+                return
+            if node.name in names:
+                first = names[node.name]
+                yield (
+                    f"[{i}].name",
+                    f"duplicate node name {node.name!r} (also nodes[{first}]); names must be unique",
+                )
+            names.setdefault(node.name, i)
+            host = node.host.lower()
+            address = ("localhost" if host in _LOOPBACK else host, node.port)
+            if address in addresses:
+                other = value[addresses[address]]
+                yield (
+                    f"[{i}]",
+                    (
+                        f"duplicate address {node.host}:{node.port} (also {other.name!r} at "
+                        f"{other.host}:{other.port}); every node needs its own host:port"
+                    ),
+                )
+            addresses.setdefault(address, i)
+
+    def coerce(self, value: object) -> object:
+        return tuple(value)  # type: ignore[arg-type]
+
+    def dump(self, value: object) -> object:
+        return [dataclasses.asdict(node) for node in value]  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """A validated cluster: its nodes, exchange settings and one settings object per rule.
+
+    Each field carrying a ``_Spec`` is a top-level key of the cluster file, in this order;
+    ``rule_settings`` is spread over one top-level key per rule name.
+    """
+
+    # The top-level keys, in file order, one line each: the field's spec says how it is read and checked.
+    nodes: tuple[NodeSpec, ...] = dataclasses.field(metadata={_SPEC: _Nodes()})
+    fetch_probability: float = setting(1.0, lo=0, hi=1)
+    timeout_ms: float = setting(2500.0, lo=0, lo_open=True)
+    interpolation: str = choice("constant", RULE_SETTINGS)
+    divergence_threshold: float = setting(0.0, lo=0)
+    rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
+    source: str = dataclasses.field(default=MEMORY, compare=False)
+    #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.
+    marks: Mapping[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "marks", MappingProxyType(dict(self.marks)))
+        _validate(self, self.error)
+        given = dict(self.rule_settings)
+        for name, obj in given.items():
+            if name not in RULE_SETTINGS:
+                raise self.error(name, f"unknown rule{_allowed(name, RULE_SETTINGS)}")
+            if not isinstance(obj, RULE_SETTINGS[name]):
+                raise self.error(name, f"must be a {RULE_SETTINGS[name].__name__}, got {_show(obj)}")
+        resolved = {name: given[name] if name in given else cls() for name, cls in RULE_SETTINGS.items()}
+        object.__setattr__(self, "rule_settings", MappingProxyType(resolved))
+
+    def __reduce__(self) -> tuple[Callable[[], ClusterConfig], tuple[()]]:
+        """Pickle (e.g. for spawned workers) as a constructor call: read-only mappings cannot be pickled."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(rule_settings=dict(self.rule_settings), marks=dict(self.marks))
+        return functools.partial(ClusterConfig, **fields), ()
+
+    def error(self, key: str, reason: str) -> ConfigError:
+        """A ConfigError for ``key`` at its line in ``source`` (else at its closest enclosing key's)."""
+        return ConfigError(reason, self.source, _line_of(self.marks, key), key)
+
+    def node(self, name: str) -> NodeSpec:
+        """The node called ``name``; if none, a ConfigError at the ``nodes`` line listing the names."""
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        names = [node.name for node in self.nodes]
+        raise self.error("nodes", f"no node named {name!r}{_allowed(name, names)}")
+
+    def peers_of(self, name: str) -> tuple[NodeSpec, ...]:
+        """Every node but ``name``, in file order (ConfigError if ``name`` is not a node)."""
+        self.node(name)
+        return tuple(node for node in self.nodes if node.name != name)
+
+    @property
+    def settings(self) -> object:
+        """The settings object of the selected ``interpolation`` rule."""
+        return self.rule_settings[self.interpolation]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data in the mapping format; its YAML parses back to ``self``."""
+        out = {f.name: f.metadata[_SPEC].dump(getattr(self, f.name)) for f in _top_level_fields()}
+        rules: Mapping[str, Any] = self.rule_settings
+        return out | {name: dataclasses.asdict(obj) for name, obj in rules.items()}
+
+
+def _top_level_fields() -> tuple[dataclasses.Field[Any], ...]:
+    return tuple(f for f in dataclasses.fields(ClusterConfig) if _SPEC in f.metadata)
+
+
+# --------------------------------------------------------------------------- reading YAML
+
+
+def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
+    """Read and validate the cluster file at ``path``; an unreadable file is a ConfigError too."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8-sig") as handle:
+            text = handle.read()
+    except OSError as err:
+        raise ConfigError(f"cannot read cluster file: {err.strerror or err}", source) from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"not UTF-8 text: {err.reason}", source) from err
+    return parse_config(text, source)
+
+
+def resolve_config(config: ClusterConfig | str | os.PathLike[str]) -> ClusterConfig:
+    """``config`` itself if it is a ClusterConfig, else the cluster file it names, loaded."""
+    if isinstance(config, ClusterConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config)
+    raise TypeError(f"expected a ClusterConfig or a path, got {type(config).__name__}")
+
+
+def parse_config(text: str, source: str = MEMORY) -> ClusterConfig:
+    """Validate cluster-file ``text`` (either format); ``source`` names it in errors."""
+    doc = _Document(source)
+    values: dict[str, Any] = {}
+    rules: dict[str, object] = {}
+    fields = {f.name: f for f in _top_level_fields()}
+    allowed = [*fields, *RULE_SETTINGS]
+    for key, node in doc.top_level(doc.compose(text)):
+        if key in RULE_SETTINGS:
+            rules[key] = doc.settings(key, node)
+        elif key in fields:
+            values[key] = fields[key].metadata[_SPEC].read(doc, node, key)
+        else:
+            raise doc.error(key, f"unknown key{_allowed(key, allowed)}")
+    for name in _required(ClusterConfig):
+        if name not in values:
+            raise doc.error(name, f"missing; a cluster file needs `{name}` (allowed keys: {', '.join(allowed)})")
+    config = ClusterConfig(**values, rule_settings=rules, source=source, marks=doc.marks)
+    log.debug("%s: %d nodes, interpolation %s", source, len(config.nodes), config.interpolation)
+    return config
+
+
+class _Document:
+    """One cluster file being read: YAML nodes -> Python values, remembering the line of every key path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.marks: dict[str, int] = {}
+        self._constructor = SafeConstructor()
+
+    def error(self, key: str | None, reason: str, node: yaml.Node | None = None) -> ConfigError:
+        line = node.start_mark.line + 1 if node is not None else _line_of(self.marks, key or "")
+        return ConfigError(reason, self.source, line, key)
+
+    def compose(self, text: str) -> yaml.Node:
+        """The document's root node; YAML syntax errors, empty files and scalars are ConfigErrors."""
+        try:
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.MarkedYAMLError as err:
+            raise self._yaml_error(err) from err
+        except yaml.YAMLError as err:  # ReaderError: a character YAML does not allow
+            position = getattr(err, "position", None)
+            line = None if position is None else text.count("\n", 0, position) + 1
+            raise ConfigError(f"invalid YAML: {' '.join(str(err).split())}", self.source, line) from err
+        if root is None or (isinstance(root, yaml.ScalarNode) and root.tag == "tag:yaml.org,2002:null"):
+            raise ConfigError(f"file is empty; expected {_SHAPES}", self.source, 1)
+        self.marks[""] = root.start_mark.line + 1
+        return root
+
+    def _yaml_error(self, err: yaml.MarkedYAMLError) -> ConfigError:
+        """E.g. ``invalid YAML: while parsing a flow mapping on line 5, expected ',' or '}', but got ':'``."""
+        mark = err.problem_mark or err.context_mark
+        context = err.context or ""
+        if context and err.context_mark is not None:
+            context += f" on line {err.context_mark.line + 1}"
+        reason = "invalid YAML: " + ", ".join(part for part in (context, err.problem or "") if part)
+        return ConfigError(" ".join(reason.split()), self.source, mark.line + 1 if mark else None)
+
+    def value(self, node: yaml.Node, key: str) -> object:
+        """The plain Python value of ``node`` (SafeLoader types only)."""
+        try:
+            return self._constructor.construct_object(node, deep=True)
+        except yaml.MarkedYAMLError as err:
+            raise self.error(key, f"cannot read value: {err.problem or err}", node) from err
+        except (ValueError, TypeError, OverflowError) as err:  # e.g. `2001-13-45`, `!!float abc`
+            raise self.error(key, f"cannot read value: {err}", node) from err
+
+    def entries(self, node: yaml.MappingNode, prefix: str) -> list[tuple[str, yaml.Node, yaml.Node]]:
+        """(key, key node, value node) of a mapping, in order; keys must be strings. Records key lines."""
+        out = []
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                reason = "merge keys (<<) are not supported; write the keys out"
+                raise self.error(prefix or None, reason, key_node)
+            key = self.value(key_node, prefix)
+            if not isinstance(key, str) or not key:
+                raise self.error(prefix or None, f"keys must be non-empty strings, got {_show(key)}", key_node)
+            self.marks.setdefault(f"{prefix}.{key}" if prefix else key, key_node.start_mark.line + 1)
+            out.append((key, key_node, value_node))
+        return out
+
+    def unique(self, entries: list[tuple[str, yaml.Node, yaml.Node]], prefix: str) -> list[tuple[str, yaml.Node]]:
+        """``entries`` as (key, value node), ConfigError at the second occurrence of a repeated key."""
+        first: dict[str, int] = {}
+        for key, key_node, _ in entries:
+            if key in first:
+                reason = f"duplicate key (first set on line {first[key]}); each key may appear once"
+                raise self.error(f"{prefix}.{key}" if prefix else key, reason, key_node)
+            first[key] = key_node.start_mark.line + 1
+        return [(key, value_node) for key, _, value_node in entries]
+
+    def mapping(self, node: yaml.MappingNode, prefix: str) -> list[tuple[str, yaml.Node]]:
+        """(key, value node) of a mapping with string keys, each at most once."""
+        return self.unique(self.entries(node, prefix), prefix)
+
+    def top_level(self, root: yaml.Node) -> list[tuple[str, yaml.Node]]:
+        """Top-level (key, value node) pairs of either format, each key at most once."""
+        if isinstance(root, yaml.MappingNode):
+            return self.mapping(root, "")
+        if not isinstance(root, yaml.SequenceNode):
+            raise self.error(None, f"expected {_SHAPES}, got {_show(self.value(root, ''))}", root)
+        entries = []
+        for item in root.value:
+            pairs = self.entries(item, "") if isinstance(item, yaml.MappingNode) else []
+            if len(pairs) != 1:
+                got = f"a map with keys {', '.join(k for k, _, _ in pairs)}" if pairs else _show(self.value(item, ""))
+                reason = f"each list item must be a one-key map like `- timeout_ms: 2500`, got {got}"
+                raise self.error(None, reason, item)
+            entries.extend(pairs)
+        return self.unique(entries, "")
+
+    def nodes(self, node: yaml.Node, key: str) -> tuple[NodeSpec, ...]:
+        """The node list as NodeSpecs; checks shape and per-node keys (cross-node checks: ClusterConfig)."""
+        if not isinstance(node, yaml.SequenceNode):
+            got = _show(self.value(node, key))
+            raise self.error(key, f"must be a list of {{name, host, port}} maps, got {got}", node)
+        allowed = [f.name for f in dataclasses.fields(NodeSpec)]
+        required = _required(NodeSpec)
+        specs = []
+        for i, item in enumerate(node.value):
+            path = f"{key}[{i}]"
+            self.marks[path] = item.start_mark.line + 1
+            if not isinstance(item, yaml.MappingNode):
+                raise self.error(path, f"must be a {{name, host, port}} map, got {_show(self.value(item, path))}", item)
+            given = {}
+            for field, value_node in self.mapping(item, path):
+                if field not in allowed:
+                    raise self.error(f"{path}.{field}", f"unknown node key{_allowed(field, allowed)}")
+                given[field] = self.value(value_node, f"{path}.{field}")
+            for field in required:
+                if field not in given:
+                    raise self.error(f"{path}.{field}", f"missing; every node needs {', '.join(required)}")
+            specs.append(self._build(NodeSpec, given, path))
+        return tuple(specs)
+
+    def settings(self, rule: str, node: yaml.Node) -> object:
+        """The settings object of ``rule``: a map of its fields, or 0/null/{} for the defaults."""
+        cls = RULE_SETTINGS[rule]
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        shape = f"a map of settings ({', '.join(allowed)})" if allowed else "0, null or {} (it takes no settings)"
+        if not isinstance(node, yaml.MappingNode):
+            value = self.value(node, rule)
+            if value is None or (type(value) in (int, float) and value == 0):  # not False
+                return cls()
+            raise self.error(rule, f"must be {shape}, got {_show(value)}", node)
+        given = {}
+        for key, value_node in self.mapping(node, rule):
+            if not allowed:
+                raise self.error(f"{rule}.{key}", f"unknown setting; {rule} takes no settings (use 0, null or {{}})")
+            if key not in allowed:
+                raise self.error(f"{rule}.{key}", f"unknown setting{_allowed(key, allowed)}")
+            given[key] = self.value(value_node, f"{rule}.{key}")
+        return self._build(cls, given, rule)
+
+    def _build(self, cls: type, given: dict[str, object], path: str) -> object:
+        """``cls(**given)``, its validation error re-pointed at ``path.<field>`` and its line."""
+        try:
+            return cls(**given)
+        except ConfigError as err:
+            raise self.error(f"{path}.{err.key}" if err.key else path, err.reason) from None
+
+
+# --------------------------------------------------------------------------- helpers
+
+_SHAPES = "a mapping (nodes: ..., fetch_probability: ...) or a list of one-key maps (- nodes: ...)"
+
+
+def _required(cls: type) -> list[str]:
+    """Names of the dataclass fields of ``cls`` that have no default."""
+    no_default = dataclasses.MISSING
+    return [f.name for f in dataclasses.fields(cls) if f.default is no_default and f.default_factory is no_default]
+
+
+def _line_of(marks: Mapping[str, int], key: str) -> int | None:
+    """Line of ``key``, else of its closest enclosing key ("nodes[1].port" -> "nodes[1]" -> "nodes" -> "")."""
+    while True:
+        if key in marks:
+            return marks[key]
+        if not key:
+            return None
+        key = key[: max(key.rfind("."), key.rfind("["), 0)]
+
+
+def _did_you_mean(word: object, options: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``options``, or ``""``."""
+    close = difflib.get_close_matches(word, list(options), n=1) if isinstance(word, str) else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _allowed(word: object, options: Iterable[str]) -> str:
+    """`` (did you mean 'x'?); allowed: a, b, c`` -- the tail of every "unknown ..." message."""
+    return f"{_did_you_mean(word, options)}; allowed: {', '.join(options)}"
+
+
+def _show(value: object) -> str:
+    """A short description of a YAML value for error messages, e.g. ``true (a boolean)``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return f"{value!r} (a string{_NUMBER_HINT if _looks_numeric(value) else ''})"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return f"a {type(value).__name__} value"
+
+
+_NUMBER_HINT = "; write numbers unquoted, exponents with a dot: 1.0e3"
+
+
+def _looks_numeric(text: str) -> bool:
+    """True for text such as ``"0.5"`` or ``1e3`` (which YAML 1.1 reads as a string)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return any(c.isdigit() for c in text)

@@ -1,0 +1,91 @@
+"""`dpwa validate`: YAML + summary and exit 0 on a good file; one stderr line and exit 2 on a bad one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from dpwa import cli
+from dpwa.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = ROOT / "samples" / "original-dpwa.yaml"
+BAD = Path(__file__).resolve().parent / "data" / "configs" / "bad"
+SUMMARY = "4 nodes, interpolation constant (value=0.5), fetch_probability 1, timeout_ms 2500, divergence_threshold 0.2"
+
+
+def test_validate_prints_resolved_yaml_and_summary() -> None:
+    result = CliRunner().invoke(cli.main, ["validate", str(GOOD)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    for name in ("w1", "w2", "w3", "w4"):
+        assert f"name: {name}" in result.stdout
+    assert yaml.safe_load(result.stdout) == load_config(GOOD).to_dict()
+    assert result.stdout.splitlines()[-1] == f"# {GOOD}: {SUMMARY}"
+
+
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [
+        ("fetch_probability_out_of_range.yaml", ":7: fetch_probability: must be a number in [0, 1], got 1.5"),
+        ("yaml_syntax_error.yaml", ":5: invalid YAML: "),
+        ("empty.yaml", ":1: file is empty"),
+    ],
+)
+def test_validate_bad_file_prints_one_error_line_and_exits_2(name: str, where: str) -> None:
+    path = BAD / name
+    result = CliRunner().invoke(cli.main, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"error: {path}{where}")
+    assert len(result.stderr.splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_validate_missing_file_is_a_clean_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli.main, ["validate", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {tmp_path / 'nope.yaml'}: cannot read cluster file: No such file or directory\n"
+
+
+def test_log_level_option_is_accepted_and_checked() -> None:
+    assert CliRunner().invoke(cli.main, ["--log-level", "debug", "validate", str(GOOD)]).exit_code == 0
+    assert CliRunner().invoke(cli.main, ["--log-level", "loud", "validate", str(GOOD)]).exit_code == 2
+
+
+def test_lazy_commands_are_listed_and_imported_on_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cli.LAZY_COMMANDS, "check", "dpwa.cli:validate")
+    assert "check" in CliRunner().invoke(cli.main, ["--help"]).stdout
+    assert CliRunner().invoke(cli.main, ["check", str(GOOD)]).exit_code == 0
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "dpwa.cli", *args]
+    return subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_validate_as_a_real_process_on_a_good_file() -> None:
+    proc = run_module("validate", "samples/localhost.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    for name in ("w1", "w2", "w3", "w4"):
+        assert f"name: {name}" in proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("# samples/localhost.yaml: 4 nodes, interpolation constant")
+
+
+def test_validate_as_a_real_process_on_a_bad_file() -> None:
+    proc = run_module("validate", "tests/data/configs/bad/unknown_top_level_key.yaml")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    expected = (
+        "error: tests/data/configs/bad/unknown_top_level_key.yaml:8: timeout: unknown key"
+        " (did you mean 'timeout_ms'?); allowed: nodes, fetch_probability, timeout_ms, interpolation,"
+        " divergence_threshold, constant, clock, loss"
+    )
+    assert proc.stderr.splitlines() == [expected]
