@@ -1,0 +1,74 @@
+"""Interpolation rules: the registry and the factory the connection uses.
+
+Rules never import ``dpwa.config``: :func:`make_rule` takes the rule's settings
+as any dataclass instance (or a mapping, or None) and passes its fields as
+constructor keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.pairwise import ClockRule, ConstantRule, LossRule, PairwiseRule
+
+__all__ = [
+    "RULES",
+    "ClockRule",
+    "ConstantRule",
+    "LossRule",
+    "MixOutcome",
+    "NodeState",
+    "PairwiseRule",
+    "PeerSnapshot",
+    "Rule",
+    "make_rule",
+]
+
+RULES: dict[str, type[Rule]] = {
+    "constant": ConstantRule,
+    "clock": ClockRule,
+    "loss": LossRule,
+}
+
+
+def _settings_kwargs(settings: object) -> dict[str, Any]:
+    if settings is None:
+        return {}
+    if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
+        return dataclasses.asdict(settings)
+    if isinstance(settings, Mapping):
+        return dict(settings)
+    raise TypeError(f"rule settings must be a dataclass instance, a mapping or None, got {type(settings).__name__}")
+
+
+def make_rule(name: str, settings: object, divergence_threshold: float) -> Rule:
+    """Build ``RULES[name](**fields(settings), divergence_threshold=divergence_threshold)``.
+
+    ``settings`` is a dataclass instance (fields via ``dataclasses.asdict``), a
+    mapping, or None (defaults).  Raises ValueError for an unknown rule name
+    (listing the allowed ones), for a settings field the rule does not accept
+    (listing the accepted ones), for ``divergence_threshold`` inside
+    ``settings`` (it is a separate argument), and for out-of-range values.
+    """
+    try:
+        cls = RULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown interpolation rule {name!r}; allowed: {', '.join(sorted(RULES))}") from None
+    kwargs = _settings_kwargs(settings)
+    if "divergence_threshold" in kwargs:
+        raise ValueError(f"rule {name!r}: divergence_threshold is a global setting, not a rule setting")
+    accepted = [
+        p.name
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "divergence_threshold"
+    ]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"rule {name!r} does not accept {', '.join(unknown)}; accepted: {', '.join(accepted) or '(none)'}"
+        )
+    return cls(**kwargs, divergence_threshold=divergence_threshold)

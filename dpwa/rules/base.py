@@ -1,0 +1,120 @@
+"""The contract every interpolation rule implements, and the data it sees.
+
+A rule answers one question at ``update_wait``: given my parameters ``x``, what
+I fetched from peers and the small state each side sends along, what is my new
+``x``?  Rules are pure with respect to the network: they never touch a socket,
+they only read :class:`NodeState` / :class:`PeerSnapshot` and mutate the
+trainer's arrays and state in place.
+
+Which thread calls what (the connection guarantees it):
+
+* :meth:`Rule.on_publish` -- trainer thread, at ``update_send``;
+* :meth:`Rule.on_serve` -- RX thread, under the node's state lock;
+* :meth:`Rule.choose_peers` -- TX thread;
+* :meth:`Rule.mix` -- trainer thread, at ``update_wait``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dpwa.rules.mixing import apply_divergence
+
+__all__ = ["MixOutcome", "NodeState", "PeerSnapshot", "Rule"]
+
+
+@dataclass
+class NodeState:
+    """What a node tells its peers with every reply; the rules' inputs."""
+
+    name: str
+    clock: float = 0.0  # batches trained (fractional after mixing)
+    loss: float = 0.0
+    # JSON-safe rule extras (push-sum weight, leader table, group info).
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PeerSnapshot:
+    """One fetched peer: its state as received and its parameters.
+
+    ``arrays`` has the same layout (dtypes, shapes, order) as the node's own
+    parameters.  A rule MAY overwrite them (they are scratch, discarded after
+    mixing).
+    """
+
+    state: NodeState
+    arrays: Sequence[np.ndarray]
+
+
+@dataclass(frozen=True)
+class MixOutcome:
+    """What one :meth:`Rule.mix` call did.
+
+    ``factor`` is the representative factor actually applied (the mean
+    effective factor for element-wise rules); 0.0 means nothing was mixed.
+    ``peers`` names the peers mixed in; ``metrics`` carries rule-specific
+    figures for the metrics log.
+    """
+
+    factor: float
+    peers: tuple[str, ...]
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+class Rule(ABC):
+    """An interpolation rule: ``x <- x + sum_j a_j * (x_j - x)``, ``a_j >= 0``, ``sum_j a_j <= 1``.
+
+    Every rule accepts ``divergence_threshold`` ``t >= 0`` (0 = off); single
+    factors pass through :meth:`diverge` (``f <- f * loss / t`` when
+    ``loss < t``) after the rule computed them.
+    """
+
+    name: ClassVar[str]
+    fanout: ClassVar[int] = 1  # how many peers one exchange fetches (group averaging: S)
+
+    def __init__(self, divergence_threshold: float = 0.0) -> None:
+        t = float(divergence_threshold)
+        if not (math.isfinite(t) and t >= 0.0):
+            raise ValueError(f"divergence_threshold must be a finite number >= 0, got {divergence_threshold!r}")
+        self.divergence_threshold = t
+
+    def diverge(self, f: float, loss: float) -> float:
+        """``apply_divergence(f, loss, self.divergence_threshold)``."""
+        return apply_divergence(f, loss, self.divergence_threshold)
+
+    def on_publish(self, own: NodeState, arrays: Sequence[np.ndarray]) -> None:  # noqa: B027 - optional hook
+        """Trainer thread at ``update_send``, before the snapshot is published; default no-op."""
+
+    def on_serve(self, own: NodeState) -> dict[str, Any]:
+        """RX thread, under the state lock, once per reply served.
+
+        Returns JSON-safe extras attached to THIS reply only; may change
+        ``own`` (push-sum halves its weight here).  Default: ``{}``.
+        """
+        return {}
+
+    def choose_peers(self, own: NodeState, candidates: Sequence[str], round_index: int) -> Sequence[str] | None:
+        """The rule's say in whom to fetch (leader, schedules); ``None`` lets flow control choose."""
+        return None
+
+    @abstractmethod
+    def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
+        """Mix ``peers`` into ``arrays`` in place and update ``own`` (clock, extras).
+
+        ``own.loss`` already holds the loss passed to ``update_wait``.  With no
+        peers nothing changes and the outcome's factor is 0.0.
+        """
+
+    def _params(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}({args})"

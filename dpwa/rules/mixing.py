@@ -1,0 +1,207 @@
+"""In-place interpolation kernels and the scalar helpers of ALGORITHMS §1.
+
+The kernels compute ``x <- (1-f)*x + f*peer`` (== ``x + f*(peer - x)``) array
+by array, in blocks of :data:`BLOCK` elements, so that each block is read and
+written while it sits in cache (about one pass of memory traffic) and no
+temporary larger than a block is ever allocated.
+
+Numerics: the form ``(1-f)*x + f*peer`` is used because at ``f = 0.5`` it gives
+the correctly rounded mean (both products are exact, one rounding in the sum);
+``f == 0`` leaves ``x`` bit-exact and ``f == 1`` copies ``peer`` exactly (both
+special-cased).  For other ``f``, ``x == peer`` may move by up to one ulp.
+float16 is computed in float32 (block-sized scratch) and rounded once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "BLOCK",
+    "apply_divergence",
+    "interpolate_",
+    "interpolate_elementwise_",
+    "mix_clock",
+]
+
+BLOCK = 1 << 16
+"""Elements per block: 256 KiB of float32, 512 KiB of float64 -- about an L2 cache."""
+
+_SUPPORTED = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """float16 is computed in float32; float32/float64 in themselves."""
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """A 1-D view of an array already checked to be C-contiguous (so never a copy)."""
+    return a.reshape(-1)
+
+
+def _check_pairs(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], what: str = "peer") -> None:
+    """Raise unless x/peer are same-length lists of same-dtype, same-shape, C-contiguous float arrays.
+
+    TypeError for non-arrays; ValueError for everything else."""
+    if len(x) != len(peer):
+        raise ValueError(f"x has {len(x)} arrays but {what} has {len(peer)}")
+    for i, (a, b) in enumerate(zip(x, peer)):
+        if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+            raise TypeError(f"array {i}: expected numpy arrays, got {type(a).__name__} and {type(b).__name__}")
+        if a.dtype not in _SUPPORTED:
+            raise ValueError(f"array {i}: dtype {a.dtype} is not float16/float32/float64")
+        if a.dtype != b.dtype or a.shape != b.shape:
+            raise ValueError(f"array {i}: x is {a.dtype}{a.shape} but {what} is {b.dtype}{b.shape}")
+        if not (a.flags.c_contiguous and b.flags.c_contiguous):
+            raise ValueError(f"array {i}: arrays must be C-contiguous")
+        if not a.flags.writeable:
+            raise ValueError(f"array {i}: x is read-only")
+        if a.size and np.may_share_memory(a, b):
+            raise ValueError(f"array {i}: x and {what} overlap in memory")
+
+
+def _check_factor(f: float) -> float:
+    f = float(f)
+    if not 0.0 <= f <= 1.0:  # also rejects NaN
+        raise ValueError(f"interpolation factor must lie in [0, 1], got {f!r}")
+    return f
+
+
+class _Scratch:
+    """Block-sized scratch buffers, allocated lazily, at most one per (dtype, slot)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[np.dtype, int], np.ndarray] = {}
+
+    def get(self, dtype: np.dtype, n: int, slot: int = 0) -> np.ndarray:
+        key = (np.dtype(dtype), slot)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = np.empty(BLOCK, dtype=dtype)
+        return buf[:n]
+
+
+def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) -> None:
+    """In place, array by array: ``x <- (1-f)*x + f*peer``, for a scalar ``f`` in [0, 1].
+
+    ``peer`` arrays are used as scratch when writable (their contents are then
+    undefined afterwards); read-only peers are left alone and a block-sized
+    buffer is used instead.  ``f == 0``: ``x`` untouched; ``f == 1``: ``x``
+    becomes ``peer`` exactly.  All arrays are validated before any is written.
+    Raises ValueError on mismatched layouts, overlap or ``f`` outside [0, 1]
+    (TypeError for non-arrays).
+    """
+    f = _check_factor(f)
+    _check_pairs(x, peer)
+    if f == 0.0:
+        return
+    if f == 1.0:
+        for a, b in zip(x, peer):
+            np.copyto(a, b)
+        return
+    scratch = _Scratch()
+    for a, b in zip(x, peer):
+        if a.size == 0:
+            continue
+        xv, pv = _flat(a), _flat(b)
+        c = _compute_dtype(a.dtype)
+        fc, gc = c.type(f), c.type(1.0 - f)
+        half = a.dtype == np.float16
+        in_place = b.flags.writeable and not half
+        for start in range(0, xv.size, BLOCK):
+            stop = min(start + BLOCK, xv.size)
+            xb, pb = xv[start:stop], pv[start:stop]
+            n = stop - start
+            if half:
+                acc = scratch.get(c, n, 0)
+                tmp = scratch.get(c, n, 1)
+                np.multiply(xb, gc, out=acc, dtype=c)
+                np.multiply(pb, fc, out=tmp, dtype=c)
+                np.add(acc, tmp, out=acc)
+                np.copyto(xb, acc, casting="same_kind")
+            else:
+                tmp = pb if in_place else scratch.get(c, n, 0)
+                np.multiply(pb, fc, out=tmp)
+                np.multiply(xb, gc, out=xb)
+                np.add(xb, tmp, out=xb)
+
+
+def interpolate_elementwise_(
+    x: Sequence[np.ndarray], peer: Sequence[np.ndarray], factors: Sequence[np.ndarray]
+) -> float:
+    """In place, element by element: ``x <- x - f*x + f*peer`` (== ``(1-f)*x + f*peer``) with ``f = factors``.
+
+    ``factors`` holds one float array per ``x`` array, same shape, values in
+    [0, 1] (not checked -- the caller clamps; GEM's ``f0*pi`` is in range by
+    construction).  ``peer`` and ``factors`` are only read.  Elements with
+    ``f == 0`` keep their value and ``f == 1`` take the peer's (up to the sign
+    of a zero); ``f == 0.5`` gives the correctly rounded mean.  Returns the
+    mean factor over all elements (0.0 when there are none), for
+    :attr:`MixOutcome.factor`.  Uses at most two block-sized scratch buffers.
+    """
+    _check_pairs(x, peer)
+    if len(factors) != len(x):
+        raise ValueError(f"x has {len(x)} arrays but factors has {len(factors)}")
+    for i, (a, fa) in enumerate(zip(x, factors)):
+        if not isinstance(fa, np.ndarray):
+            raise TypeError(f"array {i}: factors must be numpy arrays, got {type(fa).__name__}")
+        if fa.dtype.kind != "f":
+            raise ValueError(f"array {i}: factors must be floating-point, got {fa.dtype}")
+        if fa.shape != a.shape or not fa.flags.c_contiguous:
+            raise ValueError(f"array {i}: factors are {fa.shape} (C-contiguous required) but x is {a.shape}")
+        if a.size and np.may_share_memory(a, fa):
+            raise ValueError(f"array {i}: x and factors overlap in memory")
+    scratch = _Scratch()
+    total, count = 0.0, 0
+    for a, b, fa in zip(x, peer, factors):
+        if a.size == 0:
+            continue
+        xv, pv, fv = _flat(a), _flat(b), _flat(fa)
+        c = _compute_dtype(a.dtype)
+        half = a.dtype == np.float16
+        for start in range(0, xv.size, BLOCK):
+            stop = min(start + BLOCK, xv.size)
+            xb, pb, fb = xv[start:stop], pv[start:stop], fv[start:stop]
+            n = stop - start
+            tmp = scratch.get(c, n, 0)
+            acc = scratch.get(c, n, 1) if half else xb
+            if half:
+                np.copyto(acc, xb)
+            np.multiply(fb, acc, out=tmp, dtype=c)
+            np.subtract(acc, tmp, out=acc)
+            np.multiply(fb, pb, out=tmp, dtype=c)
+            np.add(acc, tmp, out=acc)
+            if half:
+                np.copyto(xb, acc, casting="same_kind")
+            total += float(np.add.reduce(fb, dtype=np.float64))
+        count += xv.size
+    return total / count if count else 0.0
+
+
+def apply_divergence(f: float, loss: float, threshold: float) -> float:
+    """Divergence damping (ALGORITHMS §1): if ``loss < t`` then ``f <- f * loss / t``; ``t == 0`` is off.
+
+    A negative loss counts as 0 (``f`` becomes 0: the node is already as good
+    as it gets and keeps its own model).  A NaN or infinite loss never damps.
+    Raises ValueError for a negative or non-finite threshold.
+    """
+    t = float(threshold)
+    if not (math.isfinite(t) and t >= 0.0):
+        raise ValueError(f"divergence threshold must be a finite number >= 0, got {threshold!r}")
+    loss = float(loss)
+    if t == 0.0 or not loss < t:
+        return f
+    return f * max(loss, 0.0) / t
+
+
+def mix_clock(clock: float, peer_clock: float, f: float) -> float:
+    """The clock after mixing with factor ``f``: ``f*peer_clock + (1-f)*clock`` (exact at f = 0 and f = 1)."""
+    if f == 0.0:
+        return clock
+    if f == 1.0:
+        return peer_clock
+    return f * peer_clock + (1.0 - f) * clock

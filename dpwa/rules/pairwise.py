@@ -1,0 +1,101 @@
+"""The 2017 dpwa rules (ALGORITHMS §1): one peer, one scalar factor.
+
+``x <- f*x_peer + (1-f)*x`` with ``f`` from :meth:`PairwiseRule.factor`, then
+damped by the divergence threshold, then ``clock <- f*peer_clock + (1-f)*clock``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.mixing import interpolate_, mix_clock
+
+__all__ = ["ClockRule", "ConstantRule", "LossRule", "PairwiseRule", "share"]
+
+
+def share(a: float, b: float) -> float:
+    """``a / (a + b)`` in [0, 1] for any floats, without overflow.
+
+    Negative values count as 0 and NaN as +inf; 0.5 when both are 0 or both
+    are infinite; 1.0 when only ``a`` is infinite, 0.0 when only ``b`` is.
+    """
+    a = math.inf if math.isnan(a) else max(float(a), 0.0)
+    b = math.inf if math.isnan(b) else max(float(b), 0.0)
+    if a == b:  # both 0, both inf, or equal: exactly one half
+        return 0.5
+    if math.isinf(a) or math.isinf(b):
+        return 1.0 if math.isinf(a) else 0.0
+    if a >= b:  # ratio <= 1, so nothing overflows
+        return 1.0 / (1.0 + b / a)
+    r = a / b
+    return r / (1.0 + r)
+
+
+class PairwiseRule(Rule):
+    """Base of single-peer rules: ``f = diverge(factor(own, peer), own.loss)``, interpolate, then mix the clock."""
+
+    fanout = 1
+
+    @abstractmethod
+    def factor(self, own: NodeState, peer: NodeState) -> float:
+        """The raw interpolation factor in [0, 1] (pure; before divergence damping)."""
+
+    def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
+        """Mix the single peer into ``arrays`` in place; the clock is updated after mixing.
+
+        No peers: nothing changes, ``MixOutcome(0.0, ())``.  More than one peer
+        is a caller error (``fanout == 1``): ValueError, nothing changed.
+        """
+        if not peers:
+            return MixOutcome(0.0, ())
+        if len(peers) > 1:
+            raise ValueError(f"{type(self).__name__} mixes one peer at a time, got {len(peers)}")
+        peer = peers[0]
+        raw = self.factor(own, peer.state)
+        f = self.diverge(raw, own.loss)
+        interpolate_(arrays, peer.arrays, f)
+        own.clock = mix_clock(own.clock, peer.state.clock, f)
+        return MixOutcome(f, (peer.state.name,), {"raw_factor": raw})
+
+
+class ConstantRule(PairwiseRule):
+    """``f = value`` (0 <= value <= 1; 0.5 is the plain pairwise average of Jin et al. 2016)."""
+
+    name = "constant"
+
+    def __init__(self, value: float = 0.5, divergence_threshold: float = 0.0) -> None:
+        super().__init__(divergence_threshold)
+        v = float(value)
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"constant value must lie in [0, 1], got {value!r}")
+        self.value = v
+
+    def factor(self, own: NodeState, peer: NodeState) -> float:
+        return self.value
+
+
+class ClockRule(PairwiseRule):
+    """``f = peer_clock / (clock + peer_clock)``; 0.5 when both are 0 (see :func:`share`)."""
+
+    name = "clock"
+
+    def factor(self, own: NodeState, peer: NodeState) -> float:
+        return share(peer.clock, own.clock)
+
+
+class LossRule(PairwiseRule):
+    """``f = loss / (loss + peer_loss)``: the node with the higher loss leans more on its peer.
+
+    Both zero: 0.5.  Negative losses count as 0; a NaN loss counts as +inf (a
+    diverged node copies a finite peer outright) -- see :func:`share`.
+    """
+
+    name = "loss"
+
+    def factor(self, own: NodeState, peer: NodeState) -> float:
+        return share(own.loss, peer.loss)
