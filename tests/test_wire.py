@@ -1,0 +1,188 @@
+"""Wire format: layouts, header round trips, and every rejection."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from dpwa import wire
+from dpwa.wire import ErrorCode, Kind, Layout, WireError
+
+
+def arrays(*specs):
+    return [np.zeros(shape, dtype=dt) for dt, shape in specs]
+
+
+def test_layout_offsets_are_aligned_and_views_alias_buffer():
+    layout = Layout.of(arrays(("f4", (3, 5)), ("f2", (7,)), ("f8", (2, 2, 2))))
+    assert all(off % wire.ALIGN == 0 for off in layout.offsets)
+    buf = layout.allocate()
+    assert buf.ctypes.data % wire.ALIGN == 0
+    assert buf.nbytes == layout.total_bytes
+    views = layout.views(buf)
+    assert [v.shape for v in views] == [(3, 5), (7,), (2, 2, 2)]
+    assert [v.dtype for v in views] == [np.float32, np.float16, np.float64]
+    views[1][:] = 3
+    start = layout.offsets[1]
+    assert np.frombuffer(buf[start : start + 14].tobytes(), dtype=np.float16).tolist() == [3.0] * 7
+
+
+def test_fingerprint_changes_with_shape_and_dtype():
+    a = Layout.of(arrays(("f4", (3, 5))))
+    assert a.fingerprint == Layout.of(arrays(("f4", (3, 5)))).fingerprint
+    assert a.fingerprint != Layout.of(arrays(("f4", (5, 3)))).fingerprint
+    assert a.fingerprint != Layout.of(arrays(("f8", (3, 5)))).fingerprint
+    assert a.fingerprint != Layout.of(arrays(("f4", (3, 5)), ("f4", (1,)))).fingerprint
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([], "non-empty"),
+        ([np.zeros(3, dtype=np.int32)], "dtype"),
+        ([np.zeros((4, 4), dtype=np.float32)[:, ::2]], "contiguous"),
+        ([[1.0, 2.0]], "numpy array"),
+    ],
+)
+def test_layout_refuses_what_cannot_be_exchanged(bad, message):
+    with pytest.raises(ValueError, match=message):
+        Layout.of(bad)
+
+
+def test_layout_matches_detects_changes():
+    params = arrays(("f4", (3,)), ("f4", (2, 2)))
+    layout = Layout.of(params)
+    assert layout.matches(params)
+    assert not layout.matches(params[:1])
+    assert not layout.matches([params[0], np.zeros((4,), np.float32)])
+    assert not layout.matches([params[0], np.zeros((2, 2), np.float64)])
+
+
+def test_frame_bounds_and_segments_cover_every_element():
+    layout = Layout.of(arrays(("f4", (1000,)), ("f2", (333,)), ("f8", (77,))))
+    chunk = 256
+    bounds = layout.frame_bounds(chunk)
+    assert bounds[0][0] == 0 and bounds[-1][1] == layout.total_bytes
+    assert all(e - s == chunk for s, e in bounds[:-1])
+    covered = [np.zeros(n, bool) for n in layout.sizes]
+    for s, e in bounds:
+        for i, lo, hi in layout.segments(s, e):
+            covered[i][lo:hi] = True
+    assert all(c.all() for c in covered)
+
+
+def test_fetch_state_error_round_trip():
+    layout = Layout.of(arrays(("f4", (10,))))
+    h = wire.decode_header(wire.encode_fetch("w1", 7, layout.fingerprint))
+    assert (h.kind, h.node, h.req, h.fingerprint) == (Kind.FETCH, "w1", 7, layout.fingerprint)
+
+    raw = wire.encode_state("w2", 7, clock=3.5, loss=0.25, extras={"weight": 0.5}, layout=layout)
+    h = wire.decode_header(raw)
+    assert h.kind is Kind.STATE and h.node == "w2" and h.clock == 3.5 and h.loss == 0.25
+    assert h.extras == {"weight": 0.5} and h.total == layout.total_bytes and h.nframes == 1
+    wire.check_state_header(h, layout, peer="w2", req=7)
+
+    h = wire.decode_header(wire.encode_error("w2", 7, ErrorCode.LAYOUT, "mine differs"))
+    assert h.kind is Kind.ERROR and h.code == "layout-mismatch" and h.detail == "mine differs"
+
+
+def _raw(kind: int, body, version: int = wire.PROTOCOL_VERSION, magic: bytes = wire.MAGIC) -> bytes:
+    text = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    data = text.encode() if isinstance(text, str) else text
+    return struct.pack("<4sHB", magic, version, kind) + data
+
+
+GOOD_STATE = {
+    "node": "w2",
+    "req": 1,
+    "fp": "x",
+    "clock": 1.0,
+    "loss": 1.0,
+    "extras": {},
+    "total": 64,
+    "chunk": 1,
+    "nframes": 1,
+}
+
+
+@pytest.mark.parametrize(
+    "frame, reason",
+    [
+        (b"", "header"),
+        (b"DPW", "header"),
+        (_raw(2, GOOD_STATE, magic=b"NOPE"), "magic"),
+        (_raw(2, GOOD_STATE, version=99), "version"),
+        (_raw(9, GOOD_STATE), "header"),
+        (_raw(2, b"{not json"), "header"),
+        (_raw(2, b"\xff\xfe"), "header"),
+        (_raw(2, [1, 2]), "header"),
+        (_raw(2, {**GOOD_STATE, "node": 5}), "header"),
+        (_raw(2, {**GOOD_STATE, "node": ""}), "header"),
+        (_raw(2, {**GOOD_STATE, "req": "1"}), "header"),
+        (_raw(2, {**GOOD_STATE, "req": True}), "header"),
+        (_raw(2, {**GOOD_STATE, "clock": "NaN"}), "header"),
+        (
+            _raw(2, '{"node":"w2","req":1,"fp":"x","clock":NaN,"loss":1,"extras":{},"total":1,"chunk":1,"nframes":1}'),
+            "header",
+        ),
+        (_raw(2, {**GOOD_STATE, "loss": 1e400}), "header"),
+        (_raw(2, {**GOOD_STATE, "extras": []}), "header"),
+        (_raw(2, {k: v for k, v in GOOD_STATE.items() if k != "total"}), "header"),
+        (_raw(1, {"node": "w1", "req": 1}), "header"),
+        (_raw(2, "[" * 100000), "header"),
+    ],
+)
+def test_decode_rejects(frame, reason):
+    with pytest.raises(WireError) as err:
+        wire.decode_header(frame)
+    assert err.value.reason == reason
+
+
+def test_check_state_header_rejections():
+    layout = Layout.of(arrays(("f4", (10,))))
+    other = Layout.of(arrays(("f4", (11,))))
+
+    def state(**kw):
+        base = dict(clock=1.0, loss=1.0, extras={}, layout=layout)
+        node, req = kw.pop("node", "w2"), kw.pop("req", 3)
+        base.update(kw)
+        return wire.decode_header(wire.encode_state(node, req, **base))
+
+    cases = [
+        (state(node="w3"), "identity"),
+        (state(req=2), "stale"),
+        (state(layout=other), "layout"),
+        (state(chunk=32), "size"),
+    ]
+    for header, reason in cases:
+        with pytest.raises(WireError) as err:
+            wire.check_state_header(header, layout, peer="w2", req=3)
+        assert err.value.reason == reason
+    forged = wire.Header(
+        Kind.STATE, "w2", 3, fingerprint=layout.fingerprint, total=layout.total_bytes, chunk=wire.CHUNK_BYTES, nframes=2
+    )
+    with pytest.raises(WireError, match="frames"):
+        wire.check_state_header(forged, layout, peer="w2", req=3)
+
+
+@pytest.mark.parametrize("dtype", ["f2", "f4", "f8"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_finite_checker_finds_every_bad_element(dtype, bad):
+    layout = Layout.of(arrays((dtype, (1000,)), ("f4", (300,))))
+    buf = layout.allocate()
+    views = layout.views(buf)
+    checker = wire.FiniteChecker(layout, block=64)
+    assert checker.all_finite(views, 0, layout.total_bytes)
+    for index in (0, 63, 64, 999):
+        views[0][index] = bad
+        assert not checker.all_finite(views, 0, layout.total_bytes)
+        # only the chunk holding the element sees it
+        size = np.dtype(dtype).itemsize
+        pos = layout.offsets[0] + index * size
+        assert not checker.all_finite(views, pos - pos % 64, pos - pos % 64 + 64)
+        if pos >= 64:
+            assert checker.all_finite(views, 0, pos - pos % 64)
+        views[0][index] = 0
