@@ -1,0 +1,388 @@
+"""DpwaConnection: one gossip node, framework-free (numpy arrays in, numpy arrays mixed in place).
+
+Around each batch::
+
+    conn.update_send(params, loss)   # clock += 1, publish a snapshot, maybe start a fetch
+    loss = train(batch)              # the trainer changes params in place
+    f = conn.update_wait(loss)       # wait <= timeout_ms after the fetch started, mix, return f
+
+Only the trainer's thread ever writes the trainer's arrays. The RX thread serves
+published snapshots; the TX thread fills preallocated receive buffers and
+validates them; a rejected reply is counted and never reaches the arrays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import random
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import wire
+from .config import ClusterConfig, resolve_config
+from .peers import FlowControl
+from .rules import MixOutcome, NodeState, PeerSnapshot, Rule, make_rule
+from .snapshots import SnapshotPool
+from .stats import NodeStats, OnceLog
+from .transport import FetchJob, FetchTarget, Reply, RxServer, TxFetcher
+from .wire import ErrorCode, Header, Layout
+
+log = logging.getLogger(__name__)
+
+WAIT_SLACK_S = 0.05
+"""How long update_wait waits past a fetch's deadline for the TX thread's verdict."""
+
+
+def _as_loss(loss: Any) -> float:
+    value = float(loss)
+    if not math.isfinite(value):
+        raise ValueError(f"loss must be a finite number, got {value}")
+    return value
+
+
+def bind_endpoint(host: str, port: int) -> str:
+    """The tcp:// endpoint to bind for ``host``: its resolved IPv4 address."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        raise OSError(f"cannot resolve host {host!r} to bind: {exc}") from exc
+    return f"tcp://{address}:{port}"
+
+
+class _Node:
+    """Everything a node is, minus the public facade; the threads hold only this object."""
+
+    def __init__(self, name: str, config: ClusterConfig, rule: Rule, seed: int | None) -> None:
+        self.name = name
+        self.config = config
+        me = config.node(name)
+        peers = config.peers_of(name)
+        self.rule = rule
+        self.rng = random.Random(seed)
+        self.stats = NodeStats()
+        self.once = OnceLog(log)
+        self.state = NodeState(name)
+        self.state_lock = threading.Lock()
+        self.flow = FlowControl([p.name for p in peers], self.rng)
+        self.flow_lock = threading.Lock()
+        self.layout: Layout | None = None
+        self.pool: SnapshotPool | None = None
+        self.params: list[np.ndarray] | None = None
+        self.receive_slots: list[tuple[np.ndarray, list[np.ndarray]]] = []
+        self.pending: FetchJob | None = None
+        self.requests = itertools.count(1)
+        self.rounds = 0
+        self.alone = False
+        self.last_exchange: dict[str, Any] | None = None
+        self.closed = False
+        self.ctx = zmq.Context(io_threads=1)
+        try:
+            self.rx = RxServer(
+                self.ctx, bind_endpoint(me.host, me.port), self.serve, self.stats.add, name=f"dpwa-rx-{name}"
+            )
+        except OSError:
+            self.ctx.term()
+            raise
+        self.tx = TxFetcher(
+            self.ctx,
+            name,
+            {p.name: p.endpoint for p in peers},
+            lambda: self.layout,
+            self.on_target,
+            self.stats.add,
+            name=f"dpwa-tx-{name}",
+        )
+        self.rx.start()
+        self.tx.start()
+        log.info("node %s listening on %s with %d peers, rule %s", name, self.rx.endpoint, len(peers), rule.name)
+
+    # ------------------------------------------------------------ trainer thread
+
+    def setup_layout(self, params: Sequence[np.ndarray]) -> None:
+        layout = Layout.of(params)
+        self.pool = SnapshotPool(layout)
+        for _ in range(max(1, self.rule.fanout)):
+            buffer = layout.allocate()
+            self.receive_slots.append((buffer, layout.views(buffer)))
+        self.layout = layout
+        log.info("node %s: %d arrays, %.1f MB per snapshot", self.name, len(params), layout.total_bytes / 1e6)
+
+    def update_send(self, params: Sequence[np.ndarray], loss: Any) -> None:
+        value = _as_loss(loss)
+        if self.layout is None:
+            self.setup_layout(params)
+        elif not self.layout.matches(params):
+            raise ValueError("params changed layout (count, dtype or shape) since the first update_send")
+        assert self.pool is not None
+        self.params = list(params)
+        with self.state_lock:
+            self.state.clock += 1
+            self.state.loss = value
+            self.rule.on_publish(self.state, self.params)
+            clock, extras = self.state.clock, dict(self.state.extras)
+        if not self.pool.publish(self.params, clock, value, extras):
+            self.stats.add("snapshots_skipped")
+            self.once.warning(
+                ("pool",), "node %s: every snapshot buffer is busy; peers get the previous one", self.name
+            )
+        self.start_fetch()
+
+    def start_fetch(self) -> None:
+        if self.pending is not None and not self.pending.done.is_set():
+            self.stats.add("fetches_skipped")  # update_wait was not called for the previous fetch
+            return
+        self.pending = None
+        if self.rng.random() >= self.config.fetch_probability:
+            return
+        candidates = [p.name for p in self.config.peers_of(self.name)]
+        with self.state_lock:
+            chosen = self.rule.choose_peers(self.state, candidates, self.rounds)
+        self.rounds += 1
+        if chosen is None:
+            with self.flow_lock:
+                chosen = self.flow.choose(max(1, self.rule.fanout))
+        chosen = list(chosen)[: len(self.receive_slots)]
+        if not chosen:
+            self.stats.add("fetches_skipped")
+            if not self.alone and candidates:
+                log.warning("node %s: no peer is up; training alone (factor 0) until one answers", self.name)
+            self.alone = True
+            return
+        targets = [FetchTarget(peer, buf, views) for peer, (buf, views) in zip(chosen, self.receive_slots)]
+        deadline = time.monotonic() + self.config.timeout_ms / 1000.0
+        self.pending = FetchJob(next(self.requests), targets, deadline)
+        self.tx.submit(self.pending)
+
+    def update_wait(self, loss: Any) -> float:
+        value = _as_loss(loss)
+        with self.state_lock:
+            self.state.loss = value
+        job, self.pending = self.pending, None
+        if job is None or self.params is None:
+            self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
+            return 0.0
+        if not job.done.wait(max(0.0, job.deadline - time.monotonic()) + WAIT_SLACK_S):
+            log.debug("node %s: TX gave no verdict by the deadline", self.name)
+            self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
+            return 0.0
+        good = [t for t in job.targets if t.status == "ok" and t.header is not None]
+        peers = [
+            PeerSnapshot(NodeState(t.peer, t.header.clock, t.header.loss, dict(t.header.extras)), t.views)
+            for t in good
+            if t.header is not None
+        ]
+        with self.state_lock:
+            clock_before = self.state.clock
+            outcome = self.rule.mix(self.state, self.params, peers) if peers else MixOutcome(0.0, ())
+        if peers:
+            self.stats.add("mixes")
+        record: dict[str, Any] = {
+            "step": clock_before,
+            "factor": outcome.factor,
+            "peer": ",".join(t.peer for t in job.targets),
+            "status": ",".join(t.status for t in job.targets),
+            "bytes": sum(t.nbytes for t in job.targets),
+            "fetch_ms": max(t.ms for t in job.targets),
+            "clock_gap": (sum(p.state.clock for p in peers) / len(peers) - clock_before) if peers else None,
+        }
+        record.update(outcome.metrics)
+        self.last_exchange = record
+        return outcome.factor
+
+    # ------------------------------------------------------------ TX thread
+
+    def on_target(self, job: FetchJob, target: FetchTarget) -> None:
+        """Count a finished fetch and feed flow control."""
+        peer = target.peer
+        self.stats.peer_outcome(peer, target.status)
+        if target.status == "ok":
+            self.stats.fetch_done(target.ms, target.nbytes)
+            with self.flow_lock:
+                self.flow.success(peer)
+            if self.alone:
+                log.info("node %s: peer %s answers; mixing again", self.name, peer)
+                self.alone = False
+            return
+        with self.flow_lock:
+            self.flow.failure(peer)
+        if target.status == "timeout":
+            self.stats.add("fetches_timed_out")
+            self.once.warning((peer, "timeout"), "node %s: peer %s did not answer in time", self.name, peer)
+        elif target.status == "refused":
+            self.stats.add("fetches_refused")
+            benign = target.code == wire.ErrorCode.NOT_READY.value  # a peer still starting up
+            self.once.warning(
+                (peer, target.code),
+                "node %s: peer %s refused: %s (%s)",
+                self.name,
+                peer,
+                target.code,
+                target.detail,
+                level=logging.INFO if benign else logging.WARNING,
+            )
+        else:
+            self.stats.reject(target.code, target.nbytes)
+            self.once.warning(
+                (peer, target.code),
+                "node %s: dropped a reply from %s (%s%s)",
+                self.name,
+                peer,
+                target.code,
+                f": {target.detail}" if target.detail else "",
+            )
+
+    # ------------------------------------------------------------ RX thread
+
+    def serve(self, request: Header) -> Reply:
+        """Answer a FETCH with the current snapshot, or an error naming why not."""
+        layout, pool = self.layout, self.pool
+        if layout is None or pool is None:
+            return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
+        if request.fingerprint != layout.fingerprint:
+            detail = (
+                f"{self.name} has layout {layout.fingerprint} ({len(layout.shapes)} arrays, "
+                f"{layout.total_bytes} bytes), {request.node} asked for {request.fingerprint}"
+            )
+            self.once.warning(
+                (request.node, "layout"), "node %s: refusing %s: layout mismatch: %s", self.name, request.node, detail
+            )
+            return Reply(wire.encode_error(self.name, request.req, ErrorCode.LAYOUT, detail))
+        snapshot = pool.lease()
+        if snapshot is None:
+            return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
+        try:
+            with self.state_lock:
+                extras = {**snapshot.extras, **self.rule.on_serve(self.state)}
+            header = wire.encode_state(
+                self.name, request.req, clock=snapshot.clock, loss=snapshot.loss, extras=extras, layout=layout
+            )
+        except BaseException:
+            pool.release(snapshot)
+            raise
+        self.stats.add("served")
+        return Reply(header, snapshot.frames, lambda tracker: pool.release(snapshot, tracker))
+
+    # ------------------------------------------------------------ any thread
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        out = self.stats.snapshot()
+        with self.flow_lock:
+            out["scores"] = self.flow.scores()
+            out["peers_up"] = self.flow.up_peers()
+        with self.state_lock:
+            out["clock"] = self.state.clock
+            out["extras"] = dict(self.state.extras)
+        out["node"] = self.name
+        out["rule"] = self.rule.name
+        out["snapshot_buffers"] = len(self.pool) if self.pool is not None else 0
+        return out
+
+    def close(self) -> None:
+        """Stop both threads (within about a second) and free the port."""
+        if self.closed:
+            return
+        self.closed = True
+        if threading.current_thread() in (self.rx, self.tx):  # pragma: no cover - misuse
+            raise RuntimeError("close() called from a dpwa thread")
+        self.rx.stop()
+        self.tx.stop()
+        self.rx.join(timeout=1.0)
+        self.tx.join(timeout=1.0)
+        self.tx.close_waker()
+        if self.rx.is_alive() or self.tx.is_alive():  # pragma: no cover - a stuck thread is a bug
+            log.error("node %s: a dpwa thread did not stop; leaving its context open", self.name)
+            return
+        self.ctx.term()
+        log.info("node %s closed", self.name)
+
+
+class DpwaConnection:
+    """A dpwa node: serves its parameters to peers and mixes theirs into its own.
+
+    ``DpwaConnection(name, config)`` where ``config`` is a cluster file path or a
+    loaded :class:`~dpwa.config.ClusterConfig`. ``seed`` makes peer choice and
+    fetch coin-flips reproducible; ``rule`` overrides the configured rule.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: ClusterConfig | str | os.PathLike[str],
+        *,
+        seed: int | None = None,
+        rule: Rule | None = None,
+    ) -> None:
+        cfg = resolve_config(config)
+        cfg.node(name)  # a clear ConfigError before anything starts
+        if rule is None:
+            rule = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
+        self._node = _Node(name, cfg, rule, seed)
+        self._finalizer = weakref.finalize(self, _Node.close, self._node)
+
+    @property
+    def name(self) -> str:
+        return self._node.name
+
+    @property
+    def config(self) -> ClusterConfig:
+        return self._node.config
+
+    @property
+    def endpoint(self) -> str:
+        """The tcp:// endpoint the RX thread is bound to."""
+        return self._node.rx.endpoint
+
+    @property
+    def clock(self) -> float:
+        """Batches trained, fractional after clock-mixing."""
+        return self._node.state.clock
+
+    @property
+    def last_exchange(self) -> dict[str, Any] | None:
+        """The last update_wait as a metrics record.
+
+        Keys: step, factor, peer, status, bytes, fetch_ms, clock_gap, and the rule's own metrics.
+        """
+        return self._node.last_exchange
+
+    def update_send(self, params: Sequence[np.ndarray], loss: Any) -> None:
+        """clock += 1; publish a copy of ``params`` (same list every call); maybe start a fetch.
+
+        A fetch starts with probability ``fetch_probability``; its deadline is ``timeout_ms`` from now.
+        """
+        self._node.update_send(params, loss)
+
+    def update_wait(self, loss: Any) -> float:
+        """Wait at most until the fetch's deadline, mix into params in place; return the factor (0.0 = no mix)."""
+        return self._node.update_wait(loss)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (fetches ok / timed out / refused / rejected, bytes, mean fetch ms, ...) and flow-control scores."""
+        return self._node.snapshot_stats()
+
+    def close(self) -> None:
+        """Stop the RX/TX threads and free the port; idempotent."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._node.closed
+
+    def __enter__(self) -> DpwaConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DpwaConnection({self.name!r}, {self.endpoint!r}, rule={self._node.rule.name!r})"

@@ -1,0 +1,159 @@
+"""Shared test helpers: free ports, cluster files, and node processes driven over pipes."""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "node_worker.py"
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_is_free(port: int) -> bool:
+    """True when 127.0.0.1:port can be bound right now, as a server (and ZeroMQ) binds: with SO_REUSEADDR."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def write_cluster(path: Path, ports: list[int], **settings: Any) -> Path:
+    """A mapping-format cluster file with nodes w1..wN on 127.0.0.1."""
+    doc = {"nodes": [{"name": f"w{i + 1}", "host": "127.0.0.1", "port": p} for i, p in enumerate(ports)]}
+    doc.update(settings)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0.02, message: str = "") -> Any:
+    """Poll ``condition`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout}s: {message or condition}")
+        time.sleep(interval)
+
+
+class NodeProcess:
+    """tests/node_worker.py in a subprocess: send a command line, read one JSON answer with a deadline."""
+
+    def __init__(self, name: str, config: Path, seed: int, size: int = 1000, dtype: str = "float32") -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                "--name",
+                name,
+                "--config",
+                str(config),
+                "--seed",
+                str(seed),
+                "--size",
+                str(size),
+                "--dtype",
+                dtype,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines), daemon=True).start()
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.ready = self.read(timeout=60)
+
+    @staticmethod
+    def _pump(stream: Any, out: queue.Queue[str | None]) -> None:
+        for line in stream:
+            out.put(line)
+        out.put(None)
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"node {self.name} gave no answer within {timeout}s; stderr: {''.join(self._stderr[-20:])}")
+        if line is None:
+            pytest.fail(f"node {self.name} exited ({self.proc.poll()}); stderr: {''.join(self._stderr[-20:])}")
+        return json.loads(line)
+
+    def call(self, command: str, timeout: float = 120) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read(timeout)
+
+    def send(self, command: str) -> None:
+        """Send without waiting for the answer (read it later with ``read``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def quit(self, timeout: float = 10) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("quit", timeout=timeout)
+            finally:
+                self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def nodes() -> Iterator[Callable[..., NodeProcess]]:
+    """Start node processes; every one still alive at teardown is killed."""
+    started: list[NodeProcess] = []
+
+    def start(*args: Any, **kwargs: Any) -> NodeProcess:
+        node = NodeProcess(*args, **kwargs)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.kill()
