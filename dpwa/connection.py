@@ -269,7 +269,6 @@ class _Node:
         except BaseException:
             pool.release(snapshot)
             raise
-        self.stats.add("served")
         return Reply(header, snapshot.frames, lambda tracker: pool.release(snapshot, tracker))
 
     # ------------------------------------------------------------ any thread

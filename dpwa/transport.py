@@ -140,6 +140,7 @@ class RxServer(threading.Thread):
                     sock.send(f, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
                 sock.send(frames[-1], zmq.NOBLOCK, copy=False)
                 tracker = zmq.MessageTracker(*frames)
+                self._on_event("served", 1)
                 self._on_event("bytes_out", sum(mv.nbytes for mv in reply.payload))
             else:
                 sock.send(reply.header, zmq.NOBLOCK)

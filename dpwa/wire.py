@@ -22,6 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from .bfloat16 import BFLOAT16, is_bfloat16
+from .bfloat16 import isfinite as bf16_isfinite
+
 MAGIC = b"DPWA"
 PROTOCOL_VERSION = 1
 CHUNK_BYTES = 1 << 22
@@ -32,7 +35,8 @@ ALIGN = 64
 MAX_NAME_CHARS = 256
 
 _PREFIX = struct.Struct("<4sHB")
-SUPPORTED_DTYPES = ("<f2", "<f4", "<f8")
+SUPPORTED_DTYPES = ("<f2", "<f4", "<f8", "bf16")
+"""Layout dtype codes: numpy's little-endian float codes, and ``bf16`` for :data:`~dpwa.bfloat16.BFLOAT16` arrays."""
 
 
 class Kind(enum.IntEnum):
@@ -67,6 +71,18 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def dtype_code(dtype: np.dtype) -> str:
+    """The layout code of ``dtype``: ``"bf16"`` for BFLOAT16, else numpy's little-endian code (e.g. ``"<f4"``)."""
+    if is_bfloat16(dtype):
+        return "bf16"
+    return (dtype.newbyteorder("<") if dtype.byteorder == "=" else dtype).str
+
+
+def code_dtype(code: str) -> np.dtype:
+    """The numpy dtype of a layout code (inverse of :func:`dtype_code`)."""
+    return BFLOAT16 if code == "bf16" else np.dtype(code)
+
+
 @dataclass(frozen=True)
 class Layout:
     """The dtypes and shapes of a parameter list, packed into one aligned flat buffer."""
@@ -83,7 +99,7 @@ class Layout:
         offsets, pos = [], 0
         for dt, shape in zip(self.dtypes, self.shapes):
             offsets.append(pos)
-            pos = _aligned(pos + np.dtype(dt).itemsize * math.prod(shape))
+            pos = _aligned(pos + code_dtype(dt).itemsize * math.prod(shape))
         canonical = json.dumps([list(self.dtypes), [list(s) for s in self.shapes]], separators=(",", ":"))
         object.__setattr__(self, "offsets", tuple(offsets))
         object.__setattr__(self, "total_bytes", pos)
@@ -98,19 +114,19 @@ class Layout:
         for i, a in enumerate(arrays):
             if not isinstance(a, np.ndarray):
                 raise ValueError(f"params[{i}] is {type(a).__name__}, expected a numpy array")
-            dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == "=" else a.dtype
-            if dt.str not in SUPPORTED_DTYPES:
-                raise ValueError(f"params[{i}] has dtype {a.dtype}; supported: float16, float32, float64")
+            code = dtype_code(a.dtype)
+            if code not in SUPPORTED_DTYPES:
+                raise ValueError(f"params[{i}] has dtype {a.dtype}; supported: float16, float32, float64, BFLOAT16")
             if not a.flags.c_contiguous or not a.flags.writeable:
                 raise ValueError(f"params[{i}] must be C-contiguous and writeable")
-            dtypes.append(dt.str)
+            dtypes.append(code)
             shapes.append(tuple(int(s) for s in a.shape))
         return cls(tuple(dtypes), tuple(shapes))
 
     def matches(self, arrays: Sequence[np.ndarray]) -> bool:
         """True when ``arrays`` still have this layout (same count, dtypes and shapes)."""
         return len(arrays) == len(self.shapes) and all(
-            a.shape == s and a.dtype.str == d for a, s, d in zip(arrays, self.shapes, self.dtypes)
+            a.shape == s and dtype_code(a.dtype) == d for a, s, d in zip(arrays, self.shapes, self.dtypes)
         )
 
     @property
@@ -125,11 +141,11 @@ class Layout:
         return raw[start : start + self.total_bytes]
 
     def views(self, buffer: np.ndarray) -> list[np.ndarray]:
-        """Typed, shaped arrays that alias ``buffer``."""
+        """Typed, shaped arrays that alias ``buffer`` (bfloat16 ones with the BFLOAT16 dtype)."""
         out = []
         for dt, shape, off, n in zip(self.dtypes, self.shapes, self.offsets, self.sizes):
-            itemsize = np.dtype(dt).itemsize
-            out.append(buffer[off : off + n * itemsize].view(dt).reshape(shape))
+            dtype = code_dtype(dt)
+            out.append(buffer[off : off + n * dtype.itemsize].view(dtype).reshape(shape))
         return out
 
     def frame_bounds(self, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -140,7 +156,7 @@ class Layout:
         """The (array index, first element, end element) pieces of arrays inside bytes [start, end)."""
         out = []
         for i, (dt, off, n) in enumerate(zip(self.dtypes, self.offsets, self.sizes)):
-            size = np.dtype(dt).itemsize
+            size = code_dtype(dt).itemsize
             lo, hi = max(start, off), min(end, off + n * size)
             if lo < hi:
                 out.append((i, (lo - off) // size, (hi - off + size - 1) // size))
@@ -281,12 +297,13 @@ def check_state_header(header: Header, layout: Layout, *, peer: str, req: int, c
 
 
 class FiniteChecker:
-    """Checks that received array bytes hold only finite numbers, with a fixed-size scratch buffer."""
+    """Checks that received array bytes hold only finite numbers, with fixed-size scratch buffers."""
 
     def __init__(self, layout: Layout, block: int = 1 << 16) -> None:
         self._layout = layout
         self._block = block
         self._scratch = np.empty(block, dtype=bool)
+        self._bits = np.empty(block, dtype=np.uint16) if "bf16" in layout.dtypes else None
 
     def all_finite(self, views: Sequence[np.ndarray], start: int, end: int) -> bool:
         """True when every element of the arrays lying in bytes [start, end) is finite."""
@@ -295,7 +312,10 @@ class FiniteChecker:
             for s in range(lo, hi, self._block):
                 e = min(s + self._block, hi)
                 out = self._scratch[: e - s]
-                np.isfinite(flat[s:e], out=out)
+                if self._bits is not None and self._layout.dtypes[index] == "bf16":
+                    bf16_isfinite(flat[s:e], out, scratch=self._bits)
+                else:
+                    np.isfinite(flat[s:e], out=out)
                 if not out.all():
                     return False
         return True

@@ -94,7 +94,9 @@ def test_pairwise_average_between_two_nodes(tmp_path: Path, dtype: str):
         assert a.clock == 1.0  # 0.5 * 1 + 0.5 * 1 (both published clock 1)
         s = a.stats()
         assert s["fetches_ok"] == 1 and s["mixes"] == 1 and s["bytes_in"] > 0 and s["mean_fetch_ms"] > 0
-        assert b.stats()["served"] == 1 and b.stats()["bytes_out"] >= 120 * np.dtype(dtype).itemsize
+        # the server counts after its send returns, which may be after the client has the reply
+        wait_until(lambda: b.stats()["served"] == 1, 2, message="w2 counted the reply it served")
+        assert b.stats()["bytes_out"] >= 120 * np.dtype(dtype).itemsize
         assert a.last_exchange["peer"] == "w2" and a.last_exchange["factor"] == 0.5
 
 

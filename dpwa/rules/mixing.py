@@ -9,7 +9,8 @@ Numerics: the form ``(1-f)*x + f*peer`` is used because at ``f = 0.5`` it gives
 the correctly rounded mean (both products are exact, one rounding in the sum);
 ``f == 0`` leaves ``x`` bit-exact and ``f == 1`` copies ``peer`` exactly (both
 special-cased).  For other ``f``, ``x == peer`` may move by up to one ulp.
-float16 is computed in float32 (block-sized scratch) and rounded once.
+float16 and bfloat16 (:data:`dpwa.bfloat16.BFLOAT16` arrays: raw bits in
+uint16) are computed in float32 (block-sized scratch) and rounded once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from dpwa.bfloat16 import from_float32, is_bfloat16, to_float32
 
 __all__ = [
     "BLOCK",
@@ -33,9 +36,30 @@ BLOCK = 1 << 16
 _SUPPORTED = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
+def _is_half(dtype: np.dtype) -> bool:
+    """float16 or bfloat16: the dtypes computed in float32 scratch and rounded back once."""
+    return dtype == np.float16 or is_bfloat16(dtype)
+
+
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    """float16 is computed in float32; float32/float64 in themselves."""
-    return np.dtype(np.float32) if dtype == np.float16 else dtype
+    """float16 and bfloat16 are computed in float32; float32/float64 in themselves."""
+    return np.dtype(np.float32) if _is_half(dtype) else dtype
+
+
+def _widen(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out <- float32(src)`` for a float16 or bfloat16 block (exact)."""
+    if is_bfloat16(src.dtype):
+        return to_float32(src, out)
+    np.copyto(out, src)
+    return out
+
+
+def _narrow(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    """``out <- src`` rounded once (to nearest even) from float32 to ``out``'s float16 or bfloat16."""
+    if is_bfloat16(out.dtype):
+        from_float32(src, out, scratch=scratch.get(np.dtype(np.uint32), src.size, 2))
+    else:
+        np.copyto(out, src, casting="same_kind")
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -52,9 +76,9 @@ def _check_pairs(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], what: str 
     for i, (a, b) in enumerate(zip(x, peer)):
         if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
             raise TypeError(f"array {i}: expected numpy arrays, got {type(a).__name__} and {type(b).__name__}")
-        if a.dtype not in _SUPPORTED:
-            raise ValueError(f"array {i}: dtype {a.dtype} is not float16/float32/float64")
-        if a.dtype != b.dtype or a.shape != b.shape:
+        if a.dtype not in _SUPPORTED and not is_bfloat16(a.dtype):
+            raise ValueError(f"array {i}: dtype {a.dtype} is not float16/float32/float64/BFLOAT16")
+        if a.dtype != b.dtype or is_bfloat16(a.dtype) != is_bfloat16(b.dtype) or a.shape != b.shape:
             raise ValueError(f"array {i}: x is {a.dtype}{a.shape} but {what} is {b.dtype}{b.shape}")
         if not (a.flags.c_contiguous and b.flags.c_contiguous):
             raise ValueError(f"array {i}: arrays must be C-contiguous")
@@ -110,19 +134,19 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
         xv, pv = _flat(a), _flat(b)
         c = _compute_dtype(a.dtype)
         fc, gc = c.type(f), c.type(1.0 - f)
-        half = a.dtype == np.float16
+        half = _is_half(a.dtype)
         in_place = b.flags.writeable and not half
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             xb, pb = xv[start:stop], pv[start:stop]
             n = stop - start
             if half:
-                acc = scratch.get(c, n, 0)
-                tmp = scratch.get(c, n, 1)
-                np.multiply(xb, gc, out=acc, dtype=c)
-                np.multiply(pb, fc, out=tmp, dtype=c)
+                acc = _widen(xb, scratch.get(c, n, 0))
+                tmp = _widen(pb, scratch.get(c, n, 1))
+                np.multiply(acc, gc, out=acc)
+                np.multiply(tmp, fc, out=tmp)
                 np.add(acc, tmp, out=acc)
-                np.copyto(xb, acc, casting="same_kind")
+                _narrow(acc, xb, scratch)
             else:
                 tmp = pb if in_place else scratch.get(c, n, 0)
                 np.multiply(pb, fc, out=tmp)
@@ -141,7 +165,8 @@ def interpolate_elementwise_(
     ``f == 0`` keep their value and ``f == 1`` take the peer's (up to the sign
     of a zero); ``f == 0.5`` gives the correctly rounded mean.  Returns the
     mean factor over all elements (0.0 when there are none), for
-    :attr:`MixOutcome.factor`.  Uses at most two block-sized scratch buffers.
+    :attr:`MixOutcome.factor`.  Uses at most two block-sized scratch buffers
+    (three for bfloat16).
     """
     _check_pairs(x, peer)
     if len(factors) != len(x):
@@ -162,21 +187,23 @@ def interpolate_elementwise_(
             continue
         xv, pv, fv = _flat(a), _flat(b), _flat(fa)
         c = _compute_dtype(a.dtype)
-        half = a.dtype == np.float16
+        half = _is_half(a.dtype)
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             xb, pb, fb = xv[start:stop], pv[start:stop], fv[start:stop]
             n = stop - start
             tmp = scratch.get(c, n, 0)
-            acc = scratch.get(c, n, 1) if half else xb
-            if half:
-                np.copyto(acc, xb)
+            acc = _widen(xb, scratch.get(c, n, 1)) if half else xb
             np.multiply(fb, acc, out=tmp, dtype=c)
             np.subtract(acc, tmp, out=acc)
-            np.multiply(fb, pb, out=tmp, dtype=c)
+            if half:  # f*peer with the peer widened exactly to float32 first
+                _widen(pb, tmp)
+                np.multiply(fb, tmp, out=tmp, dtype=c)
+            else:
+                np.multiply(fb, pb, out=tmp, dtype=c)
             np.add(acc, tmp, out=acc)
             if half:
-                np.copyto(xb, acc, casting="same_kind")
+                _narrow(acc, xb, scratch)
             total += float(np.add.reduce(fb, dtype=np.float64))
         count += xv.size
     return total / count if count else 0.0
