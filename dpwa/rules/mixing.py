@@ -54,10 +54,12 @@ def _widen(src: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _narrow(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
-    """``out <- src`` rounded once (to nearest even) from float32 to ``out``'s float16 or bfloat16."""
+def _narrow(src: np.ndarray, out: np.ndarray, spare: np.ndarray) -> None:
+    """``out <- src`` rounded once (to nearest even) from float32 to ``out``'s float16 or bfloat16.
+
+    ``spare`` is a float32 block no longer needed, used as the bfloat16 rounding's scratch."""
     if is_bfloat16(out.dtype):
-        from_float32(src, out, scratch=scratch.get(np.dtype(np.uint32), src.size, 2))
+        from_float32(src, out, scratch=spare.view(np.uint32))
     else:
         np.copyto(out, src, casting="same_kind")
 
@@ -146,7 +148,7 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
                 np.multiply(acc, gc, out=acc)
                 np.multiply(tmp, fc, out=tmp)
                 np.add(acc, tmp, out=acc)
-                _narrow(acc, xb, scratch)
+                _narrow(acc, xb, tmp)
             else:
                 tmp = pb if in_place else scratch.get(c, n, 0)
                 np.multiply(pb, fc, out=tmp)
@@ -165,8 +167,7 @@ def interpolate_elementwise_(
     ``f == 0`` keep their value and ``f == 1`` take the peer's (up to the sign
     of a zero); ``f == 0.5`` gives the correctly rounded mean.  Returns the
     mean factor over all elements (0.0 when there are none), for
-    :attr:`MixOutcome.factor`.  Uses at most two block-sized scratch buffers
-    (three for bfloat16).
+    :attr:`MixOutcome.factor`.  Uses at most two block-sized scratch buffers.
     """
     _check_pairs(x, peer)
     if len(factors) != len(x):
@@ -203,7 +204,7 @@ def interpolate_elementwise_(
                 np.multiply(fb, pb, out=tmp, dtype=c)
             np.add(acc, tmp, out=acc)
             if half:
-                _narrow(acc, xb, scratch)
+                _narrow(acc, xb, tmp)
             total += float(np.add.reduce(fb, dtype=np.float64))
         count += xv.size
     return total / count if count else 0.0
