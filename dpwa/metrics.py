@@ -1,0 +1,105 @@
+"""The per-node metrics file: one JSON object per line (docs/metrics.md).
+
+:class:`MetricsWriter` appends records and flushes every line, so a launcher
+tailing ``<run_dir>/<node>.metrics.jsonl`` sees progress live;
+:func:`read_metrics` reads such a file back while it is still being written
+(an incomplete last line is skipped, not an error).  Pure stdlib.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsWriter", "read_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+def _clean(value: Any) -> Any:
+    """A JSON-safe copy: non-finite floats become null, scalars with ``.item()`` (numpy) their Python value."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    item = getattr(value, "item", None)
+    if callable(item):
+        return _clean(item())
+    raise TypeError(f"cannot write a {type(value).__name__} to the metrics file")
+
+
+class MetricsWriter:
+    """Appends one JSON object per :meth:`write` to ``path`` (created with its directory if missing).
+
+    Every line is flushed as it is written (line-buffered), so readers see whole
+    lines as soon as they exist.  Non-finite floats are written as ``null`` so any
+    JSON parser reads the file.  Thread-safe; :meth:`close` is idempotent and
+    writes after it raise ValueError.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # closed in close()
+        self._lock = threading.Lock()
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append ``record`` as one line; TypeError (nothing written) for a value JSON cannot hold."""
+        line = json.dumps(_clean(dict(record)), separators=(",", ":"), allow_nan=False) + "\n"
+        with self._lock:
+            if self._file.closed:
+                raise ValueError(f"metrics file {self.path} is closed")
+            self._file.write(line)
+            self._file.flush()
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def close(self) -> None:
+        """Flush and close the file; idempotent."""
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every JSON-object line of a metrics file, in order; FileNotFoundError if there is none.
+
+    Safe on a file still being written: a torn last line (a writer caught
+    mid-line) is skipped silently.  Any other line that is not a JSON object is
+    skipped with a warning naming ``file:line`` -- a reader never fails a run
+    summary over one bad line.  A complete last object is kept even before its
+    newline (a JSON object is never the prefix of a longer one).
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif number < len(lines):  # the last piece has no newline yet: torn, not corrupt
+            log.warning("%s:%d: skipping a line that is not a JSON object", path, number)
+    return records
