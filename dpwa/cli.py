@@ -18,7 +18,10 @@ import yaml
 from dpwa.config import ClusterConfig, ConfigError, load_config
 
 #: Subcommands implemented in other modules, e.g. ``"run": "dpwa.launcher:run"``; one line each.
-LAZY_COMMANDS: dict[str, str] = {}
+LAZY_COMMANDS: dict[str, str] = {
+    "run": "dpwa.launcher:run",
+    "plot": "dpwa.plot:plot",
+}
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EXIT_CONFIG_ERROR = 2

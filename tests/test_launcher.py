@@ -1,0 +1,514 @@
+"""`dpwa run`: which nodes start, their environment, the run directory, failures, and clean stops.
+
+The process tests run the launcher as a real subprocess (``python -m dpwa.cli run ...``) with a small
+numpy node script (DpwaConnection plus metrics lines in the docs/metrics.md format), then check what
+it left behind: exit status, run directory, and -- after SIGINT/SIGTERM -- that every process it
+started is gone, the ports are free, and a process it did not start is untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from conftest import free_ports, port_is_free, wait_until
+
+from dpwa import cli
+from dpwa.config import ClusterConfig, parse_config
+from dpwa.launcher import (
+    STOP_GRACE_S,
+    THREAD_VARIABLES,
+    LocalHosts,
+    _split_at_script,
+    node_env,
+    select_nodes,
+    threads_per_node,
+    usable_cores,
+)
+from dpwa.progress import NodeView, Progress, summary_table
+from dpwa.rundir import MetricsTail, NodeMetrics, RunDir, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD_FILE = ROOT / "tests" / "data" / "configs" / "bad" / "fetch_probability_out_of_range.yaml"
+NOT_HERE = "192.0.2.10"  # TEST-NET-1 (RFC 5737): never an address of this machine
+
+NODE_SCRIPT = r'''
+"""Test node: gossips a numpy vector, writes metrics lines, prints what the launcher gave it."""
+import argparse, json, os, signal, socket, subprocess, sys, time
+import numpy as np
+from dpwa import DpwaConnection, load_config
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=10)          # 0 = until stopped
+parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--fail", default="")                     # this node raises at step 3
+parser.add_argument("--ignore-term", default="")              # this node ignores SIGTERM
+parser.add_argument("--grandchild", default="")               # this node starts a helper process
+parser.add_argument("--node", default="")                     # only here to prove pass-through
+parser.add_argument("--barrier", action="store_true")         # train once every peer's port is bound
+args = parser.parse_args()
+name = os.environ["DPWA_NODE"]
+env = {k: os.environ.get(k) for k in ("DPWA_NODE", "DPWA_CONFIG", "DPWA_RUN_DIR", "OMP_NUM_THREADS",
+                                      "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "DPWA_TORCH_THREADS")}
+print("ARGV " + json.dumps(sys.argv[1:]))
+print("ENV " + json.dumps(env))
+print(f"PID {os.getpid()}")
+if args.ignore_term == name:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if args.grandchild == name:
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"CHILD {helper.pid}")
+sys.stdout.flush()
+
+conn = DpwaConnection(name, os.environ["DPWA_CONFIG"], seed=1)
+deadline = time.monotonic() + 30
+for peer in load_config(os.environ["DPWA_CONFIG"]).peers_of(name) if args.barrier else ():
+    while True:
+        try:
+            socket.create_connection((peer.host, peer.port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+params = [np.full(256, float(sum(map(ord, name))), dtype=np.float32)]
+path = os.path.join(os.environ["DPWA_RUN_DIR"], name + ".metrics.jsonl")
+with open(path, "a", buffering=1) as out:
+    step, loss, mixes = 0, 1.0, 0
+    while args.steps == 0 or step < args.steps:
+        step += 1
+        conn.update_send(params, loss)
+        loss = 1.0 / (1.0 + step)
+        factor = conn.update_wait(loss)
+        mixes += factor > 0
+        ex = conn.last_exchange or {}
+        stats = conn.stats()
+        out.write(json.dumps({
+            "time": time.time(), "node": name, "step": step, "clock": conn.clock, "loss": loss,
+            "factor": factor, "peer": ex.get("peer"), "status": ex.get("status"), "bytes": ex.get("bytes", 0),
+            "fetch_ms": ex.get("fetch_ms"), "clock_gap": ex.get("clock_gap"), "mixes": mixes,
+            "failed": stats["fetches_timed_out"] + stats["fetches_refused"] + stats["fetches_rejected"],
+            "bytes_in": stats["bytes_in"], "bytes_out": stats["bytes_out"],
+        }) + "\n")
+        if args.fail == name and step == 3:
+            raise RuntimeError(f"boom from {name}")
+        time.sleep(args.sleep)
+    out.write(json.dumps({"time": time.time(), "node": name, "event": "report", "accuracy": 0.5}) + "\n")
+conn.close()
+'''
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def node_script(tmp_path: Path) -> Path:
+    path = tmp_path / "gossip_node.py"
+    path.write_text(NODE_SCRIPT)
+    return path
+
+
+def cluster(path: Path, ports: list[int], hosts: list[str] | None = None, **settings: Any) -> Path:
+    hosts = hosts or ["127.0.0.1"] * len(ports)
+    doc = {"nodes": [{"name": f"w{i + 1}", "host": h, "port": p} for i, (h, p) in enumerate(zip(hosts, ports))]}
+    doc.update({"timeout_ms": 500, **settings})
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def config_of(*hosts: str) -> ClusterConfig:
+    """A parsed cluster with nodes a, b, c, ... on ``hosts``."""
+    lines = [f"  - {{name: {chr(ord('a') + i)}, host: {h}, port: {i + 1}}}" for i, h in enumerate(hosts)]
+    return parse_config("nodes:\n" + "\n".join(lines) + "\n", "c.yaml")
+
+
+def launch(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``dpwa run ARGS`` as a subprocess, stdout/stderr to files in tmp_path."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    full_env.update(env or {})
+    with open(tmp_path / "launcher.out", "wb") as out, open(tmp_path / "launcher.err", "wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dpwa.cli", "run", *args], stdout=out, stderr=err, env=full_env, cwd=tmp_path
+        )
+
+
+def finish(proc: subprocess.Popen[bytes], tmp_path: Path, timeout: float = 30) -> tuple[int, str, str]:
+    code = proc.wait(timeout=timeout)
+    return code, (tmp_path / "launcher.out").read_text(), (tmp_path / "launcher.err").read_text()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def log_values(log: Path, key: str) -> list[str]:
+    return [line.split(" ", 1)[1] for line in log.read_text().splitlines() if line.startswith(key + " ")]
+
+
+@pytest.fixture
+def reaper() -> Iterator[list[int]]:
+    """Pids the test learned about; any still alive at teardown (a failed test) is killed."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- which nodes, which environment
+
+
+def test_local_hosts_are_loopback_and_this_machines_names() -> None:
+    local = LocalHosts()
+    for host in ("localhost", "127.0.0.1", "127.3.2.1", "::1", socket.gethostname(), socket.getfqdn()):
+        assert local(host), host
+    assert not local(NOT_HERE)
+    assert not local("no-such-host.invalid")
+
+
+def test_select_nodes_picks_the_local_ones_and_names_hosts_when_none() -> None:
+    nodes, warnings = select_nodes(config_of("localhost", NOT_HERE, "127.0.0.2"), env={})
+    assert [n.name for n in nodes] == ["a", "c"] and warnings == []
+    with pytest.raises(ValueError, match=rf"c.yaml:1: nodes: no node runs on this machine .*: {NOT_HERE}, x.invalid;"):
+        select_nodes(config_of(NOT_HERE, "x.invalid"), env={})
+
+
+def test_select_nodes_by_name_warns_for_a_remote_host_and_rejects_unknown_names() -> None:
+    config = config_of("localhost", NOT_HERE)
+    nodes, warnings = select_nodes(config, ["b", "a", "b"], env={"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    assert [n.name for n in nodes] == ["b", "a"]  # --node wins over SLURM; duplicates dropped
+    assert len(warnings) == 1 and NOT_HERE in warnings[0]
+    with pytest.raises(ValueError, match=r"no node named 'c'"):
+        select_nodes(config, ["c"], env={})
+
+
+def test_select_nodes_under_slurm_takes_the_node_of_its_rank() -> None:
+    config = config_of(NOT_HERE, "localhost")
+    nodes, _ = select_nodes(config, env={"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    assert [n.name for n in nodes] == ["a"]
+    nodes, warnings = select_nodes(config, env={"SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    assert [n.name for n in nodes] == ["b"] and warnings == []
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS=3 but the file has 2 nodes.*srun --ntasks=2"):
+        select_nodes(config, env={"SLURM_PROCID": "0", "SLURM_NTASKS": "3"})
+
+
+def test_threads_split_the_cores_and_the_environment_names_the_node(tmp_path: Path) -> None:
+    assert threads_per_node(4, 2) == 1
+    assert threads_per_node(3, 8) == 2
+    assert threads_per_node(2, 8) == 4
+    assert threads_per_node(1, 1) == 1
+    assert threads_per_node(2) == max(1, usable_cores() // 2)
+    env = node_env({"PATH": "/bin", "DPWA_NODE": "old"}, node="w2", config_path=tmp_path / "c.yaml",
+                   run_dir=tmp_path, threads=3)  # fmt: skip
+    assert env["DPWA_NODE"] == "w2" and env["DPWA_CONFIG"] == str(tmp_path / "c.yaml")
+    assert env["DPWA_RUN_DIR"] == str(tmp_path) and env["PATH"] == "/bin"
+    assert all(env[name] == "3" for name in THREAD_VARIABLES)
+    assert "DPWA_NODE" not in node_env({"DPWA_NODE": "old"}, node=None, config_path="c", run_dir="r", threads=1)
+
+
+def test_script_and_its_arguments_are_split_from_the_launchers_options() -> None:
+    valued = {"--node", "--steps", "--run-dir"}
+    assert _split_at_script(["c.yaml", "--steps", "5"], valued) == ["c.yaml", "--steps", "5"]
+    assert _split_at_script(["--node", "w1", "c.yaml", "t.py", "--node", "x"], valued) == [
+        "--node", "w1", "c.yaml", "--", "t.py", "--node", "x",
+    ]  # fmt: skip
+    assert _split_at_script(["c.yaml", "--quiet", "t.py", "-h"], valued) == ["c.yaml", "--quiet", "--", "t.py", "-h"]
+    assert _split_at_script(["c.yaml", "--", "t.py", "a"], valued) == ["c.yaml", "--", "t.py", "a"]
+
+
+# --------------------------------------------------------------------------- run directory, metrics, progress
+
+
+def test_metrics_are_read_tolerantly_and_incrementally(tmp_path: Path) -> None:
+    path = tmp_path / "w1.metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read_new() == [] and read_metrics(path) == []
+    path.write_text('{"step": 1, "loss": 2.0, "status": "ok", "fetch_ms": 4.0, "bytes": 10}\n{"step": 2, "lo')
+    assert [r["step"] for r in tail.read_new()] == [1]  # the torn line waits for its end
+    assert [r["step"] for r in read_metrics(path)] == [1]
+    with open(path, "a") as handle:
+        handle.write('ss": 1.0, "status": "timeout", "fetch_ms": 500.0}\n{"event": "report", "accuracy": 0.75}\n')
+    records = tail.read_new()
+    assert [r.get("step") for r in records] == [2, None]
+    metrics = NodeMetrics.of(read_metrics(path))
+    assert (metrics.steps, metrics.loss, metrics.timeouts, metrics.failed) == (2, 1.0, 1, 1)
+    assert metrics.mean_fetch_ms == 4.0 and metrics.accuracy == 0.75 and metrics.bytes_in == 10
+    with open(path, "a") as handle:
+        handle.write('{"step": 3, "lo')  # a writer killed mid-line
+    assert tail.read_new(final=True) == []
+
+
+def test_summaries_of_two_launchers_sharing_a_run_dir_are_merged(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.write_summary({"ok": True, "nodes": {"a1": {"status": "ok"}}})
+    merged = run_dir.write_summary({"ok": True, "nodes": {"b1": {"status": "failed"}}})
+    assert set(merged["nodes"]) == {"a1", "b1"} and merged["ok"] is False
+    assert run_dir.read_summary() == merged
+    assert sorted(p.name for p in run_dir.path.iterdir()) == ["summary.json"]
+
+
+def test_progress_redraws_on_a_terminal_and_prints_compact_lines_otherwise() -> None:
+    now = [0.0]
+    views = [NodeView("w1", "running", NodeMetrics(steps=7, loss=0.25, mixes=5, failed=1, bytes_in=0))]
+    plain = io.StringIO()
+    progress = Progress(plain, interactive=False, clock=lambda: now[0])
+    assert not progress.update(views)  # the first compact line comes after the interval
+    now[0] = 5.0
+    assert progress.update(views)
+    assert not progress.update(views)
+    line = plain.getvalue()
+    assert line.count("\n") == 1 and "w1 step 7 loss 0.25 mix 5 fail 1" in line and "MB/s" in line
+
+    tty = io.StringIO()
+    now[0] = 0.0
+    progress = Progress(tty, interactive=True, clock=lambda: now[0])
+    assert progress.update(views)
+    now[0] = 1.0
+    views = [NodeView("w1", "ok", NodeMetrics(steps=9, loss=0.125, mixes=6, bytes_in=2_000_000))]
+    assert progress.update(views)
+    text = tty.getvalue()
+    assert "\x1b[1F" in text  # moved up over the previous line to redraw it
+    assert "step       9" in text and "2.00 MB/s" in text  # 2 MB received in one second
+
+
+def test_summary_table_has_a_row_per_node() -> None:
+    rows = {
+        "w1": {"status": "ok", "steps": 100, "final_loss": 0.5, "accuracy": 0.91, "mixes": 97, "timeouts": 1,
+               "failed_fetches": 3, "mean_fetch_ms": 2.25},
+        "w2": {"status": "failed", "returncode": 1, "steps": 3},
+    }  # fmt: skip
+    lines = summary_table(rows).splitlines()
+    assert lines[0].split() == ["node", "status", "steps", "final", "loss", "accuracy", "mixes", "failed",
+                                "timeouts", "fetch", "ms"]  # fmt: skip
+    assert lines[1].split() == ["w1", "ok", "100", "0.5000", "0.9100", "97", "3", "1", "2.2"]
+    assert lines[2].split() == ["w2", "failed", "(1)", "3", "-", "-", "-", "-", "-", "-"]
+
+
+# --------------------------------------------------------------------------- command-line errors
+
+
+def test_run_with_a_bad_file_exits_2_with_one_line() -> None:
+    result = CliRunner().invoke(cli.main, ["run", str(BAD_FILE)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: {BAD_FILE}:7: fetch_probability: must be a number in [0, 1]")
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == ""
+
+
+def test_run_with_no_local_node_names_the_hosts(
+    tmp_path: Path, node_script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    path = cluster(tmp_path / "c.yaml", [1, 2], hosts=[NOT_HERE, "far.invalid"])
+    result = CliRunner().invoke(cli.main, ["run", str(path), str(node_script)])
+    assert result.exit_code == 2
+    assert len(result.stderr.splitlines()) == 1
+    assert "no node runs on this machine" in result.stderr and f"{NOT_HERE}, far.invalid" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_usage_errors(tmp_path: Path, node_script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = cluster(tmp_path / "c.yaml", [1])
+    result = CliRunner().invoke(cli.main, ["run", "--steps", "3", str(path), str(node_script)])
+    assert result.exit_code == 2 and "--steps is for the built-in demo" in result.stderr
+    result = CliRunner().invoke(cli.main, ["run", str(path), str(tmp_path / "missing.py")])
+    assert result.exit_code == 2 and result.stderr == f"error: {tmp_path / 'missing.py'}: no such file\n"
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
+    result = CliRunner().invoke(cli.main, ["run", str(path), str(node_script)], env=env)
+    assert result.exit_code == 2 and "SLURM_NTASKS=4 but the file has 1 node" in result.stderr
+
+
+def test_the_launcher_does_not_import_torch() -> None:
+    code = "import sys, dpwa.cli, dpwa.launcher, dpwa.plot; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_run_a_script_end_to_end(tmp_path: Path, node_script: Path) -> None:
+    ports = free_ports(3)
+    path = cluster(tmp_path / "c.yaml", ports)
+    run_dir = tmp_path / "run"
+    argv = ["--steps", "15", "--node", "x", "--barrier", "--sleep", "0.01"]
+    proc = launch(tmp_path, str(path), "--run-dir", str(run_dir), str(node_script), *argv)
+    code, out, err = finish(proc, tmp_path)
+    assert code == 0, err
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "cluster.yaml", "summary.json", *(f"w{i}.{kind}" for i in (1, 2, 3) for kind in ("log", "metrics.jsonl")),
+    ]  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] is True and summary["exit_code"] == 0
+    threads = str(threads_per_node(3))
+    for name in ("w1", "w2", "w3"):
+        node = summary["nodes"][name]
+        assert node["status"] == "ok" and node["steps"] == 15 and node["accuracy"] == 0.5
+        assert node["mixes"] > 0 and node["mean_fetch_ms"] is not None
+        assert len(read_metrics(run_dir / f"{name}.metrics.jsonl")) == 16
+        log = run_dir / f"{name}.log"
+        assert json.loads(log_values(log, "ARGV")[0]) == argv  # passed through untouched
+        env = json.loads(log_values(log, "ENV")[0])
+        assert env["DPWA_NODE"] == name and env["DPWA_RUN_DIR"] == str(run_dir)
+        assert env["DPWA_CONFIG"] == str(run_dir / "cluster.yaml")
+        assert all(env[v] == threads for v in THREAD_VARIABLES)
+    assert parse_config((run_dir / "cluster.yaml").read_text()) == parse_config(path.read_text())
+    table = out.splitlines()
+    assert table[0].split()[:3] == ["node", "status", "steps"]
+    assert [line.split()[:3] for line in table[1:4]] == [[f"w{i}", "ok", "15"] for i in (1, 2, 3)]
+    assert table[-1] == f"run dir: {run_dir}"
+    assert all(port_is_free(p) for p in ports)
+
+
+@pytest.mark.parametrize("keep_going", [False, True])
+def test_a_failing_node_fails_the_run_and_shows_its_error(tmp_path: Path, node_script: Path, keep_going: bool) -> None:
+    ports = free_ports(2)
+    path = cluster(tmp_path / "c.yaml", ports)
+    steps = "10" if keep_going else "0"  # without --keep-going the healthy node would run forever
+    options = ["--keep-going"] if keep_going else []
+    proc = launch(tmp_path, *options, "--run-dir", "run", str(path), str(node_script), "--steps", steps,
+                  "--fail", "w2", "--sleep", "0.01")  # fmt: skip
+    code, out, err = finish(proc, tmp_path)
+    assert code == 1
+    assert "w2 failed (exit status 1); last lines of" in err
+    assert "RuntimeError: boom from w2" in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["ok"] is False and summary["nodes"]["w2"]["status"] == "failed"
+    assert summary["nodes"]["w2"]["returncode"] == 1 and summary["nodes"]["w2"]["steps"] == 3
+    assert summary["nodes"]["w1"]["status"] == ("ok" if keep_going else "stopped")
+    assert not alive(summary["nodes"]["w1"]["pid"])
+
+
+def test_timeout_stops_the_run(tmp_path: Path, node_script: Path) -> None:
+    path = cluster(tmp_path / "c.yaml", free_ports(1))
+    proc = launch(tmp_path, "--timeout-s", "1", "-q", "--run-dir", "run", str(path), str(node_script), "--steps", "0")
+    code, _, err = finish(proc, tmp_path)
+    assert code == 1 and "timed out after 1 s" in err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["nodes"]["w1"]["status"] == "stopped"
+
+
+def test_under_slurm_a_task_starts_the_node_of_its_rank(tmp_path: Path, node_script: Path) -> None:
+    path = cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=100)
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "77"}
+    code, out, err = finish(launch(tmp_path, "-q", str(path), str(node_script), "--steps", "3", env=env), tmp_path)
+    assert code == 0, err
+    run_dir = tmp_path / "runs" / "slurm-77"
+    assert out.splitlines()[-1] == f"run dir: {run_dir}"
+    assert list(json.loads((run_dir / "summary.json").read_text())["nodes"]) == ["w2"]
+
+
+@pytest.mark.parametrize(
+    ("sig", "stubborn", "limit_s"),
+    [(signal.SIGINT, "w1", 5.0), (signal.SIGTERM, "", STOP_GRACE_S)],
+    ids=["sigint-node-ignores-sigterm", "sigterm"],
+)
+def test_a_signal_stops_every_process_it_started_and_nothing_else(
+    tmp_path: Path, node_script: Path, reaper: list[int], sig: signal.Signals, stubborn: str, limit_s: float
+) -> None:
+    """Within 5 s even when a node ignores SIGTERM; well before the grace period ends when none does."""
+    ports = free_ports(3)
+    path = cluster(tmp_path / "c.yaml", ports)
+    run_dir = tmp_path / "run"
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    reaper.append(bystander.pid)
+    # `stubborn` ignores SIGTERM (so it needs SIGKILL); w2 has a child process of its own
+    proc = launch(tmp_path, "--run-dir", str(run_dir), str(path), str(node_script), "--steps", "0",
+                  "--sleep", "0.02", "--ignore-term", stubborn, "--grandchild", "w2")  # fmt: skip
+    reaper.append(proc.pid)
+    try:
+        logs = [run_dir / f"w{i}.log" for i in (1, 2, 3)]
+        wait_until(lambda: len([v for log in logs if log.exists() for v in log_values(log, "PID")]) == 3, 30, 0.05)
+        pids = [int(v) for log in logs for v in log_values(log, "PID")]
+        pids += [int(v) for v in wait_until(lambda: log_values(logs[1], "CHILD"), 30, 0.05)]
+        reaper.extend(pids)
+        metrics = [run_dir / f"w{i}.metrics.jsonl" for i in (1, 2, 3)]
+        wait_until(lambda: all(len(read_metrics(m)) >= 3 for m in metrics), 30, 0.05, "every node is training")
+        assert all(alive(pid) for pid in pids)
+
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=10)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert code == 128 + sig, (tmp_path / "launcher.err").read_text()
+    assert took < limit_s, f"stopping took {took:.1f}s"
+    assert [pid for pid in pids if alive(pid)] == []
+    wait_until(lambda: all(port_is_free(p) for p in ports), 2, message="ports freed")
+    assert bystander.poll() is None, "the launcher touched a process it did not start"
+    bystander.kill()
+    bystander.wait(timeout=10)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted" and summary["exit_code"] == 128 + sig
+    assert {n["status"] for n in summary["nodes"].values()} == {"stopped"}
+    assert all(n["steps"] >= 3 for n in summary["nodes"].values())
+    assert f"interrupted by {sig.name}" in (tmp_path / "launcher.err").read_text()
+
+
+def test_nodes_do_not_outlive_a_killed_launcher(tmp_path: Path, node_script: Path, reaper: list[int]) -> None:
+    """SIGKILL cannot be trapped: the nodes are asked (PR_SET_PDEATHSIG) to get SIGTERM when the launcher dies."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signals are Linux-only")
+    ports = free_ports(2)
+    run_dir = tmp_path / "run"
+    proc = launch(tmp_path, "-q", "--run-dir", str(run_dir), str(cluster(tmp_path / "c.yaml", ports)),
+                  str(node_script), "--steps", "0", "--sleep", "0.02")  # fmt: skip
+    reaper.append(proc.pid)
+    logs = [run_dir / f"w{i}.log" for i in (1, 2)]
+    wait_until(lambda: all(log.exists() and log_values(log, "PID") for log in logs), 30, 0.05, "nodes started")
+    pids = [int(log_values(log, "PID")[0]) for log in logs]
+    reaper.extend(pids)
+    proc.kill()
+    proc.wait(timeout=10)
+    wait_until(lambda: not any(alive(pid) for pid in pids), 5, 0.05, "nodes gone after the launcher was killed")
+    wait_until(lambda: all(port_is_free(p) for p in ports), 2, message="ports freed")
+
+
+def _demo_runnable() -> bool:
+    return importlib.util.find_spec("dpwa.demo") is not None and importlib.util.find_spec("torch") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _demo_runnable(), reason="the built-in demo needs dpwa.demo and torch")
+def test_run_the_sample_cluster_with_the_built_in_demo(tmp_path: Path) -> None:
+    sample = ROOT / "samples" / "localhost.yaml"
+    ports = [node.port for node in parse_config(sample.read_text()).nodes]
+    if not all(port_is_free(p) for p in ports):
+        pytest.skip(f"the sample's ports {ports} are in use")
+    run_dir = tmp_path / "run"
+    code, out, err = finish(launch(tmp_path, str(sample), "--steps", "30", "--run-dir", str(run_dir)), tmp_path, 120)
+    assert code == 0, err
+    for name in ("w1", "w2", "w3", "w4"):
+        for suffix in (".log", ".metrics.jsonl", ".model.npz"):
+            assert (run_dir / f"{name}{suffix}").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] is True
+    assert all(n["steps"] == 30 and n["accuracy"] is not None for n in summary["nodes"].values())
+    demo = json.loads((run_dir / "demo.json").read_text())
+    assert summary["demo"]["averaged_accuracy"] == demo["averaged_accuracy"]
+    assert f"averaged model accuracy {demo['averaged_accuracy']:.4f}" in out
+    assert f"single-process baseline {demo['baseline_accuracy']:.4f}" in out
