@@ -28,18 +28,11 @@ from conftest import free_ports, port_is_free, wait_until
 
 from dpwa import cli
 from dpwa.config import ClusterConfig, parse_config
-from dpwa.launcher import (
-    STOP_GRACE_S,
-    THREAD_VARIABLES,
-    LocalHosts,
-    _split_at_script,
-    node_env,
-    select_nodes,
-    threads_per_node,
-    usable_cores,
-)
+from dpwa.launcher import _split_at_script
+from dpwa.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
 from dpwa.progress import NodeView, Progress, summary_table
 from dpwa.rundir import MetricsTail, NodeMetrics, RunDir, read_metrics
+from dpwa.supervisor import STOP_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD_FILE = ROOT / "tests" / "data" / "configs" / "bad" / "fetch_probability_out_of_range.yaml"
