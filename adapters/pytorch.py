@@ -101,10 +101,7 @@ class _Entry:
     host: torch.Tensor
     array: np.ndarray
     data_ptr: int
-
-    @property
-    def staged(self) -> bool:
-        return self.host is not self.tensor
+    staged: bool  # True: ``host`` is a separate (pinned) copy the adapter keeps in step with ``tensor``
 
 
 def _named_tensors(model: torch.nn.Module, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,7 +136,7 @@ def _collect(model: torch.nn.Module, buffers: bool, force_staging: bool) -> list
             spans.append((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name))
         staged = force_staging or t.device.type != "cpu"
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) if staged else t.detach()
-        entries.append(_Entry(name, t, host, _host_array(host), t.data_ptr()))
+        entries.append(_Entry(name, t, host, _host_array(host), t.data_ptr(), staged))
     spans.sort()
     for (dev_a, _, end_a, name_a), (dev_b, start_b, _, name_b) in zip(spans, spans[1:]):
         if dev_a == dev_b and start_b < end_a:
@@ -336,13 +333,18 @@ class DpwaPyTorchAdapter:
         out["tensors"] = len(self._entries)
         return out
 
-    def close(self) -> None:
-        """Stop the node (free its port) and close the metrics file; idempotent."""
+    def close(self, linger: float = 0.0, idle: float = 1.0) -> None:
+        """Stop the node (free its port) and close the metrics file; idempotent.
+
+        ``linger``: keep serving peers that still fetch for up to that many seconds first, until
+        nobody fetched for ``idle`` seconds (:meth:`dpwa.DpwaConnection.close`) -- what a node
+        that finished before its peers should do.
+        """
         if self._closed:
             return
         self._closed = True
         try:
-            self._conn.close()
+            self._conn.close(linger=linger, idle=idle)
         finally:
             if self._metrics is not None:
                 self._metrics.close()

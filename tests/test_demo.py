@@ -1,0 +1,151 @@
+"""The built-in demo (dpwa/demo.py): its data and shards, a short 2-node run, and ``--evaluate``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import free_ports, write_cluster
+
+from dpwa import demo
+
+STEPS = 150
+BATCH = 16
+
+
+@pytest.fixture
+def keep_torch_threads() -> Iterator[None]:
+    """``demo.main(["--evaluate", ...])`` sets torch's thread count; give this process its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_dataset_is_a_function_of_the_seed() -> None:
+    a, b, c = demo.make_dataset(7), demo.make_dataset(7), demo.make_dataset(8)
+    for field in ("x_train", "y_train", "x_test", "y_test"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert not torch.equal(a.x_train, c.x_train)
+    spec = demo.DataSpec()
+    assert a.x_train.shape == (spec.n_train, spec.features) and a.x_train.dtype == torch.float32
+    assert a.x_test.shape == (spec.n_test, spec.features) and a.y_test.dtype == torch.int64
+    assert set(a.y_train.tolist()) == set(range(spec.classes))
+    assert abs(a.x_train.std().item() - 1.0) < 0.05  # unit-variance features, as documented
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
+def test_shards_are_disjoint_and_cover_the_training_set(count: int) -> None:
+    n = 1001
+    shards = [demo.shard_indices(n, i, count) for i in range(count)]
+    joined = np.concatenate(shards)
+    assert len(joined) == n and np.array_equal(np.sort(joined), np.arange(n))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    with pytest.raises(ValueError):
+        demo.shard_indices(n, count, count)
+
+
+def test_batch_stream_is_reproducible_and_stays_in_its_shard() -> None:
+    shard = demo.shard_indices(100, 1, 4)
+    a = demo.BatchStream(shard, 8, (0, 2))
+    b = demo.BatchStream(shard, 8, (0, 2))
+    first = [next(a) for _ in range(10)]  # more than one epoch of 25 samples
+    assert all(torch.equal(x, next(b)) for x in first)
+    assert set(torch.cat(first).tolist()) <= set(shard.tolist())
+    assert len(set(torch.cat(first[:3]).tolist())) == 24  # no repeats within an epoch
+
+
+def test_model_file_round_trip_without_pickle(tmp_path: Path) -> None:
+    config = demo.TrainConfig(steps=5)
+    model = demo.build_model(config)
+    path = tmp_path / "w1.model.npz"
+    demo.save_model(path, model, {"node": "w1", "config": config.to_dict()})
+    arrays, meta = demo.load_model_file(path)  # np.load(allow_pickle=False) inside
+    assert meta["node"] == "w1" and demo.TrainConfig.from_dict(meta["config"]) == config
+    assert set(arrays) == set(model.state_dict())
+    assert not list(tmp_path.glob(".*.tmp"))
+    averaged = demo.average_states([arrays, {k: v * 3 for k, v in arrays.items()}])
+    assert torch.allclose(averaged["0.weight"], model.state_dict()["0.weight"] * 2)
+
+
+def test_node_needs_its_name_and_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DPWA_NODE", raising=False)
+    monkeypatch.delenv("DPWA_CONFIG", raising=False)
+    assert demo.main(["--steps", "1"]) == 2
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_evaluate_without_model_files_fails(tmp_path: Path) -> None:
+    assert demo.main(["--evaluate", str(tmp_path)]) == 1
+    assert not (tmp_path / "demo.json").exists()
+
+
+def _read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_two_node_run_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = write_cluster(tmp_path / "cluster.yaml", free_ports(2), timeout_ms=2000)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name in ("w1", "w2"):
+            env = {
+                **os.environ,
+                "DPWA_NODE": name,
+                "DPWA_CONFIG": str(cluster),
+                "DPWA_RUN_DIR": str(run_dir),
+                "DPWA_TORCH_THREADS": "1",
+            }
+            with open(run_dir / f"{name}.log", "wb") as log:
+                argv = [sys.executable, "-m", "dpwa.demo", "--steps", str(STEPS), "--batch-size", str(BATCH)]
+                procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        for name, proc in procs.items():
+            code = proc.wait(timeout=60)
+            assert code == 0, f"{name} exited {code}:\n{(run_dir / f'{name}.log').read_text()}"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    for name in ("w1", "w2"):
+        log = (run_dir / f"{name}.log").read_text()
+        assert "1 torch thread(s)" in log  # DPWA_TORCH_THREADS honoured
+        records = _read_records(run_dir / f"{name}.metrics.jsonl")
+        exchanges = [r for r in records if "event" not in r]
+        reports = [r for r in records if r.get("event") == "report"]
+        assert [r["step"] for r in exchanges] == list(range(1, STEPS + 1))
+        assert exchanges[-1]["mixes"] > 0, f"{name} never mixed:\n{log}"
+        assert len(reports) == 1
+        assert 0.0 <= reports[0]["accuracy"] <= 1.0
+        assert math.isfinite(reports[0]["final_loss"]) and reports[0]["final_loss"] > 0
+        arrays, meta = demo.load_model_file(run_dir / f"{name}.model.npz")
+        assert meta["node"] == name and meta["samples"] == STEPS * BATCH
+        assert all(np.isfinite(a).all() for a in arrays.values())
+
+    assert demo.main(["--evaluate", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((run_dir / "demo.json").read_text())
+    assert set(summary["node_accuracy"]) == {"w1", "w2"}
+    assert summary["total_samples"] == 2 * STEPS * BATCH
+    assert summary["baseline_steps"] == 2 * STEPS
+    for key in ("averaged_accuracy", "baseline_accuracy"):
+        assert 0.0 <= summary[key] <= 1.0
+        assert f"{summary[key]:.4f}" in out
+    # The baseline is deterministic (seed 0: 0.746 after 300 steps); a 150-step gossip run is not (0.23-0.55
+    # seen), but its nodes mixed every step, so each is close to their average, which beats guessing (0.1).
+    assert summary["baseline_accuracy"] > 0.6
+    assert summary["averaged_accuracy"] > 0.15
+    for name, accuracy in summary["node_accuracy"].items():
+        assert abs(accuracy - summary["averaged_accuracy"]) < 0.05, name
