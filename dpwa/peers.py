@@ -115,6 +115,22 @@ class FlowControl:
         chosen.extend(name for _, _, name in ranked[: k - len(chosen)])
         return chosen
 
+    def admit(self, peers: Sequence[str]) -> list[str]:
+        """The peers of a schedule's list worth fetching now: those up, and those down but due for a probe.
+
+        A down peer admitted as a probe has its next probe pushed back, as in :meth:`choose`.
+        """
+        now = self._now()
+        admitted = []
+        for name in peers:
+            p = self._get(name)
+            if not p.down:
+                admitted.append(name)
+            elif now >= p.next_probe:
+                p.next_probe = now + p.backoff
+                admitted.append(name)
+        return admitted
+
     def success(self, peer: str) -> None:
         """A good fetch: ``score += reward`` (clamped); a down peer comes back up at ``initial``, backoff reset."""
         p = self._get(peer)

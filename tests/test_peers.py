@@ -256,3 +256,15 @@ def test_a_dead_peer_keeps_being_probed_forever():
             fc.failure("a")
     # backoffs 1, 2, 4, ..., 32 (63 s), then one probe a minute.
     assert 60 <= probes <= 64
+
+
+def test_admit_keeps_up_peers_and_due_probes_only():
+    clock = [0.0]
+    fc = FlowControl(["a", "b", "c"], random.Random(0), now=lambda: clock[0], down_after=1)
+    fc.failure("b")  # down, probe due after 1 s
+    assert fc.admit(["a", "b", "c"]) == ["a", "c"]
+    clock[0] = 1.0
+    assert fc.admit(["b", "a"]) == ["b", "a"]  # due: admitted once as a probe
+    assert fc.admit(["b"]) == []  # the probe in flight is not repeated
+    fc.success("b")
+    assert fc.admit(["b"]) == ["b"]

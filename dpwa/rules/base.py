@@ -6,12 +6,18 @@ I fetched from peers and the small state each side sends along, what is my new
 they only read :class:`NodeState` / :class:`PeerSnapshot` and mutate the
 trainer's arrays and state in place.
 
-Which thread calls what (the connection guarantees it):
+Whom to fetch is not a rule's business but a schedule's (``dpwa/schedules.py``).
 
-* :meth:`Rule.on_publish` -- trainer thread, at ``update_send``;
-* :meth:`Rule.on_serve` -- RX thread, under the node's state lock;
-* :meth:`Rule.choose_peers` -- TX thread;
-* :meth:`Rule.mix` -- trainer thread, at ``update_wait``.
+Which thread calls what (the connection and the simulator guarantee it):
+
+* :meth:`Rule.initial_extras` -- once, when the node starts;
+* :meth:`Rule.on_publish` -- trainer thread, at ``update_send``, after the snapshot is published;
+* :meth:`Rule.on_serve` -- RX thread, under the node's state lock, per reply;
+* :meth:`Rule.on_serve_failed` -- RX thread, under the state lock, when that reply could not be sent;
+* :meth:`Rule.on_reply_lost` -- trainer thread, under the state lock, for a fetch that failed after
+  the peer may have served it (a timeout, or a reply that arrived and was rejected);
+* :meth:`Rule.mix` -- trainer thread, under the state lock, at EVERY ``update_wait``
+  (``peers`` may be empty: a rule that tracks its own motion, like GEM, still sees the step).
 """
 
 from __future__ import annotations
@@ -77,7 +83,6 @@ class Rule(ABC):
     """
 
     name: ClassVar[str]
-    fanout: ClassVar[int] = 1  # how many peers one exchange fetches (group averaging: S)
 
     def __init__(self, divergence_threshold: float = 0.0) -> None:
         t = float(divergence_threshold)
@@ -89,8 +94,19 @@ class Rule(ABC):
         """``apply_divergence(f, loss, self.divergence_threshold)``."""
         return apply_divergence(f, loss, self.divergence_threshold)
 
-    def on_publish(self, own: NodeState, arrays: Sequence[np.ndarray]) -> None:  # noqa: B027 - optional hook
-        """Trainer thread at ``update_send``, before the snapshot is published; default no-op."""
+    def initial_extras(self, me: str, names: Sequence[str]) -> dict[str, Any]:
+        """Called once when node ``me`` of the cluster ``names`` (file order) starts.
+
+        Returns the rule's part of the node's state (push-sum: ``{"weight": 1.0}``); default ``{}``.
+        """
+        return {}
+
+    def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:  # noqa: B027 - optional hook
+        """At ``update_send``: ``published`` are read-only views of the parameters just published.
+
+        They hold ``x`` as of this ``update_send`` until the next one (GEM's
+        ``x_at_update_send``, a group's own published model).  Default no-op.
+        """
 
     def on_serve(self, own: NodeState) -> dict[str, Any]:
         """RX thread, under the state lock, once per reply served.
@@ -100,9 +116,16 @@ class Rule(ABC):
         """
         return {}
 
-    def choose_peers(self, own: NodeState, candidates: Sequence[str], round_index: int) -> Sequence[str] | None:
-        """The rule's say in whom to fetch (leader, schedules); ``None`` lets flow control choose."""
-        return None
+    def on_serve_failed(self, own: NodeState, given: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """The reply that carried ``given`` (what :meth:`on_serve` returned) was never sent: undo it."""
+
+    def on_reply_lost(self, own: NodeState, peer_extras: dict[str, Any] | None) -> None:  # noqa: B027
+        """A fetch failed after the peer may have served it.
+
+        ``peer_extras`` are the extras of a reply that arrived but was rejected,
+        or None after a timeout (whether the peer served is then unknown).
+        Push-sum counts lost mass here.  Default no-op.
+        """
 
     @abstractmethod
     def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:

@@ -39,8 +39,6 @@ def share(a: float, b: float) -> float:
 class PairwiseRule(Rule):
     """Base of single-peer rules: ``f = diverge(factor(own, peer), own.loss)``, interpolate, then mix the clock."""
 
-    fanout = 1
-
     @abstractmethod
     def factor(self, own: NodeState, peer: NodeState) -> float:
         """The raw interpolation factor in [0, 1] (pure; before divergence damping)."""
@@ -49,7 +47,7 @@ class PairwiseRule(Rule):
         """Mix the single peer into ``arrays`` in place; the clock is updated after mixing.
 
         No peers: nothing changes, ``MixOutcome(0.0, ())``.  More than one peer
-        is a caller error (``fanout == 1``): ValueError, nothing changed.
+        is a caller error (one peer per exchange): ValueError, nothing changed.
         """
         if not peers:
             return MixOutcome(0.0, ())

@@ -1,0 +1,172 @@
+"""Peer schedules: whom a node fetches in a round (SGP's graph manager; the rules are its mixing manager).
+
+A schedule is a pure function of the round: the node's name, every node's name
+in file order, the node's step index and its state. It returns the peers to
+fetch, or None to let flow control pick ``fanout`` peers. The connection then
+drops scheduled peers that flow control knows to be down (unless a probe is
+due), so a dead peer in a fixed schedule costs a skipped round, not a timeout.
+
+| schedule | peers of node ``i`` (of ``N``) at step ``k`` |
+|---|---|
+| ``random`` | one peer, chosen by flow control (score + random term) |
+| ``exponential`` | ``(i + 2^(k mod ceil(log2 N))) mod N`` -- SGP's one-peer exponential graph |
+| ``ring`` | ``(i + 1) mod N`` |
+| ``leader`` | the node the leader rule wants to pull from (``extras["pull"]``), else one random peer |
+| ``groups`` | WAGMA's rotating groups of ``S``: even steps ``j // S == i // S``, odd steps |
+|            | ``j mod ceil(N/S) == i mod ceil(N/S)``; every ``sync_every``-th step everyone |
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dpwa.rules.base import NodeState
+from dpwa.rules.group import is_sync_step
+
+__all__ = [
+    "SCHEDULES",
+    "ExponentialSchedule",
+    "GroupsSchedule",
+    "LeaderSchedule",
+    "RandomSchedule",
+    "RingSchedule",
+    "Round",
+    "Schedule",
+    "make_schedule",
+]
+
+
+@dataclass(frozen=True)
+class Round:
+    """What a schedule may look at: who I am, who exists, which step this is, my state."""
+
+    me: str
+    names: tuple[str, ...]  # every node of the cluster file, in file order (me included)
+    index: int  # this node's step: update_send calls before this one
+    own: NodeState
+
+    @property
+    def rank(self) -> int:
+        return self.names.index(self.me)
+
+
+class Schedule(ABC):
+    """Chooses the peers of one round."""
+
+    name: ClassVar[str]
+    fanout: int = 1
+    """How many peers flow control picks when :meth:`targets` returns None."""
+
+    def max_fanout(self, n_nodes: int) -> int:
+        """The most peers one round can fetch (receive buffers are allocated for that many)."""
+        return min(self.fanout, max(0, n_nodes - 1))
+
+    @abstractmethod
+    def targets(self, rnd: Round) -> Sequence[str] | None:
+        """The peers to fetch this round, or None: let flow control pick ``fanout`` of them."""
+
+
+class RandomSchedule(Schedule):
+    """Flow control picks the peer: largest ``score + U{10..1000}``, dead peers probed rarely."""
+
+    name = "random"
+
+    def targets(self, rnd: Round) -> None:
+        return None
+
+
+class ExponentialSchedule(Schedule):
+    """``i -> (i + 2^(k mod ceil(log2 N))) mod N``: after log2 N synchronous rounds everyone has mixed with everyone."""
+
+    name = "exponential"
+
+    def targets(self, rnd: Round) -> list[str]:
+        n = len(rnd.names)
+        if n < 2:
+            return []
+        hops = max(1, math.ceil(math.log2(n)))
+        return [rnd.names[(rnd.rank + 2 ** (rnd.index % hops)) % n]]
+
+
+class RingSchedule(Schedule):
+    """``i -> (i + 1) mod N``."""
+
+    name = "ring"
+
+    def targets(self, rnd: Round) -> list[str]:
+        n = len(rnd.names)
+        return [] if n < 2 else [rnd.names[(rnd.rank + 1) % n]]
+
+
+class LeaderSchedule(Schedule):
+    """Fetch the node the leader rule named in ``own.extras["pull"]``; otherwise one random peer.
+
+    A random fetch still carries the best-known table, so the leader's identity
+    spreads epidemically even while a node does not know whom to pull toward.
+    """
+
+    name = "leader"
+
+    def targets(self, rnd: Round) -> list[str] | None:
+        pull = rnd.own.extras.get("pull")
+        if isinstance(pull, str) and pull != rnd.me and pull in rnd.names:
+            return [pull]
+        return None
+
+
+class GroupsSchedule(Schedule):
+    """WAGMA-style rotating groups of ``group_size``, alternating two partitions; a full round every ``sync_every``."""
+
+    name = "groups"
+
+    def __init__(self, group_size: int, sync_every: int = 0) -> None:
+        if group_size < 2:
+            raise ValueError(f"group_size must be >= 2, got {group_size}")
+        if sync_every < 0:
+            raise ValueError(f"sync_every must be >= 0 (0 = never), got {sync_every}")
+        self.group_size = group_size
+        self.sync_every = sync_every
+
+    def max_fanout(self, n_nodes: int) -> int:
+        if self.sync_every:
+            return max(0, n_nodes - 1)
+        n_groups = math.ceil(n_nodes / self.group_size)
+        biggest_b = math.ceil(n_nodes / n_groups) if n_nodes else 0
+        return max(0, min(n_nodes, max(self.group_size, biggest_b)) - 1)
+
+    def is_sync_step(self, index: int) -> bool:
+        """True on every ``sync_every``-th step (the group rule's own definition, shared)."""
+        return is_sync_step(index, self.sync_every)
+
+    def group(self, rank: int, n_nodes: int, index: int) -> list[int]:
+        """The ranks in ``rank``'s group at step ``index`` (``rank`` included)."""
+        if self.is_sync_step(index):
+            return list(range(n_nodes))
+        if index % 2 == 0:
+            return [j for j in range(n_nodes) if j // self.group_size == rank // self.group_size]
+        n_groups = math.ceil(n_nodes / self.group_size)
+        return [j for j in range(n_nodes) if j % n_groups == rank % n_groups]
+
+    def targets(self, rnd: Round) -> list[str]:
+        rank = rnd.rank
+        return [rnd.names[j] for j in self.group(rank, len(rnd.names), rnd.index) if j != rank]
+
+
+SCHEDULES: dict[str, type[Schedule]] = {
+    cls.name: cls for cls in (RandomSchedule, ExponentialSchedule, RingSchedule, LeaderSchedule, GroupsSchedule)
+}
+
+
+def make_schedule(name: str, settings: Any = None) -> Schedule:
+    """The schedule ``name``; ``groups`` takes ``group_size`` and ``sync_every`` from the rule's ``settings``."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown peer schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
+    if name == "groups":
+        if settings is None or not hasattr(settings, "group_size"):
+            raise ValueError("the groups schedule needs group_size (and sync_every) from the group rule's settings")
+        return GroupsSchedule(int(settings.group_size), int(getattr(settings, "sync_every", 0)))
+    return SCHEDULES[name]()
