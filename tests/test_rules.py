@@ -206,10 +206,11 @@ def test_rule_defaults_and_abstractness():
     assert served == {}
     served["x"] = 1
     assert rule.on_serve(own) == {}  # a fresh dict per reply
-    assert rule.choose_peers(own, ["b", "c"], 0) is None
+    assert rule.initial_extras("a", ("a", "b")) == {}
     assert rule.on_publish(own, [np.zeros(1)]) is None
+    assert rule.on_serve_failed(own, {}) is None
+    assert rule.on_reply_lost(own, None) is None
     assert own == NodeState("a")
-    assert (ConstantRule.fanout, ClockRule.fanout, LossRule.fanout) == (1, 1, 1)
     assert rule.divergence_threshold == 0.3
     assert repr(ConstantRule(0.25, 0.1)) == "ConstantRule(divergence_threshold=0.1, value=0.25)"
 
@@ -248,10 +249,18 @@ class BadSettings:
     speed: float = 2.0
 
 
-def test_registry_names_match_rules():
-    assert RULES == {"constant": ConstantRule, "clock": ClockRule, "loss": LossRule}
+def test_registry_names_match_rules_config_settings_and_schedules():
+    from dpwa.config import PEER_SCHEDULES, RULE_SCHEDULES, RULE_SETTINGS
+    from dpwa.schedules import SCHEDULES
+
+    assert set(PEER_SCHEDULES) == {"auto", *SCHEDULES}
+    assert {"constant": ConstantRule, "clock": ClockRule, "loss": LossRule}.items() <= RULES.items()
+    assert set(RULES) == set(RULE_SETTINGS) == set(RULE_SCHEDULES)
     for name, cls in RULES.items():
         assert cls.name == name
+        make_rule(name, RULE_SETTINGS[name](), 0.0)  # every rule builds from its config defaults
+        default, allowed = RULE_SCHEDULES[name]
+        assert default in allowed and set(allowed) <= set(SCHEDULES)
 
 
 def test_make_rule_from_dataclass_mapping_and_none():
@@ -266,7 +275,7 @@ def test_make_rule_from_dataclass_mapping_and_none():
 
 
 def test_make_rule_errors():
-    with pytest.raises(ValueError, match="allowed: clock, constant, loss"):
+    with pytest.raises(ValueError, match="allowed: clock, constant, gem, group, leader, loss, pushsum"):
         make_rule("gem2", None, 0.0)
     with pytest.raises(ValueError, match="does not accept speed; accepted: value"):
         make_rule("constant", BadSettings(), 0.0)

@@ -13,7 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.gem import GemRule
+from dpwa.rules.group import GroupRule
+from dpwa.rules.leader import LeaderRule
 from dpwa.rules.pairwise import ClockRule, ConstantRule, LossRule, PairwiseRule
+from dpwa.rules.pushsum import PushSumRule
 
 __all__ = [
     "RULES",
@@ -32,6 +36,10 @@ RULES: dict[str, type[Rule]] = {
     "constant": ConstantRule,
     "clock": ClockRule,
     "loss": LossRule,
+    "gem": GemRule,
+    "leader": LeaderRule,
+    "pushsum": PushSumRule,
+    "group": GroupRule,
 }
 
 
