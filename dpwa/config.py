@@ -36,6 +36,12 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "ConstantSettings",
+    "GemSettings",
+    "GroupSettings",
+    "LeaderSettings",
+    "PushSumSettings",
+    "PEER_SCHEDULES",
+    "RULE_SCHEDULES",
     "LossSettings",
     "NodeSpec",
     "Settings",
@@ -244,12 +250,74 @@ class LossSettings(Settings):
     """``f = loss / (loss + peer_loss)``; no settings."""
 
 
+@dataclasses.dataclass(frozen=True)
+class GemSettings(Settings):
+    """GEM in gossip form: ``d = base*(x_peer - x)``, ``m = momentum*m + delta``,
+    ``pi = clamp((kappa*|m| - |delta|) / (|d| + eps), 0, 1/base)``, ``x <- x + pi*d`` (element-wise)."""
+
+    base: float = setting(0.5, lo=0, hi=1, lo_open=True)
+    momentum: float = setting(0.9, lo=0, hi=1, hi_open=True)
+    kappa: float = setting(1.0, lo=0, lo_open=True)
+    eps: float = setting(1e-12, lo=0, lo_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class PushSumSettings(Settings):
+    """Push-sum in pull form: the server halves its weight ``w`` and hands the half over;
+    ``f = w_given / (w + w_given)``, ``w <- w + w_given``; no settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaderSettings(Settings):
+    """LSGD: ``x <- x - strength*(x - x_leader)`` every ``every`` steps, leader = lowest mean loss over
+    ``window`` batches; with ``group_size > 0`` also ``local_strength`` toward the group's leader every
+    ``local_every`` steps."""
+
+    strength: float = setting(0.1, lo=0, hi=1, lo_open=True)
+    window: int = setting(10, lo=1, integer=True)
+    every: int = setting(1, lo=1, integer=True)
+    group_size: int = setting(0, lo=0, integer=True)
+    local_strength: float = setting(0.1, lo=0, hi=1, lo_open=True)
+    local_every: int = setting(1, lo=1, integer=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSettings(Settings):
+    """WAGMA group averaging: ``x <- (sum of group + x) / (S + 1)`` over rotating groups of ``group_size``;
+    a full average every ``sync_every`` steps (0 = never); peers more than ``max_staleness`` steps
+    behind are left out."""
+
+    group_size: int = setting(4, lo=2, integer=True)
+    sync_every: int = setting(11, lo=0, integer=True)
+    max_staleness: float = setting(10.0, lo=0)
+
+
 #: Interpolation rule name -> its settings dataclass; each name is also a top-level key of the cluster file.
 RULE_SETTINGS: dict[str, type] = {
     "constant": ConstantSettings,
     "clock": ClockSettings,
     "loss": LossSettings,
+    "gem": GemSettings,
+    "pushsum": PushSumSettings,
+    "leader": LeaderSettings,
+    "group": GroupSettings,
 }
+
+_PAIRWISE_SCHEDULES = ("random", "exponential", "ring")
+#: Rule -> (its default peer schedule, the schedules it may be combined with). A rule that mixes one
+#: peer cannot use ``groups`` (several peers a round); ``leader`` needs the leader rule's table;
+#: group averaging needs its groups.
+RULE_SCHEDULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "constant": ("random", _PAIRWISE_SCHEDULES),
+    "clock": ("random", _PAIRWISE_SCHEDULES),
+    "loss": ("random", _PAIRWISE_SCHEDULES),
+    "gem": ("random", _PAIRWISE_SCHEDULES),
+    "pushsum": ("exponential", _PAIRWISE_SCHEDULES),
+    "leader": ("leader", ("leader",)),
+    "group": ("groups", ("groups",)),
+}
+#: Values of the ``peers`` key: ``auto`` (the rule's default) or a schedule of ``dpwa.schedules``.
+PEER_SCHEDULES = ("auto", "random", "exponential", "ring", "leader", "groups")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +378,7 @@ class ClusterConfig:
     timeout_ms: float = setting(2500.0, lo=0, lo_open=True)
     interpolation: str = choice("constant", RULE_SETTINGS)
     divergence_threshold: float = setting(0.0, lo=0)
+    peers: str = choice("auto", PEER_SCHEDULES)
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     source: str = dataclasses.field(default=MEMORY, compare=False)
     #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.
@@ -326,6 +395,18 @@ class ClusterConfig:
                 raise self.error(name, f"must be a {RULE_SETTINGS[name].__name__}, got {_show(obj)}")
         resolved = {name: given[name] if name in given else cls() for name, cls in RULE_SETTINGS.items()}
         object.__setattr__(self, "rule_settings", MappingProxyType(resolved))
+        default, allowed = RULE_SCHEDULES[self.interpolation]
+        if self.peers != "auto" and self.peers not in allowed:
+            raise self.error(
+                "peers",
+                f"schedule {self.peers!r} does not fit interpolation {self.interpolation!r}; "
+                f"allowed with {self.interpolation}: auto (= {default}), {', '.join(allowed)}",
+            )
+
+    @property
+    def schedule(self) -> str:
+        """The peer schedule in force: ``peers``, or the rule's default when ``peers`` is ``auto``."""
+        return RULE_SCHEDULES[self.interpolation][0] if self.peers == "auto" else self.peers
 
     def __reduce__(self) -> tuple[Callable[[], ClusterConfig], tuple[()]]:
         """Pickle (e.g. for spawned workers) as a constructor call: read-only mappings cannot be pickled."""

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dpwa.config import (
+    RULE_SCHEDULES,
     RULE_SETTINGS,
     ClockSettings,
     ClusterConfig,
@@ -90,10 +91,12 @@ def test_original_sample_loads_with_its_values() -> None:
     assert config.interpolation == "constant"
     assert config.divergence_threshold == 0.2
     assert config.settings == ConstantSettings(0.5)
+    assert config.peers == "auto" and config.schedule == "random"
     assert dict(config.rule_settings) == {
         "constant": ConstantSettings(0.5),
         "clock": ClockSettings(),
         "loss": LossSettings(),
+        **{name: cls() for name, cls in RULE_SETTINGS.items() if name not in ("constant", "clock", "loss")},
     }
     assert config.source == str(SAMPLES / "original-dpwa.yaml")
 
@@ -315,8 +318,9 @@ class ToySettings(Settings):
     slack: float = setting(0.0, hi=1, hi_open=True)
 
 
-def test_a_new_rule_needs_only_a_settings_dataclass(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_rule_needs_only_a_settings_dataclass_and_its_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(RULE_SETTINGS, "toy", ToySettings)
+    monkeypatch.setitem(RULE_SCHEDULES, "toy", ("random", ("random",)))
     config = parse_config(two_nodes("interpolation: toy\ntoy: {rate: 1, steps: 9}\n"))
     assert config.settings == ToySettings(rate=1.0, steps=9)
     assert config.to_dict()["toy"] == {"rate": 1.0, "steps": 9, "slack": 0.0}
