@@ -31,7 +31,8 @@ import zmq
 from . import wire
 from .config import ClusterConfig, resolve_config
 from .peers import FlowControl
-from .rules import MixOutcome, NodeState, PeerSnapshot, Rule, make_rule
+from .rules import NodeState, PeerSnapshot, Rule, make_rule
+from .schedules import Round, Schedule, make_schedule
 from .snapshots import SnapshotPool
 from .stats import NodeStats, OnceLog
 from .transport import FetchJob, FetchTarget, Reply, RxServer, TxFetcher
@@ -62,16 +63,18 @@ def bind_endpoint(host: str, port: int) -> str:
 class _Node:
     """Everything a node is, minus the public facade; the threads hold only this object."""
 
-    def __init__(self, name: str, config: ClusterConfig, rule: Rule, seed: int | None) -> None:
+    def __init__(self, name: str, config: ClusterConfig, rule: Rule, schedule: Schedule, seed: int | None) -> None:
         self.name = name
         self.config = config
         me = config.node(name)
         peers = config.peers_of(name)
+        self.names = tuple(n.name for n in config.nodes)
         self.rule = rule
+        self.schedule = schedule
         self.rng = random.Random(seed)
         self.stats = NodeStats()
         self.once = OnceLog(log)
-        self.state = NodeState(name)
+        self.state = NodeState(name, extras=rule.initial_extras(name, self.names))
         self.state_lock = threading.Lock()
         self.flow = FlowControl([p.name for p in peers], self.rng)
         self.flow_lock = threading.Lock()
@@ -81,7 +84,7 @@ class _Node:
         self.receive_slots: list[tuple[np.ndarray, list[np.ndarray]]] = []
         self.pending: FetchJob | None = None
         self.requests = itertools.count(1)
-        self.rounds = 0
+        self.step = 0  # update_send calls so far: the schedules' round index
         self.alone = False
         self.last_exchange: dict[str, Any] | None = None
         self.closed = False
@@ -104,14 +107,21 @@ class _Node:
         )
         self.rx.start()
         self.tx.start()
-        log.info("node %s listening on %s with %d peers, rule %s", name, self.rx.endpoint, len(peers), rule.name)
+        log.info(
+            "node %s listening on %s with %d peers, rule %s, schedule %s",
+            name,
+            self.rx.endpoint,
+            len(peers),
+            rule.name,
+            schedule.name,
+        )
 
     # ------------------------------------------------------------ trainer thread
 
     def setup_layout(self, params: Sequence[np.ndarray]) -> None:
         layout = Layout.of(params)
         self.pool = SnapshotPool(layout)
-        for _ in range(max(1, self.rule.fanout)):
+        for _ in range(max(1, self.schedule.max_fanout(len(self.names)))):
             buffer = layout.allocate()
             self.receive_slots.append((buffer, layout.views(buffer)))
         self.layout = layout
@@ -128,14 +138,20 @@ class _Node:
         with self.state_lock:
             self.state.clock += 1
             self.state.loss = value
-            self.rule.on_publish(self.state, self.params)
             clock, extras = self.state.clock, dict(self.state.extras)
-        if not self.pool.publish(self.params, clock, value, extras):
+        snapshot = self.pool.publish(self.params, clock, value, extras)
+        if snapshot is None:
             self.stats.add("snapshots_skipped")
             self.once.warning(
                 ("pool",), "node %s: every snapshot buffer is busy; peers get the previous one", self.name
             )
+            published = [np.array(a, copy=True) for a in self.params]  # rare: the rule still needs x as of now
+        else:
+            published = snapshot.readonly
+        with self.state_lock:
+            self.rule.on_publish(self.state, published)
         self.start_fetch()
+        self.step += 1
 
     def start_fetch(self) -> None:
         if self.pending is not None and not self.pending.done.is_set():
@@ -144,17 +160,17 @@ class _Node:
         self.pending = None
         if self.rng.random() >= self.config.fetch_probability:
             return
-        candidates = [p.name for p in self.config.peers_of(self.name)]
         with self.state_lock:
-            chosen = self.rule.choose_peers(self.state, candidates, self.rounds)
-        self.rounds += 1
-        if chosen is None:
-            with self.flow_lock:
-                chosen = self.flow.choose(max(1, self.rule.fanout))
-        chosen = list(chosen)[: len(self.receive_slots)]
+            wanted = self.schedule.targets(Round(self.name, self.names, self.step, self.state))
+        with self.flow_lock:
+            if wanted is None:
+                chosen = self.flow.choose(self.schedule.fanout)
+            else:
+                chosen = self.flow.admit([p for p in wanted if p != self.name])
+        chosen = chosen[: len(self.receive_slots)]
         if not chosen:
             self.stats.add("fetches_skipped")
-            if not self.alone and candidates:
+            if not self.alone and len(self.names) > 1 and (wanted is None or wanted):
                 log.warning("node %s: no peer is up; training alone (factor 0) until one answers", self.name)
             self.alone = True
             return
@@ -168,31 +184,33 @@ class _Node:
         with self.state_lock:
             self.state.loss = value
         job, self.pending = self.pending, None
-        if job is None or self.params is None:
+        if self.params is None:
             self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
             return 0.0
-        if not job.done.wait(max(0.0, job.deadline - time.monotonic()) + WAIT_SLACK_S):
+        if job is not None and not job.done.wait(max(0.0, job.deadline - time.monotonic()) + WAIT_SLACK_S):
             log.debug("node %s: TX gave no verdict by the deadline", self.name)
-            self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
-            return 0.0
-        good = [t for t in job.targets if t.status == "ok" and t.header is not None]
+            job = None
+        targets = job.targets if job is not None else []
         peers = [
             PeerSnapshot(NodeState(t.peer, t.header.clock, t.header.loss, dict(t.header.extras)), t.views)
-            for t in good
-            if t.header is not None
+            for t in targets
+            if t.status == "ok" and t.header is not None
         ]
         with self.state_lock:
             clock_before = self.state.clock
-            outcome = self.rule.mix(self.state, self.params, peers) if peers else MixOutcome(0.0, ())
+            for t in targets:
+                if t.status in ("timeout", "rejected"):
+                    self.rule.on_reply_lost(self.state, dict(t.header.extras) if t.header is not None else None)
+            outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track their motion
         if peers:
             self.stats.add("mixes")
         record: dict[str, Any] = {
             "step": clock_before,
             "factor": outcome.factor,
-            "peer": ",".join(t.peer for t in job.targets),
-            "status": ",".join(t.status for t in job.targets),
-            "bytes": sum(t.nbytes for t in job.targets),
-            "fetch_ms": max(t.ms for t in job.targets),
+            "peer": ",".join(t.peer for t in targets) or None,
+            "status": ",".join(t.status for t in targets) or None,
+            "bytes": sum(t.nbytes for t in targets),
+            "fetch_ms": max((t.ms for t in targets), default=0.0),
             "clock_gap": (sum(p.state.clock for p in peers) / len(peers) - clock_before) if peers else None,
         }
         record.update(outcome.metrics)
@@ -205,6 +223,7 @@ class _Node:
         """Count a finished fetch and feed flow control."""
         peer = target.peer
         self.stats.peer_outcome(peer, target.status)
+        not_ready = target.status == "refused" and target.code == wire.ErrorCode.NOT_READY.value
         if target.status == "ok":
             self.stats.fetch_done(target.ms, target.nbytes)
             with self.flow_lock:
@@ -213,14 +232,14 @@ class _Node:
                 log.info("node %s: peer %s answers; mixing again", self.name, peer)
                 self.alone = False
             return
-        with self.flow_lock:
-            self.flow.failure(peer)
+        if not not_ready:  # a peer still starting up is alive: no penalty, ask again next time
+            with self.flow_lock:
+                self.flow.failure(peer)
         if target.status == "timeout":
             self.stats.add("fetches_timed_out")
             self.once.warning((peer, "timeout"), "node %s: peer %s did not answer in time", self.name, peer)
         elif target.status == "refused":
             self.stats.add("fetches_refused")
-            benign = target.code == wire.ErrorCode.NOT_READY.value  # a peer still starting up
             self.once.warning(
                 (peer, target.code),
                 "node %s: peer %s refused: %s (%s)",
@@ -228,7 +247,7 @@ class _Node:
                 peer,
                 target.code,
                 target.detail,
-                level=logging.INFO if benign else logging.WARNING,
+                level=logging.INFO if not_ready else logging.WARNING,
             )
         else:
             self.stats.reject(target.code, target.nbytes)
@@ -262,14 +281,26 @@ class _Node:
             return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
         try:
             with self.state_lock:
-                extras = {**snapshot.extras, **self.rule.on_serve(self.state)}
+                given = self.rule.on_serve(self.state)
             header = wire.encode_state(
-                self.name, request.req, clock=snapshot.clock, loss=snapshot.loss, extras=extras, layout=layout
+                self.name,
+                request.req,
+                clock=snapshot.clock,
+                loss=snapshot.loss,
+                extras={**snapshot.extras, **given},
+                layout=layout,
             )
         except BaseException:
             pool.release(snapshot)
             raise
-        return Reply(header, snapshot.frames, lambda tracker: pool.release(snapshot, tracker))
+
+        def sent(tracker: Any) -> None:
+            pool.release(snapshot, tracker)
+            if tracker is None and given:  # never sent: give back what on_serve handed out
+                with self.state_lock:
+                    self.rule.on_serve_failed(self.state, given)
+
+        return Reply(header, snapshot.frames, sent)
 
     # ------------------------------------------------------------ any thread
 
@@ -283,8 +314,27 @@ class _Node:
             out["extras"] = dict(self.state.extras)
         out["node"] = self.name
         out["rule"] = self.rule.name
+        out["schedule"] = self.schedule.name
         out["snapshot_buffers"] = len(self.pool) if self.pool is not None else 0
         return out
+
+    def linger(self, seconds: float, idle_s: float = 1.0) -> float:
+        """Keep serving the last snapshot for up to ``seconds``, less once no peer fetched for ``idle_s``.
+
+        A node that finished training and closed at once would cost every peer still training
+        a timeout or three before flow control marks it down. Returns the seconds spent.
+        """
+        start = last = time.monotonic()
+        served = self.stats.snapshot()["served"]
+        while not self.closed:
+            now = time.monotonic()
+            if now - start >= seconds or now - last >= idle_s:
+                break
+            time.sleep(min(0.05, idle_s / 4))
+            current = self.stats.snapshot()["served"]
+            if current != served:
+                served, last = current, time.monotonic()
+        return time.monotonic() - start
 
     def close(self) -> None:
         """Stop both threads (within about a second) and free the port."""
@@ -325,7 +375,8 @@ class DpwaConnection:
         cfg.node(name)  # a clear ConfigError before anything starts
         if rule is None:
             rule = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
-        self._node = _Node(name, cfg, rule, seed)
+        schedule = make_schedule(cfg.schedule, cfg.settings)
+        self._node = _Node(name, cfg, rule, schedule, seed)
         self._finalizer = weakref.finalize(self, _Node.close, self._node)
 
     @property
@@ -369,8 +420,15 @@ class DpwaConnection:
         """Counters (fetches ok / timed out / refused / rejected, bytes, mean fetch ms, ...) and flow-control scores."""
         return self._node.snapshot_stats()
 
-    def close(self) -> None:
-        """Stop the RX/TX threads and free the port; idempotent."""
+    def close(self, linger: float = 0.0, idle: float = 1.0) -> None:
+        """Stop the RX/TX threads and free the port; idempotent.
+
+        ``linger`` > 0: first keep serving peers that still fetch, for at most that many seconds,
+        returning early once nobody fetched for ``idle`` seconds (set it above a peer's step time).
+        """
+        if linger > 0 and not self.closed:
+            spent = self._node.linger(linger, idle)
+            log.info("node %s served its peers %.1fs after training", self.name, spent)
         self._finalizer()
 
     @property

@@ -37,6 +37,7 @@ class Snapshot:
     buffer: np.ndarray
     views: list[np.ndarray]
     frames: list[memoryview]
+    readonly: list[np.ndarray]
     clock: float = 0.0
     loss: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
@@ -64,13 +65,19 @@ class SnapshotPool:
     def _new(self) -> Snapshot:
         buffer = self.layout.allocate()
         frames = [memoryview(buffer[s:e]) for s, e in self.layout.frame_bounds(self._chunk)]
-        return Snapshot(buffer, self.layout.views(buffer), frames)
+        views = self.layout.views(buffer)
+        readonly = [v.view() for v in views]
+        for v in readonly:
+            v.flags.writeable = False
+        return Snapshot(buffer, views, frames, readonly)
 
     def __len__(self) -> int:
         return len(self._all)
 
-    def publish(self, arrays: Sequence[np.ndarray], clock: float, loss: float, extras: dict[str, Any]) -> bool:
-        """Copy ``arrays`` into a free buffer and make it current; False (counted) if every buffer is busy."""
+    def publish(
+        self, arrays: Sequence[np.ndarray], clock: float, loss: float, extras: dict[str, Any]
+    ) -> Snapshot | None:
+        """Copy ``arrays`` into a free buffer and make it current; None (counted) if every buffer is busy."""
         with self._lock:
             free = next((s for s in self._all if s is not self._current and not s.busy()), None)
             if free is None and len(self._all) < self._max_size:
@@ -79,7 +86,7 @@ class SnapshotPool:
                 log.debug("snapshot pool grew to %d buffers", len(self._all))
             if free is None:
                 self.skipped += 1
-                return False
+                return None
             free.leases += 1  # keep it ours while copying outside the lock
         for dst, src in zip(free.views, arrays):
             np.copyto(dst, src, casting="no")
@@ -87,7 +94,7 @@ class SnapshotPool:
             free.leases -= 1
             free.clock, free.loss, free.extras = clock, loss, dict(extras)
             self._current = free
-        return True
+        return free
 
     def lease(self) -> Snapshot | None:
         """The current snapshot, leased until ``release``; None before the first publish."""

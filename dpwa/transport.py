@@ -356,6 +356,7 @@ class TxFetcher(threading.Thread):
                     self._on_event("stale_replies", 1)
                     return
                 raise
+            target.header = header  # validated: kept even if the payload is rejected (push-sum mass accounting)
             for start, end in layout.frame_bounds(self._chunk):
                 if not sock.get(zmq.RCVMORE):
                     raise WireError("frames", "reply has fewer payload frames than announced")

@@ -362,3 +362,36 @@ def test_no_model_sized_allocation_after_warm_up(tmp_path: Path, dtype: str):
             tracemalloc.stop()
     # a fixed bound (block-sized mixing scratch, headers), far below one model copy
     assert peak < 2**21 < model_bytes / 4, (peak, model_bytes)
+
+
+def test_close_with_linger_serves_peers_that_still_fetch(tmp_path: Path):
+    """A node that finished keeps serving while a peer still fetches, and leaves once it stops."""
+    ports = free_ports(2)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=1000)
+    done = DpwaConnection("w1", cfg)
+    done.update_send(make_params(1.0), 1.0)
+    stop_fetching = threading.Event()
+    factors: list[float] = []
+
+    def peer_still_training() -> None:
+        with DpwaConnection("w2", cfg) as busy:
+            p = make_params(0.0)
+            while not stop_fetching.is_set():
+                busy.update_send(p, 1.0)
+                factors.append(busy.update_wait(1.0))
+
+    thread = threading.Thread(target=peer_still_training)
+    thread.start()
+    wait_until(lambda: len(factors) >= 3, 10, message="the peer fetches")
+    closer = threading.Thread(target=done.close, kwargs={"linger": 30.0, "idle": 0.5})
+    t0 = time.monotonic()
+    closer.start()
+    before = len(factors)
+    wait_until(lambda: len(factors) >= before + 20, 10, message="fetches go on while w1 lingers")
+    assert all(f == 0.5 for f in factors[before:]) and not done.closed
+    stop_fetching.set()
+    thread.join(10)
+    closer.join(10)
+    assert done.closed and not closer.is_alive()
+    assert time.monotonic() - t0 < 10  # left soon after the peer stopped, not after the 30 s linger
+    assert port_is_free(ports[0])
