@@ -162,6 +162,7 @@ class _Node:
             return
         with self.state_lock:
             wanted = self.schedule.targets(Round(self.name, self.names, self.step, self.state))
+            request_extras = self.rule.request_extras(self.state)
         with self.flow_lock:
             if wanted is None:
                 chosen = self.flow.choose(self.schedule.fanout)
@@ -176,7 +177,7 @@ class _Node:
             return
         targets = [FetchTarget(peer, buf, views) for peer, (buf, views) in zip(chosen, self.receive_slots)]
         deadline = time.monotonic() + self.config.timeout_ms / 1000.0
-        self.pending = FetchJob(next(self.requests), targets, deadline)
+        self.pending = FetchJob(next(self.requests), targets, deadline, request_extras)
         self.tx.submit(self.pending)
 
     def update_wait(self, loss: Any) -> float:
@@ -281,6 +282,8 @@ class _Node:
             return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
         try:
             with self.state_lock:
+                if request.extras:
+                    self.rule.on_request(self.state, request.extras)
                 given = self.rule.on_serve(self.state)
             header = wire.encode_state(
                 self.name,

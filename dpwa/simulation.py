@@ -8,7 +8,8 @@ that replies are handed over in memory:
 1. every node: ``clock += 1``, remember the loss, publish a copy of its arrays, ``rule.on_publish``;
 2. optionally a local training step changes a node's arrays (between send and wait);
 3. every node picks its peers (schedule, else flow control; down peers filtered);
-4. every fetch is served from the peer's published copy: ``rule.on_serve`` on the server's state
+4. every fetch is served from the peer's published copy: the request's ``rule.request_extras``
+   go to the server's ``rule.on_request``, then ``rule.on_serve`` runs on the server's state
    (so within a round everybody serves from its round-start model, then everybody mixes);
 5. every node: ``rule.mix`` with the replies that arrived (possibly none).
 
@@ -141,6 +142,9 @@ class Simulation:
                     node.flow.failure(peer)
                     node.rule.on_reply_lost(node.state, None)
                     continue
+                request = node.rule.request_extras(node.state)
+                if request:
+                    server.rule.on_request(server.state, request)
                 given = server.rule.on_serve(server.state)
                 extras = {**server.published_state.extras, **given}
                 kind = lose(node.name, peer) if lose is not None else None

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import zmq
@@ -180,6 +181,7 @@ class FetchJob:
     req: int
     targets: list[FetchTarget]
     deadline: float
+    extras: dict[str, Any] = field(default_factory=dict)  # sent with the request (rule push-pull state)
     started: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -309,7 +311,11 @@ class TxFetcher(threading.Thread):
             return
         if self._checker is None or self._checker_layout is not layout:
             self._checker, self._checker_layout = FiniteChecker(layout), layout
-        request = wire.encode_fetch(self._node, job.req, layout.fingerprint)
+        try:
+            request = wire.encode_fetch(self._node, job.req, layout.fingerprint, job.extras)
+        except (TypeError, ValueError) as exc:  # a rule's extras too big or not JSON: fetch without them
+            log.warning("request extras dropped: %s", exc)
+            request = wire.encode_fetch(self._node, job.req, layout.fingerprint)
         for target in job.targets:
             sock = self._socket(poller, target.peer)
             try:

@@ -191,9 +191,12 @@ def _encode(kind: Kind, body: dict[str, Any]) -> bytes:
     return _PREFIX.pack(MAGIC, PROTOCOL_VERSION, int(kind)) + data
 
 
-def encode_fetch(node: str, req: int, fingerprint: str) -> bytes:
-    """A request for the peer's latest snapshot."""
-    return _encode(Kind.FETCH, {"node": node, "req": req, "fp": fingerprint})
+def encode_fetch(node: str, req: int, fingerprint: str, extras: dict[str, Any] | None = None) -> bytes:
+    """A request for the peer's latest snapshot, optionally carrying the requester's rule extras."""
+    body: dict[str, Any] = {"node": node, "req": req, "fp": fingerprint}
+    if extras:
+        body["extras"] = extras
+    return _encode(Kind.FETCH, body)
 
 
 def encode_state(
@@ -257,7 +260,10 @@ def decode_header(frame: bytes | memoryview) -> Header:
         raise WireError("header", "bad node name")
     req = _field(body, "req", int)
     if kind is Kind.FETCH:
-        return Header(kind, node, req, fingerprint=_field(body, "fp", str))
+        extras = body.get("extras", {})
+        if not isinstance(extras, dict):
+            raise WireError("header", "field 'extras' of the wrong type")
+        return Header(kind, node, req, fingerprint=_field(body, "fp", str), extras=extras)
     if kind is Kind.ERROR:
         return Header(kind, node, req, code=_field(body, "code", str), detail=str(body.get("detail", ""))[:1000])
     clock = float(_field(body, "clock", (int, float)))

@@ -396,3 +396,32 @@ def test_errors():
     with pytest.raises(ValueError):
         rule.mix(own, [np.zeros(2)], [snap("a", {"a": [0.1, 1]}, [np.zeros(3)])])
     assert rule.table() == {}  # nothing changed
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_news_of_a_better_node_reaches_everyone_fast_when_all_pull_the_leader(seed):
+    """every=1: followers only ever fetch the leader. Their requests carry their tables (push-pull), so the
+    leader hears of a better node at its next request and every follower hears it from the leader's next
+    reply -- a handful of rounds, where pull-only gossip needed about N."""
+    n = 16
+    sim = cluster(n, seed=seed, window=1)
+    losses = {name: (0.5 if name == "w1" else 1.0 + i) for i, name in enumerate(sim.names)}
+    for _ in range(30):
+        sim.run_round(losses)
+    assert set(leaders(sim).values()) == {"w1"}
+    losses["w9"] = 0.1
+    rounds = 0
+    while set(leaders(sim).values()) != {"w9"}:
+        sim.run_round(losses)
+        rounds += 1
+        assert rounds <= 5, leaders(sim)
+
+
+def test_a_request_table_is_merged_and_garbage_in_it_counted():
+    rule = LeaderRule()
+    own = NodeState("a", extras=rule.initial_extras("a", ["a", "b", "c"]))
+    rule.on_request(own, {"leaders": {"c": [0.1, 3.0], "zz": [0.0, 1.0], "b": "junk"}})
+    assert rule.table()["c"] == (0.1, 3.0) and "zz" not in rule.table()
+    out = rule.mix(own, [np.zeros(2)], [])
+    assert out.metrics["leader_bad_entries"] == 2.0
+    assert rule.request_extras(own)["leaders"]["c"] == [0.1, 3.0]

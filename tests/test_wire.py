@@ -186,3 +186,11 @@ def test_finite_checker_finds_every_bad_element(dtype, bad):
         if pos >= 64:
             assert checker.all_finite(views, 0, pos - pos % 64)
         views[0][index] = 0
+
+
+def test_fetch_may_carry_rule_extras():
+    h = wire.decode_header(wire.encode_fetch("w1", 3, "fp", {"leaders": {"w1": [0.5, 2.0]}}))
+    assert h.extras == {"leaders": {"w1": [0.5, 2.0]}}
+    assert wire.decode_header(wire.encode_fetch("w1", 3, "fp")).extras == {}
+    with pytest.raises(WireError, match="extras"):
+        wire.decode_header(_raw(1, {"node": "w1", "req": 1, "fp": "x", "extras": [1]}))

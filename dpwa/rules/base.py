@@ -12,6 +12,8 @@ Which thread calls what (the connection and the simulator guarantee it):
 
 * :meth:`Rule.initial_extras` -- once, when the node starts;
 * :meth:`Rule.on_publish` -- trainer thread, at ``update_send``, after the snapshot is published;
+* :meth:`Rule.request_extras` -- trainer thread, when a fetch starts (sent with the request);
+* :meth:`Rule.on_request` -- RX thread, under the node's state lock, per request that carried extras;
 * :meth:`Rule.on_serve` -- RX thread, under the node's state lock, per reply;
 * :meth:`Rule.on_serve_failed` -- RX thread, under the state lock, when that reply could not be sent;
 * :meth:`Rule.on_reply_lost` -- trainer thread, under the state lock, for a fetch that failed after
@@ -107,6 +109,17 @@ class Rule(ABC):
         They hold ``x`` as of this ``update_send`` until the next one (GEM's
         ``x_at_update_send``, a group's own published model).  Default no-op.
         """
+
+    def request_extras(self, own: NodeState) -> dict[str, Any]:
+        """Trainer thread, when a fetch starts: small JSON-safe state sent WITH the request; default ``{}``.
+
+        Push-pull gossip: the leader rule sends its best-known table, so the node it pulls from
+        learns what the puller knows without fetching it.
+        """
+        return {}
+
+    def on_request(self, own: NodeState, extras: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """RX thread, under the state lock, before :meth:`on_serve`: a request's (untrusted) extras."""
 
     def on_serve(self, own: NodeState) -> dict[str, Any]:
         """RX thread, under the state lock, once per reply served.

@@ -143,6 +143,7 @@ class LeaderRule(Rule):
         self._dropped: dict[str, tuple[float, int]] = {}  # name -> (last stamp, own step until which it is refused)
         self._step = 0  # mixes done
         self._pull: _Pull | None = None
+        self._bad_requests = 0  # garbage entries in requesters' tables (on_request)
 
     def _params(self) -> dict[str, Any]:
         keys = ("strength", "window", "every", "group_size", "local_strength", "local_every", "divergence_threshold")
@@ -244,6 +245,17 @@ class LeaderRule(Rule):
             out[name] = [e.loss, e.stamp]
         return out
 
+    # ------------------------------------------------------------ push-pull
+
+    def request_extras(self, own: NodeState) -> dict[str, Any]:
+        """Send my table with every fetch: the node I pull from (usually the leader) learns it at once."""
+        return {"leaders": self._published_table()} if self._me is not None else {}
+
+    def on_request(self, own: NodeState, extras: dict[str, Any]) -> None:
+        """Merge a requester's table (garbage entries skipped and counted)."""
+        if self._me is not None:
+            self._bad_requests += self._merge(extras)
+
     # ------------------------------------------------------------ mix
 
     def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
@@ -286,8 +298,9 @@ class LeaderRule(Rule):
             "leader_is_me": float(top == self._me),
             "leader_known": float(len(self._table)),
             "leader_pull": 0.0 if plan is None else (1.0 if plan.scope == "global" else 2.0),
-            "leader_bad_entries": float(bad),
+            "leader_bad_entries": float(bad + self._bad_requests),
         }
         if top is not None:
             metrics["leader_loss"] = self._table[top].loss
+        self._bad_requests = 0
         return MixOutcome(f, mixed, metrics)
