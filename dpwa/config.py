@@ -259,6 +259,9 @@ class GemSettings(Settings):
     momentum: float = setting(0.9, lo=0, hi=1, hi_open=True)
     kappa: float = setting(1.0, lo=0, lo_open=True)
     eps: float = setting(1e-12, lo=0, lo_open=True)
+    #: ``now``: ``d = base*(x_peer - x)`` as in ALGORITHMS §2; ``sent``: ``d = base*(x_peer - x_at_update_send)``,
+    #: which keeps the node's own local step (``now`` stalls progress once the nodes agree).
+    reference: str = choice("now", ("now", "sent"))
 
 
 @dataclasses.dataclass(frozen=True)

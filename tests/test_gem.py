@@ -258,7 +258,9 @@ def test_registered_and_built_from_settings():
     rule = make_rule("gem", GemSettings(), 0.25)
     assert isinstance(rule, GemRule)
     assert (rule.base, rule.momentum, rule.kappa, rule.eps, rule.divergence_threshold) == (0.5, 0.9, 1.0, 1e-12, 0.25)
-    assert repr(rule) == "GemRule(base=0.5, momentum=0.9, kappa=1.0, eps=1e-12, divergence_threshold=0.25)"
+    assert repr(rule) == (
+        "GemRule(base=0.5, momentum=0.9, kappa=1.0, eps=1e-12, reference='now', divergence_threshold=0.25)"
+    )
 
 
 # ------------------------------------------------------------ no model-sized temporaries
@@ -326,3 +328,30 @@ def test_momentum_sgd_cluster_reaches_consensus(seed):
     assert spreads[-1] < spreads[0] / 100
     assert np.mean(spreads[-20:]) < 0.3 * np.mean(alone[-20:])
     assert losses[-1] < losses[0] / 50
+
+
+def test_reference_sent_hand_computed():
+    """``d = f0*(x_peer - x_sent)``, ``x <- x_now + pi*d``: the node keeps its own local step."""
+    rule = GemRule(reference="sent")
+    own = NodeState("a")
+    x = [np.array([1.0, 1.0, 1.0])]
+    out = step(rule, own, x, [[0.5, 0.0, -0.2]], peer_arrays=[np.array([3.0, 1.0, 1.0])])
+    # sent = [1,1,1], delta = [0.5, 0, -0.2], m = delta, d = 0.5*([3,1,1] - [1,1,1]) = [1, 0, 0]
+    # pi = clamp((|m| - |delta|) / (|d| + eps), 0, 2) = [0, 0, 0]: m carries no history yet -> no mix
+    np.testing.assert_array_equal(x[0], [1.5, 1.0, 0.8])
+    assert out.factor == 0.0
+    rule.on_publish(own, [x[0].copy()])
+    x[0] += [0.5, 0.0, 0.0]  # delta = [0.5, 0, 0]; m = 0.9*[0.5, 0, -0.2] + delta = [0.95, 0, -0.18]
+    peer_x = np.array([2.0, 1.0, 0.8])  # d = 0.5*(peer - sent) = [0.25, 0, 0]
+    out = rule.mix(own, x, [peer("p", [peer_x])])
+    # pi[0] = (0.95 - 0.5) / 0.25 = 1.8 (< 2): x[0] = 2.0 + 1.8*0.25 = 2.45; elements 1, 2: d = 0 -> unchanged
+    np.testing.assert_allclose(x[0], [2.45, 1.0, 0.8])
+    assert (x[0][0] - 2.0) <= rule.kappa * 0.95 + 1e-12  # |delta + pi*d| <= kappa*|m|
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_sent_keeps_making_progress_where_now_stalls(seed):
+    """Noise-free momentum SGD: the literal rule stalls near consensus; measuring d from x_sent does not."""
+    _, literal = _momentum_cluster(GemRule, seed, noise=0.0)
+    _, sent = _momentum_cluster(lambda: GemRule(reference="sent"), seed, noise=0.0)
+    assert sent[-1] < literal[-1] / 10

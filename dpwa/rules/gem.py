@@ -33,6 +33,12 @@ and ``d ~ -f0*delta``; the proxy then allows ``pi = 1/f0`` and the mix undoes th
 local step (``delta + pi*d ~ 0``).  The energy bound holds -- it limits motion,
 not progress -- but noise-free momentum SGD stalls near consensus (8 nodes on a
 quadratic: loss 0.53 from ~120, where constant 0.5 averaging reaches 0).
+
+``reference="sent"`` (not in the paper; a dpwa setting) measures the mixing step
+from the published model instead: ``d = f0*(x_peer - x_at_update_send)`` and
+``x <- x_now + pi*d`` with the same ``pi`` formula, i.e. the node averages the
+two published models and keeps its own local step on top (``g = 1`` gives
+``x_peer + delta``).  The energy bound holds the same way; progress does not stall.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class GemRule(Rule):
         momentum: float = 0.9,
         kappa: float = 1.0,
         eps: float = 1e-12,
+        reference: str = "now",
         divergence_threshold: float = 0.0,
     ) -> None:
         super().__init__(divergence_threshold)
@@ -78,13 +85,17 @@ class GemRule(Rule):
             raise ValueError(f"gem kappa must be a finite number > 0, got {kappa!r}")
         if not 0.0 < eps < float("inf"):
             raise ValueError(f"gem eps must be a finite number > 0, got {eps!r}")
+        if reference not in ("now", "sent"):
+            raise ValueError(f"gem reference must be 'now' or 'sent', got {reference!r}")
         self.base, self.momentum, self.kappa, self.eps = base, momentum, kappa, eps
+        self.reference = reference
         self._published: Sequence[np.ndarray] | None = None
         self._m: list[np.ndarray] | None = None
         self._scratch = _Scratch()
 
     def _params(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("base", "momentum", "kappa", "eps", "divergence_threshold")}
+        keys = ("base", "momentum", "kappa", "eps", "reference", "divergence_threshold")
+        return {k: getattr(self, k) for k in keys}
 
     @property
     def proxy(self) -> list[np.ndarray] | None:
@@ -170,13 +181,17 @@ class GemRule(Rule):
             if pv is None:
                 continue
             pc = _widen(pv[start:stop], scratch.get(c, n, 2)) if half else pv[start:stop]
+            if self.reference == "now":
+                ref = xc
+            else:  # "sent": the mixing step is measured from the published model
+                ref = _widen(bv[start:stop], scratch.get(c, n, 4)) if half else bv[start:stop]
             g = scratch.get(c, n, 3)
             np.abs(mb, out=g)
             if kappa != 1:
                 np.multiply(g, kappa, out=g)
             np.abs(dl, out=dl)
             np.subtract(g, dl, out=g)  # kappa*|m| - |delta|
-            np.subtract(pc, xc, out=dl)
+            np.subtract(pc, ref, out=dl)
             np.abs(dl, out=dl)
             np.add(dl, eps, out=dl)  # |x_peer - x| + eps/f0  (= (|d| + eps)/f0)
             np.divide(g, dl, out=g)  # f0*pi
@@ -190,10 +205,15 @@ class GemRule(Rule):
                 continue
             if s != 1:
                 np.multiply(g, s, out=g)
-            np.multiply(g, xc, out=dl)
-            np.subtract(xc, dl, out=xc)
-            np.multiply(g, pc, out=dl)
-            np.add(xc, dl, out=xc)  # x - g*x + g*x_peer
+            if self.reference == "now":
+                np.multiply(g, xc, out=dl)
+                np.subtract(xc, dl, out=xc)
+                np.multiply(g, pc, out=dl)
+                np.add(xc, dl, out=xc)  # x - g*x + g*x_peer
+            else:
+                np.subtract(pc, ref, out=dl)
+                np.multiply(dl, g, out=dl)
+                np.add(xc, dl, out=xc)  # x_now + g*(x_peer - x_sent)
             if half:
                 _narrow(xc, xb, dl)
         return total, low, high
