@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,42 @@ def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout}s: {message or condition}")
         time.sleep(interval)
+
+
+def traced(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn``; return its result and the peak of Python/numpy memory allocated meanwhile (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def traced_peak(fn: Callable[[], Any]) -> int:
+    """The peak memory allocated while ``fn`` runs (see :func:`traced`)."""
+    return traced(fn)[1]
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[dict[str, subprocess.Popen[Any]]]:
+    """A dict to put started processes in; every one still running when the block ends is killed."""
+    procs: dict[str, subprocess.Popen[Any]] = {}
+    try:
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def wait_all(procs: dict[str, subprocess.Popen[Any]], logs: Path, timeout: float = 60) -> None:
+    """Wait for every process to exit 0; a failure shows the process's log ``logs/<name>.log``."""
+    for name, proc in procs.items():
+        code = proc.wait(timeout=timeout)
+        assert code == 0, f"{name} exited {code}:\n{(logs / f'{name}.log').read_text()}"
 
 
 class NodeProcess:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
 import torch
+from conftest import traced_peak
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -256,13 +255,7 @@ def test_bfloat16_mixing_allocates_at_most_block_scratch():
     p = np.zeros(n, BFLOAT16)
     f = np.full(n, 0.25, np.float32)
     for run in (lambda: interpolate_([x], [p], 0.5), lambda: interpolate_elementwise_([x], [p], [f])):
-        tracemalloc.start()
-        try:
-            tracemalloc.reset_peak()
-            run()
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        peak = traced_peak(run)
         # two float32 blocks + the NaN mask of one block + numpy's casting buffers
         assert peak < 2 * BLOCK * 4 + BLOCK + 128 * 1024, peak
     assert x.view(np.uint16)[0] == bf16_array([0.375])[0]  # 1 -> 0.5 -> 0.375

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import free_ports, write_cluster
+from conftest import free_ports, processes, wait_all, write_cluster
 
 from dpwa import demo
 
@@ -97,8 +97,7 @@ def test_two_node_run_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixtur
     cluster = write_cluster(tmp_path / "cluster.yaml", free_ports(2), timeout_ms=2000)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    try:
+    with processes() as procs:
         for name in ("w1", "w2"):
             env = {
                 **os.environ,
@@ -110,14 +109,7 @@ def test_two_node_run_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixtur
             with open(run_dir / f"{name}.log", "wb") as log:
                 argv = [sys.executable, "-m", "dpwa.demo", "--steps", str(STEPS), "--batch-size", str(BATCH)]
                 procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        for name, proc in procs.items():
-            code = proc.wait(timeout=60)
-            assert code == 0, f"{name} exited {code}:\n{(run_dir / f'{name}.log').read_text()}"
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+        wait_all(procs, run_dir)
 
     for name in ("w1", "w2"):
         log = (run_dir / f"{name}.log").read_text()

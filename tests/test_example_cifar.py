@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from conftest import free_ports, write_cluster
+from conftest import free_ports, processes, wait_all, write_cluster
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pytorch-cifar"
 STEPS = 3
@@ -49,8 +49,7 @@ def _guarded_env(tmp_path: Path, marker: Path, **extra: str) -> dict[str, str]:
 
 def _run_nodes(names: list[str], env: dict[str, str], run_dir: Path, args: list[str]) -> None:
     """Start ``train.py`` once per node name and wait for all of them (60 s each at most)."""
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    try:
+    with processes() as procs:
         for name in names:
             with open(run_dir / f"{name}.log", "ab") as log:
                 procs[name] = subprocess.Popen(
@@ -59,14 +58,7 @@ def _run_nodes(names: list[str], env: dict[str, str], run_dir: Path, args: list[
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
-        for name, proc in procs.items():
-            code = proc.wait(timeout=60)
-            assert code == 0, f"{name} exited {code}:\n{(run_dir / f'{name}.log').read_text()}"
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+        wait_all(procs, run_dir)
 
 
 def test_the_guard_catches_a_torchvision_import(tmp_path: Path) -> None:

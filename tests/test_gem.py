@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
+from conftest import traced_peak
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -266,16 +265,6 @@ def test_registered_and_built_from_settings():
 # ------------------------------------------------------------ no model-sized temporaries
 
 N_BIG = 4 * 1024 * 1024
-
-
-def traced_peak(fn) -> int:
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import tracemalloc
 
 import numpy as np
 import pytest
+from conftest import traced
 
 from dpwa.bfloat16 import BFLOAT16, from_float32, to_float32
 from dpwa.config import GroupSettings
@@ -170,13 +170,7 @@ def test_mix_allocates_no_model_sized_temporaries(dtype):
     x = [rng.standard_normal(n).astype(dtype)]
     rule.on_publish(own, frozen(x))  # documented state: views of x_pub, no copy
     peers = [snap([rng.standard_normal(n).astype(dtype)], name) for name in NAMES[1:]]
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        out = rule.mix(own, x, peers)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    out, peak = traced(lambda: rule.mix(own, x, peers))
     assert out.factor == 0.6
     compute = 4 if dtype == np.float16 else np.dtype(dtype).itemsize
     assert peak < 2 * BLOCK * compute + 128 * 1024  # two block-sized scratch buffers and small objects

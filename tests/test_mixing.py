@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import tracemalloc
 from fractions import Fraction
 
 import numpy as np
 import pytest
+from conftest import traced_peak
 
 from dpwa.rules.mixing import (
     BLOCK,
@@ -250,16 +250,6 @@ N_BIG = 4 * 1024 * 1024
 # The largest scratch the kernels may use: two float32 blocks (float16 path), plus slack for small
 # objects and numpy's own fixed-size casting buffers (8192 elements per operand).
 SCRATCH_LIMIT = 2 * BLOCK * 4 + 128 * 1024
-
-
-def traced_peak(fn) -> int:
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def test_tracemalloc_sees_numpy_allocations():

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import tracemalloc
 
 import numpy as np
 import pytest
+from conftest import traced_peak
 
 from dpwa.config import PushSumSettings
 from dpwa.rules import RULES, NodeState, PeerSnapshot, make_rule
@@ -189,13 +189,7 @@ def test_mix_allocates_no_model_sized_temporaries():
     n = 4 * 1024 * 1024
     x = [np.ones(n, np.float32)]
     peers = [snap([np.zeros(n, np.float32)], w_given=0.5)]
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        rule.mix(own, x, peers)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = traced_peak(lambda: rule.mix(own, x, peers))
     assert peak < BLOCK * 4 + 128 * 1024 < x[0].nbytes / 10
     np.testing.assert_allclose(x[0][:5], 2.0 / 3.0, rtol=1e-6)
 
