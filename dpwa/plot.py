@@ -1,6 +1,6 @@
 """``dpwa plot RUN_DIR``: one PNG with three panels from a run directory's metrics files.
 
-1. training loss vs step, one line per node;
+1. training loss vs step, one line per node (every batch faint, a moving average bold);
 2. mixing factor over time (seconds since the first record), a moving average per node;
 3. histogram of fetch latency (ms) of the successful fetches, per node.
 
@@ -68,21 +68,25 @@ def plot_run(run_dir: RunDir, output: Path) -> Path:
 
     fig = Figure(figsize=(15, 4.5), layout="constrained")
     loss_ax, factor_ax, fetch_ax = fig.subplots(1, 3)
-    for name, cols in data.items():
-        loss_ax.plot(cols["step"], cols["loss"], label=name, linewidth=1)
-        factor_ax.plot(cols["time"], _moving_average(cols["factor"], SMOOTH), label=name, linewidth=1)
+    for i, (name, cols) in enumerate(data.items()):
+        color = f"C{i % 10}"
+        window = max(SMOOTH, len(cols["loss"]) // 50)  # ~50 independent points across the run
+        loss_ax.plot(cols["step"], cols["loss"], color=color, linewidth=0.5, alpha=0.2)
+        loss_ax.plot(cols["step"], _moving_average(cols["loss"], window), color=color, label=name, linewidth=1.5)
+        factor_ax.plot(cols["time"], _moving_average(cols["factor"], SMOOTH), color=color, label=name, linewidth=1)
     fetches = [ms for cols in data.values() for ms in cols["fetch_ms"]]
     if fetches:
-        bins = np.histogram_bin_edges(fetches, bins=40)
+        top = float(np.percentile(fetches, 99.5)) or max(fetches)  # rare outliers would squash the rest
+        bins = np.histogram_bin_edges(np.minimum(fetches, top), bins=40)
         for i, (name, cols) in enumerate(data.items()):
             color = f"C{i % 10}"  # the same colour as the node's lines in the other panels
-            fetch_ax.hist(cols["fetch_ms"], bins=bins, histtype="step", label=name, color=color)
+            fetch_ax.hist(np.minimum(cols["fetch_ms"], top), bins=bins, histtype="step", label=name, color=color)
         fetch_ax.legend(fontsize="small")
     else:
         fetch_ax.text(0.5, 0.5, "no successful fetches", ha="center", va="center", transform=fetch_ax.transAxes)
-    loss_ax.set(title="training loss", xlabel="step", ylabel="loss")
+    loss_ax.set(title="training loss", xlabel="step (faint: every batch, bold: moving average)", ylabel="loss")
     factor_ax.set(title=f"mixing factor (moving average of {SMOOTH})", xlabel="seconds", ylabel="factor")
-    fetch_ax.set(title="fetch latency (ok fetches)", xlabel="ms", ylabel="fetches")
+    fetch_ax.set(title="fetch latency (ok fetches)", xlabel="ms (last bin: slowest 0.5 %)", ylabel="fetches")
     for ax in (loss_ax, factor_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
