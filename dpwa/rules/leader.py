@@ -73,7 +73,10 @@ UNKNOWN_LOSS = sys.float_info.max
 def _number(v: object) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # a JSON integer beyond float range (e.g. 10**400)
+        return None
     return f if math.isfinite(f) else None
 
 

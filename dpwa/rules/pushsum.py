@@ -49,7 +49,10 @@ def valid_mass(value: Any, limit: float = math.inf) -> float | None:
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    w = float(value)
+    try:
+        w = float(value)
+    except OverflowError:  # a JSON integer beyond float range (e.g. 10**400)
+        return None
     if not (math.isfinite(w) and 0.0 < w <= limit):
         return None
     return w
