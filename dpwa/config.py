@@ -41,6 +41,7 @@ __all__ = [
     "LeaderSettings",
     "PushSumSettings",
     "PEER_SCHEDULES",
+    "WIRE_DTYPES",
     "RULE_SCHEDULES",
     "LossSettings",
     "NodeSpec",
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MEMORY = "<memory>"
 _SPEC = "dpwa.config.spec"  # dataclasses.field metadata key holding a field's _Spec
+_OMIT_DEFAULT = "dpwa.config.omit_default"  # field metadata: to_dict leaves the key out while it has its default
 _LOOPBACK = frozenset({"localhost", "127.0.0.1"})  # spellings of one host, for duplicate host:port
 
 
@@ -321,6 +323,9 @@ RULE_SCHEDULES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 #: Values of the ``peers`` key: ``auto`` (the rule's default) or a schedule of ``dpwa.schedules``.
 PEER_SCHEDULES = ("auto", "random", "exponential", "ring", "leader", "groups")
+#: Values of the ``wire_dtype`` key: ``auto`` (every array travels in its own dtype) or the dtype that
+#: arrays wider than it travel in (rounded to nearest even when published, widened exactly when received).
+WIRE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +387,7 @@ class ClusterConfig:
     interpolation: str = choice("constant", RULE_SETTINGS)
     divergence_threshold: float = setting(0.0, lo=0)
     peers: str = choice("auto", PEER_SCHEDULES)
+    wire_dtype: str = dataclasses.field(default="auto", metadata={_SPEC: _Choice(WIRE_DTYPES), _OMIT_DEFAULT: True})
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     source: str = dataclasses.field(default=MEMORY, compare=False)
     #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.
@@ -440,8 +446,15 @@ class ClusterConfig:
         return self.rule_settings[self.interpolation]
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved config as plain data in the mapping format; its YAML parses back to ``self``."""
-        out = {f.name: f.metadata[_SPEC].dump(getattr(self, f.name)) for f in _top_level_fields()}
+        """The resolved config as plain data in the mapping format; its YAML parses back to ``self``.
+
+        Keys added after the sample files were written (``wire_dtype``) appear only when not at their default.
+        """
+        out = {
+            f.name: f.metadata[_SPEC].dump(getattr(self, f.name))
+            for f in _top_level_fields()
+            if not (f.metadata.get(_OMIT_DEFAULT) and getattr(self, f.name) == f.default)
+        }
         rules: Mapping[str, Any] = self.rule_settings
         return out | {name: dataclasses.asdict(obj) for name, obj in rules.items()}
 

@@ -79,6 +79,7 @@ class _Node:
         self.flow = FlowControl([p.name for p in peers], self.rng)
         self.flow_lock = threading.Lock()
         self.layout: Layout | None = None
+        self.wire_layout: Layout | None = None
         self.pool: SnapshotPool | None = None
         self.params: list[np.ndarray] | None = None
         self.receive_slots: list[tuple[np.ndarray, list[np.ndarray]]] = []
@@ -86,6 +87,7 @@ class _Node:
         self.requests = itertools.count(1)
         self.step = 0  # update_send calls so far: the schedules' round index
         self.alone = False
+        self.mixing = False
         self.last_exchange: dict[str, Any] | None = None
         self.closed = False
         self.ctx = zmq.Context(io_threads=1)
@@ -100,7 +102,7 @@ class _Node:
             self.ctx,
             name,
             {p.name: p.endpoint for p in peers},
-            lambda: self.layout,
+            self.layouts,
             self.on_target,
             self.stats.add,
             name=f"dpwa-tx-{name}",
@@ -118,14 +120,33 @@ class _Node:
 
     # ------------------------------------------------------------ trainer thread
 
+    def exchanging(self) -> bool:
+        """True while this node's own fetch is in flight or update_wait is mixing (any thread may ask)."""
+        job = self.pending
+        return self.mixing or (job is not None and not job.done.is_set())
+
+    def layouts(self) -> tuple[Layout, Layout] | None:
+        """(wire layout, local layout) once the first update_send set them up, else None."""
+        layout, wire_layout = self.layout, self.wire_layout
+        return None if layout is None or wire_layout is None else (wire_layout, layout)
+
     def setup_layout(self, params: Sequence[np.ndarray]) -> None:
         layout = Layout.of(params)
-        self.pool = SnapshotPool(layout)
+        wire_layout = layout.on_wire(self.config.wire_dtype)
+        self.pool = SnapshotPool(layout, wire=wire_layout, name=self.name, defer=self.exchanging)
         for _ in range(max(1, self.schedule.max_fanout(len(self.names)))):
             buffer = layout.allocate()
             self.receive_slots.append((buffer, layout.views(buffer)))
+        self.wire_layout = wire_layout
         self.layout = layout
-        log.info("node %s: %d arrays, %.1f MB per snapshot", self.name, len(params), layout.total_bytes / 1e6)
+        log.info(
+            "node %s: %d arrays, %.1f MB per snapshot, %.1f MB on the wire (wire_dtype %s)",
+            self.name,
+            len(params),
+            layout.total_bytes / 1e6,
+            wire_layout.total_bytes / 1e6,
+            self.config.wire_dtype,
+        )
 
     def update_send(self, params: Sequence[np.ndarray], loss: Any) -> None:
         value = _as_loss(loss)
@@ -184,13 +205,24 @@ class _Node:
         value = _as_loss(loss)
         with self.state_lock:
             self.state.loss = value
-        job, self.pending = self.pending, None
-        if self.params is None:
-            self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
-            return 0.0
+        self.mixing = True  # set before pending is cleared: the snapshot converter keeps deferring
+        try:
+            job, self.pending = self.pending, None
+            if self.params is None:
+                self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
+                return 0.0
+            return self.wait_and_mix(job)
+        finally:
+            self.mixing = False
+
+    def wait_and_mix(self, job: FetchJob | None) -> float:
+        """update_wait's work: wait for the TX thread's verdict (bounded), run the rule, record the exchange."""
+        assert self.params is not None
+        waited = time.perf_counter()
         if job is not None and not job.done.wait(max(0.0, job.deadline - time.monotonic()) + WAIT_SLACK_S):
             log.debug("node %s: TX gave no verdict by the deadline", self.name)
             job = None
+        mixing = time.perf_counter()
         targets = job.targets if job is not None else []
         peers = [
             PeerSnapshot(NodeState(t.peer, t.header.clock, t.header.loss, dict(t.header.extras)), t.views)
@@ -203,6 +235,7 @@ class _Node:
                 if t.status in ("timeout", "rejected"):
                     self.rule.on_reply_lost(self.state, dict(t.header.extras) if t.header is not None else None)
             outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track their motion
+        mixed = time.perf_counter()
         if peers:
             self.stats.add("mixes")
         record: dict[str, Any] = {
@@ -213,6 +246,8 @@ class _Node:
             "bytes": sum(t.nbytes for t in targets),
             "fetch_ms": max((t.ms for t in targets), default=0.0),
             "clock_gap": (sum(p.state.clock for p in peers) / len(peers) - clock_before) if peers else None,
+            "wait_ms": (mixing - waited) * 1000.0,
+            "mix_ms": (mixed - mixing) * 1000.0,
         }
         record.update(outcome.metrics)
         self.last_exchange = record
@@ -265,7 +300,7 @@ class _Node:
 
     def serve(self, request: Header) -> Reply:
         """Answer a FETCH with the current snapshot, or an error naming why not."""
-        layout, pool = self.layout, self.pool
+        layout, pool = self.wire_layout, self.pool
         if layout is None or pool is None:
             return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
         if request.fingerprint != layout.fingerprint:
@@ -285,6 +320,7 @@ class _Node:
                 if request.extras:
                     self.rule.on_request(self.state, request.extras)
                 given = self.rule.on_serve(self.state)
+            stream = request.stream and wire.can_stream(request.req)
             header = wire.encode_state(
                 self.name,
                 request.req,
@@ -292,6 +328,7 @@ class _Node:
                 loss=snapshot.loss,
                 extras={**snapshot.extras, **given},
                 layout=layout,
+                stream=stream,
             )
         except BaseException:
             pool.release(snapshot)
@@ -303,7 +340,10 @@ class _Node:
                 with self.state_lock:
                     self.rule.on_serve_failed(self.state, given)
 
-        return Reply(header, snapshot.frames, sent)
+        def prepare(index: int) -> None:
+            pool.prepare(snapshot, index)
+
+        return Reply(header, snapshot.frames, sent, prepare, stream, request.req)
 
     # ------------------------------------------------------------ any thread
 
@@ -348,6 +388,8 @@ class _Node:
             raise RuntimeError("close() called from a dpwa thread")
         self.rx.stop()
         self.tx.stop()
+        if self.pool is not None:
+            self.pool.close(timeout=1.0)
         self.rx.join(timeout=1.0)
         self.tx.join(timeout=1.0)
         self.tx.close_waker()
@@ -404,7 +446,8 @@ class DpwaConnection:
     def last_exchange(self) -> dict[str, Any] | None:
         """The last update_wait as a metrics record.
 
-        Keys: step, factor, peer, status, bytes, fetch_ms, clock_gap, and the rule's own metrics.
+        Keys: step, factor, peer, status, bytes, fetch_ms, clock_gap, wait_ms (how long update_wait
+        blocked waiting for the fetch), mix_ms (the rule's mix), and the rule's own metrics.
         """
         return self._node.last_exchange
 

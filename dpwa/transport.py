@@ -2,9 +2,13 @@
 
 * :class:`RxServer` binds a ROUTER and answers every FETCH with the latest
   snapshot, zero-copy; a slow or vanished requester only fills its own queue.
+  A requester that asks for it gets the reply streamed: the header, then one
+  message per chunk (``dpwa.wire``), so it can take chunk *i* while the next
+  ones are still on the wire.
 * :class:`TxFetcher` owns one DEALER per peer, runs one fetch job at a time
-  against a hard deadline, receives each payload frame straight into a
-  preallocated buffer, validates it chunk by chunk, and after a timeout closes
+  against a hard deadline, takes each payload chunk from ZeroMQ's buffer into a
+  preallocated receive buffer, copying (or widening a 16-bit wire dtype) and
+  validating it in one pass, and after a timeout -- or a broken stream -- closes
   and reopens the peer's socket (Lazy Pirate) so a late reply is never taken
   for the next one.
 
@@ -26,7 +30,7 @@ import numpy as np
 import zmq
 
 from . import wire
-from .wire import CHUNK_BYTES, FiniteChecker, Header, Kind, Layout, WireError
+from .wire import CHUNK_BYTES, Header, Kind, Layout, PayloadReader, WireError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,8 @@ POLL_MS = 100
 HEARTBEAT_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 MAX_REQUEST_BYTES = wire.MAX_HEADER_BYTES
+REPLIES_QUEUED = 64
+"""Replies the RX ROUTER queues per requester before it drops one (its SNDHWM, in replies, not messages)."""
 
 
 def _common_options(sock: zmq.Socket) -> None:
@@ -42,6 +48,16 @@ def _common_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def tune_data_socket(sock: zmq.Socket) -> None:
+    """Options of every socket that carries payloads (RX ROUTER, TX DEALER, and the bench's raw sockets).
+
+    Deliberately none today: fixed SO_SNDBUF/SO_RCVBUF of 256 KiB to 4 MiB measured no
+    faster than Linux's buffer autotuning on loopback (``dpwa bench exchange``), and
+    setting them turns autotuning off. This is the one place to add such options, so
+    that the benchmark's raw-pyzmq reference always gets the same ones.
+    """
 
 
 def _discard_rest(sock: zmq.Socket) -> None:
@@ -61,6 +77,11 @@ class Reply:
     payload: Sequence[memoryview] = ()
     sent: Callable[[zmq.MessageTracker | None], None] | None = None
     """Called once with the send's tracker (None when the reply was dropped)."""
+    prepare: Callable[[int], None] | None = None
+    """Called with a payload index before that frame is sent (fills a wire buffer chunk by chunk)."""
+    stream: bool = False
+    """Send the payload as one message per chunk, each tagged with ``req`` and its index."""
+    req: int = 0
 
 
 class RxServer(threading.Thread):
@@ -74,9 +95,11 @@ class RxServer(threading.Thread):
         on_event: Callable[[str, int], None],
         *,
         name: str = "dpwa-rx",
-        sndhwm: int = 64,
+        sndhwm: int = REPLIES_QUEUED,
     ) -> None:
         super().__init__(name=name, daemon=True)
+        self._replies_queued = sndhwm
+        self._hwm = sndhwm
         self._serve = serve
         self._on_event = on_event
         self._stop_flag = threading.Event()
@@ -87,6 +110,7 @@ class RxServer(threading.Thread):
         self._sock.setsockopt(zmq.SNDHWM, sndhwm)
         self._sock.setsockopt(zmq.RCVHWM, 64)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        tune_data_socket(self._sock)
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -131,20 +155,15 @@ class RxServer(threading.Thread):
         except Exception:  # pragma: no cover - a bug in a rule's on_serve must not kill the server
             log.exception("serving %s failed", header.node)
             return
-        tracker = None
+        frames: list[zmq.Frame] = []
         try:
-            sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            if reply.payload and reply.stream:
+                self._send_stream(sock, identity, reply, frames)
+            else:
+                self._send_single(sock, identity, reply, frames)
             if reply.payload:
-                sock.send(reply.header, zmq.SNDMORE | zmq.NOBLOCK)
-                frames = [zmq.Frame(mv, copy=False, track=True) for mv in reply.payload]
-                for f in frames[:-1]:
-                    sock.send(f, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
-                sock.send(frames[-1], zmq.NOBLOCK, copy=False)
-                tracker = zmq.MessageTracker(*frames)
                 self._on_event("served", 1)
                 self._on_event("bytes_out", sum(mv.nbytes for mv in reply.payload))
-            else:
-                sock.send(reply.header, zmq.NOBLOCK)
         except zmq.Again:
             self._on_event("serve_dropped", 1)  # requester's queue full: it will time out and retry
         except zmq.ZMQError as exc:
@@ -153,7 +172,45 @@ class RxServer(threading.Thread):
             self._on_event("serve_dropped", 1)  # requester vanished
         finally:
             if reply.sent is not None:
-                reply.sent(tracker)
+                reply.sent(zmq.MessageTracker(*frames) if frames else None)
+
+    def _payload_frame(self, reply: Reply, index: int, frames: list[zmq.Frame]) -> zmq.Frame:
+        if reply.prepare is not None:
+            reply.prepare(index)
+        frame = zmq.Frame(reply.payload[index], copy=False, track=True)
+        frames.append(frame)
+        return frame
+
+    def _send_single(self, sock: zmq.Socket, identity: bytes, reply: Reply, frames: list[zmq.Frame]) -> None:
+        """The header and every payload frame in one multipart message (ZeroMQ delivers it whole)."""
+        sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+        if not reply.payload:
+            sock.send(reply.header, zmq.NOBLOCK)
+            return
+        sock.send(reply.header, zmq.SNDMORE | zmq.NOBLOCK)
+        last = len(reply.payload) - 1
+        for i in range(last + 1):
+            frame = self._payload_frame(reply, i, frames)
+            sock.send(frame, (zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, copy=False)
+
+    def _send_stream(self, sock: zmq.Socket, identity: bytes, reply: Reply, frames: list[zmq.Frame]) -> None:
+        """The header alone, then one ``[tag, chunk]`` message per chunk: the requester takes each as it lands.
+
+        A full queue after the header leaves the reply cut short: the requester times out (counted as dropped).
+        """
+        hwm = self._replies_queued * (len(reply.payload) + 1)
+        if hwm > self._hwm:  # counted in messages: keep room for REPLIES_QUEUED whole replies per requester
+            sock.setsockopt(zmq.SNDHWM, hwm)
+            self._hwm = hwm
+        sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+        head = zmq.Frame(reply.header, track=True)
+        sock.send(head, zmq.NOBLOCK, copy=False)
+        frames.append(head)  # from here on the reply counts as sent: the requester holds its header
+        for i in range(len(reply.payload)):
+            frame = self._payload_frame(reply, i, frames)
+            sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(wire.encode_chunk_tag(reply.req, i), zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(frame, zmq.NOBLOCK, copy=False)
 
 
 # --------------------------------------------------------------------------- TX
@@ -161,7 +218,7 @@ class RxServer(threading.Thread):
 
 @dataclass
 class FetchTarget:
-    """One peer of a fetch job and the preallocated buffer its reply lands in."""
+    """One peer of a fetch job and the preallocated buffer its reply lands in (in the local layout)."""
 
     peer: str
     buffer: np.ndarray
@@ -172,6 +229,8 @@ class FetchTarget:
     header: Header | None = None
     ms: float = 0.0
     nbytes: int = 0
+    next_chunk: int = -1
+    """In a streamed reply: the index of the chunk expected next; -1 while the header is awaited."""
 
 
 @dataclass
@@ -186,15 +245,31 @@ class FetchJob:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class _Broken(Exception):
+    """A streamed reply that cannot go on: reject the target and reset the socket (its other chunks vanish)."""
+
+    def __init__(self, error: WireError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+MAX_MESSAGES_PER_WAKE = 64
+"""Messages the TX thread takes from one socket before it looks at the deadline again."""
+
+
 class TxFetcher(threading.Thread):
-    """Runs fetch jobs handed over by ``submit``; reports every finished target through ``on_target``."""
+    """Runs fetch jobs handed over by ``submit``; reports every finished target through ``on_target``.
+
+    ``layouts()`` returns ``(wire, local)``: the layout replies arrive in (its fingerprint is
+    what the peers must match) and the layout of the receive buffers; None before the first publish.
+    """
 
     def __init__(
         self,
         ctx: zmq.Context,
         node: str,
         endpoints: dict[str, str],
-        layout_provider: Callable[[], Layout | None],
+        layouts: Callable[[], tuple[Layout, Layout] | None],
         on_target: Callable[[FetchJob, FetchTarget], None],
         on_event: Callable[[str, int], None],
         *,
@@ -205,7 +280,7 @@ class TxFetcher(threading.Thread):
         self._ctx = ctx
         self._node = node
         self._endpoints = dict(endpoints)
-        self._layout_provider = layout_provider
+        self._layouts = layouts
         self._on_target = on_target
         self._on_event = on_event
         self._chunk = chunk
@@ -218,8 +293,8 @@ class TxFetcher(threading.Thread):
         self._wake_tx.connect(address)
         self._wake_lock = threading.Lock()
         self._sockets: dict[str, zmq.Socket] = {}
-        self._checker: FiniteChecker | None = None
-        self._checker_layout: Layout | None = None
+        self._reader: PayloadReader | None = None
+        self._bounds: list[tuple[int, int]] = []
 
     # -- called from other threads
     def submit(self, job: FetchJob) -> None:
@@ -260,7 +335,7 @@ class TxFetcher(threading.Thread):
                         self._wake_rx.recv()
                 for peer, sock in list(self._sockets.items()):
                     if events.get(sock, 0) & zmq.POLLIN:
-                        self._receive(job, peer, sock)
+                        self._receive(poller, job, peer, sock)
                 if job is not None and time.monotonic() >= job.deadline:
                     for target in job.targets:
                         if target.status == "pending":
@@ -291,6 +366,7 @@ class TxFetcher(threading.Thread):
             _common_options(sock)
             sock.setsockopt(zmq.MAXMSGSIZE, max(self._chunk, wire.MAX_HEADER_BYTES))
             sock.setsockopt(zmq.SNDHWM, 4)
+            tune_data_socket(sock)
             sock.connect(self._endpoints[peer])
             poller.register(sock, zmq.POLLIN)
             self._sockets[peer] = sock
@@ -304,18 +380,20 @@ class TxFetcher(threading.Thread):
             sock.close(linger=0)
 
     def _start(self, poller: zmq.Poller, job: FetchJob) -> None:
-        layout = self._layout_provider()
-        if layout is None:  # pragma: no cover - the connection publishes before fetching
+        layouts = self._layouts()
+        if layouts is None:  # pragma: no cover - the connection publishes before fetching
             for target in job.targets:
                 self._finish(job, target, "rejected", "layout", "no local layout yet")
             return
-        if self._checker is None or self._checker_layout is not layout:
-            self._checker, self._checker_layout = FiniteChecker(layout), layout
+        wire_layout, local = layouts
+        if self._reader is None or self._reader.wire is not wire_layout or self._reader.local is not local:
+            self._reader = PayloadReader(wire_layout, local)
+            self._bounds = wire_layout.frame_bounds(self._chunk)
         try:
-            request = wire.encode_fetch(self._node, job.req, layout.fingerprint, job.extras)
+            request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, job.extras, stream=True)
         except (TypeError, ValueError) as exc:  # a rule's extras too big or not JSON: fetch without them
             log.warning("request extras dropped: %s", exc)
-            request = wire.encode_fetch(self._node, job.req, layout.fingerprint)
+            request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, stream=True)
         for target in job.targets:
             sock = self._socket(poller, target.peer)
             try:
@@ -330,20 +408,49 @@ class TxFetcher(threading.Thread):
         target.ms = (time.monotonic() - job.started) * 1000.0
         self._on_target(job, target)
 
-    def _receive(self, job: FetchJob | None, peer: str, sock: zmq.Socket) -> None:
-        target = None
-        if job is not None:
-            target = next((t for t in job.targets if t.peer == peer and t.status == "pending"), None)
-        try:
-            head = sock.recv(zmq.NOBLOCK)
-        except zmq.Again:  # pragma: no cover - poll said readable
+    def _receive(self, poller: zmq.Poller, job: FetchJob | None, peer: str, sock: zmq.Socket) -> None:
+        """Take the messages waiting on ``peer``'s socket (at most MAX_MESSAGES_PER_WAKE)."""
+        for _ in range(MAX_MESSAGES_PER_WAKE):
+            target = None
+            if job is not None:
+                target = next((t for t in job.targets if t.peer == peer and t.status == "pending"), None)
+            try:
+                head = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._message(job, target, sock, head)
+            except _Broken as broken:
+                _discard_rest(sock)
+                assert job is not None and target is not None
+                self._finish(job, target, "rejected", broken.error.reason, broken.error.detail)
+                self._reset(poller, peer)
+                return
+
+    def _message(self, job: FetchJob | None, target: FetchTarget | None, sock: zmq.Socket, head: bytes) -> None:
+        """One message whose first frame is ``head``; raises _Broken when a streamed reply goes wrong."""
+        tag = wire.decode_chunk_tag(head)
+        if tag is not None:
+            if job is None or target is None or tag[0] != job.req or target.next_chunk < 0:
+                _discard_rest(sock)  # a chunk of a reply already judged (or never announced): nothing to take
+                return
+            self._chunk_message(target, sock, tag[1], len(head))
+            if target.next_chunk == len(self._bounds):
+                self._finish(job, target, "ok")
             return
         if target is None or job is None:
             _discard_rest(sock)
             self._on_event("stale_replies", 1)
             return
-        layout = self._layout_provider()
-        assert layout is not None and self._checker is not None
+        if target.next_chunk >= 0:
+            raise _Broken(WireError("frames", "a message other than the next chunk inside a streamed reply"))
+        self._header_message(job, target, sock, head)
+
+    def _header_message(self, job: FetchJob, target: FetchTarget, sock: zmq.Socket, head: bytes) -> None:
+        """A reply's header, and with the single-message framing its payload frames too."""
+        layouts = self._layouts()
+        assert layouts is not None and self._reader is not None
+        wire_layout = layouts[0]
         received = len(head)
         try:
             header = wire.decode_header(head)
@@ -355,7 +462,7 @@ class TxFetcher(threading.Thread):
             if header.kind is not Kind.STATE:
                 raise WireError("header", f"unexpected {header.kind.name} reply")
             try:
-                wire.check_state_header(header, layout, peer=peer, req=job.req, chunk=self._chunk)
+                wire.check_state_header(header, wire_layout, peer=target.peer, req=job.req, chunk=self._chunk)
             except WireError as exc:
                 if exc.reason == "stale":
                     _discard_rest(sock)
@@ -363,15 +470,16 @@ class TxFetcher(threading.Thread):
                     return
                 raise
             target.header = header  # validated: kept even if the payload is rejected (push-sum mass accounting)
-            for start, end in layout.frame_bounds(self._chunk):
+            if header.stream:
+                if sock.get(zmq.RCVMORE):
+                    raise WireError("frames", "a streamed reply's header came with payload frames")
+                target.next_chunk = 0
+                target.nbytes = received
+                return
+            for start, end in self._bounds:
                 if not sock.get(zmq.RCVMORE):
                     raise WireError("frames", "reply has fewer payload frames than announced")
-                n = sock.recv_into(target.buffer[start:end], flags=zmq.NOBLOCK)
-                received += n
-                if n != end - start:
-                    raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
-                if not self._checker.all_finite(target.views, start, end):
-                    raise WireError("non-finite", "payload holds NaN or infinity")
+                received += self._take(sock, target, start, end)
             if sock.get(zmq.RCVMORE):
                 raise WireError("frames", "reply has more payload frames than announced")
         except WireError as exc:
@@ -379,6 +487,43 @@ class TxFetcher(threading.Thread):
             target.nbytes = received
             self._finish(job, target, "rejected", exc.reason, exc.detail)
             return
-        target.header = header
         target.nbytes = received
         self._finish(job, target, "ok")
+
+    def _chunk_message(self, target: FetchTarget, sock: zmq.Socket, index: int, tag_bytes: int) -> None:
+        """Chunk ``index`` of the streamed reply ``target`` awaits: exactly [tag, payload], in order, finite."""
+        assert self._reader is not None
+        if index != target.next_chunk:
+            raise _Broken(WireError("frames", f"chunk {index} arrived, expected chunk {target.next_chunk}"))
+        if not sock.get(zmq.RCVMORE):
+            raise _Broken(WireError("frames", "a chunk message without its payload frame"))
+        start, end = self._bounds[index]
+        try:
+            target.nbytes += tag_bytes + self._take(sock, target, start, end)
+        except WireError as exc:
+            raise _Broken(exc) from None
+        if sock.get(zmq.RCVMORE):
+            raise _Broken(WireError("frames", "a chunk message with more than one payload frame"))
+        target.next_chunk += 1
+
+    def _take(self, sock: zmq.Socket, target: FetchTarget, start: int, end: int) -> int:
+        """Receive the next frame as wire bytes [start, end) into ``target``'s buffer, validated; its size.
+
+        Raises WireError ``size`` or ``non-finite`` (the buffer is scratch until the reply is accepted).
+        """
+        reader = self._reader
+        assert reader is not None
+        if reader.direct:  # ZeroMQ copies straight into place; then one check pass
+            n = sock.recv_into(target.buffer[start:end], flags=zmq.NOBLOCK)
+            if n != end - start:
+                raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
+            finite = reader.check(target.views, start, end)
+        else:  # widen from ZeroMQ's buffer, checking each block while it is in cache
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            n = len(frame)
+            if n != end - start:
+                raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
+            finite = reader.read(np.frombuffer(frame.buffer, np.uint8), start, target.views)
+        if not finite:
+            raise WireError("non-finite", "payload holds NaN or infinity")
+        return n

@@ -330,3 +330,22 @@ def test_apply_divergence_rejects_bad_threshold(t):
 )
 def test_mix_clock(clock, peer_clock, f, expect):
     assert mix_clock(clock, peer_clock, f) == expect
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_half_is_the_correctly_rounded_mean_near_overflow_and_underflow(dtype):
+    """f = 0.5 runs as (x + p) * 0.5: exact means of subnormals, and no overflow where the sum would overflow."""
+    info = np.finfo(dtype)
+    tiny = info.smallest_subnormal
+    x = [np.full(MULTI_BLOCK, 3 * tiny, dtype), np.full(5, info.max, dtype)]
+    p = [np.full(MULTI_BLOCK, 2 * tiny, dtype), np.full(5, info.max * dtype(0.75), dtype)]  # the sum overflows
+    mean = float(Fraction(float(info.max)) / 2 + Fraction(float(p[1][0])) / 2)
+    interpolate_(x, [a.copy() for a in p], 0.5)
+    assert (x[0] == 2 * tiny).all()  # 2.5 subnormal steps, ties to even: 0.5*x + 0.5*p would give 3
+    np.testing.assert_array_equal(x[1], np.full(5, mean, dtype))
+
+
+def test_half_leaves_the_peer_untouched():
+    x, p = np.ones(MULTI_BLOCK, np.float32), np.full(MULTI_BLOCK, 3.0, np.float32)
+    interpolate_([x], [p], 0.5)
+    assert (x == 2.0).all() and (p == 3.0).all()

@@ -194,3 +194,16 @@ def test_fetch_may_carry_rule_extras():
     assert wire.decode_header(wire.encode_fetch("w1", 3, "fp")).extras == {}
     with pytest.raises(WireError, match="extras"):
         wire.decode_header(_raw(1, {"node": "w1", "req": 1, "fp": "x", "extras": [1]}))
+
+
+@pytest.mark.parametrize("key", ["clock", "loss"])
+def test_an_integer_beyond_float_range_is_a_wire_error_not_a_crash(key):
+    with pytest.raises(WireError) as err:
+        wire.decode_header(
+            _raw(
+                2,
+                '{"node":"w2","req":1,"fp":"x","clock":1,"loss":1,"extras":{},"total":64,'
+                f'"chunk":1,"nframes":1,"{key}":1{"0" * 400}}}',
+            )
+        )
+    assert err.value.reason == "non-finite"
