@@ -21,29 +21,34 @@ from dpwa.config import ClusterConfig, ConfigError, load_config
 LAZY_COMMANDS: dict[str, str] = {
     "run": "dpwa.launcher:run",
     "plot": "dpwa.plot:plot",
+    "bench": "dpwa.bench:bench",
 }
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EXIT_CONFIG_ERROR = 2
 
 
-class _LazyGroup(click.Group):
-    """A click group that also offers the commands of ``LAZY_COMMANDS``, importing each on first use."""
+class LazyGroup(click.Group):
+    """A click group that also offers the commands of its ``lazy`` table, importing each on first use."""
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = LAZY_COMMANDS if lazy is None else lazy
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+        return sorted({*super().list_commands(ctx), *self.lazy})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
-            module_name, _, attribute = LAZY_COMMANDS[cmd_name].partition(":")
+        if cmd_name in self.lazy and cmd_name not in self.commands:
+            module_name, _, attribute = self.lazy[cmd_name].partition(":")
             command = getattr(importlib.import_module(module_name), attribute)
             if not isinstance(command, click.Command):
-                raise TypeError(f"{LAZY_COMMANDS[cmd_name]} is not a click command")
+                raise TypeError(f"{self.lazy[cmd_name]} is not a click command")
             return command
         return super().get_command(ctx, cmd_name)
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--log-level",
     type=click.Choice(LOG_LEVELS, case_sensitive=False),

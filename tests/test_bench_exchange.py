@@ -1,0 +1,118 @@
+"""`dpwa bench exchange` at a tiny size: the output's shape and finite numbers (never their values).
+
+The figures themselves are the benchmark's business (README, "Benchmarks"); a test only
+checks that every measurement was taken and written, and that the benchmark cleans up
+after itself, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dpwa.bench.exchange import WIRE_DTYPES, parse_count
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="(c) needs torch.distributed"),
+]
+
+NUMBERS = [
+    "model_mb", "wire_mb", "memcpy_ms", "a_ms", "a_mbs", "a2_ms", "send_ms", "ready_ms", "fetch_ms", "fetch_mbs",
+    "mix_ms", "c_ms", "c_mbs", "step_ms", "wait_ms", "fetch_a", "fetch_a2", "fm_c", "send_memcpy", "mix_memcpy",
+    "block",
+]  # fmt: skip
+CHECKS = ["ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block"]
+
+
+def bench(*args: str, **kwargs: object) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "dpwa.cli", "bench", "exchange", *args]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)  # type: ignore[call-overload]
+
+
+def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
+    plot = importlib.util.find_spec("matplotlib") is not None
+    proc = bench("--floats", "10000,2k", "--repeat", "2", "--run-dir", str(tmp_path), *(["--plot"] if plot else []))
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    doc = json.loads((tmp_path / "exchange.json").read_text())
+    assert doc["benchmark"] == "exchange"
+    assert doc["settings"]["floats"] == [10000, 2000] and doc["settings"]["repeat"] == 2
+    assert {"cores", "numpy", "zmq"} <= set(doc["machine"])
+    rows = doc["rows"]
+    assert [(r["floats"], r["wire"]) for r in rows] == [(n, w) for n in (10000, 2000) for w in WIRE_DTYPES]
+    for row in rows:
+        for key in NUMBERS:
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] >= 0, (key, row)
+        for key in CHECKS:
+            assert row[key] in ("✓", "✗", "-"), (key, row[key])
+        for key, values in row["samples"].items():
+            assert len(values) == 2 and all(math.isfinite(v) for v in values), key
+        assert row["fetch_ms"] > 0 and row["a_ms"] > 0 and row["c_ms"] > 0
+    assert rows[1]["wire_mb"] < rows[0]["wire_mb"]  # float16 sends fewer bytes than float32
+    for header in ("(a) raw ms", "(b) fetch ms", "(c) gloo ms", "fetch/a", "(fetch+mix)/c", "mix/memcpy"):
+        assert header in out
+    if plot:
+        assert (tmp_path / "exchange.png").stat().st_size > 0
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_run_stops_its_peer(tmp_path: Path, signum: int) -> None:
+    proc = bench("--floats", "1M", "--repeat", "1000", "--no-gloo", "--run-dir", str(tmp_path), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        peers: list[int] = []
+        while not peers and time.monotonic() < deadline:
+            peers = children_of(proc.pid)
+            time.sleep(0.1)
+        assert peers, "the peer process never started"
+        time.sleep(2.0)  # well into the measurements
+        os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode != 0
+        assert "Traceback" not in err, err[-3000:]
+        assert not any(alive(p) for p in peers), "the peer outlived the benchmark"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_counts_take_suffixes() -> None:
+    assert parse_count("25M") == 25_000_000 and parse_count("1.5k") == 1500 and parse_count(" 10000 ") == 10000
+    for bad in ("", "M", "-1", "0", "1.5", "3x"):
+        with pytest.raises(ValueError):
+            parse_count(bad)
