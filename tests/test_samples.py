@@ -1,0 +1,113 @@
+"""Every cluster file in samples/ loads, and its rule and peer schedule can be built from it.
+
+The per-rule samples (samples/<rule>.yaml) are the README's examples: they must select their rule,
+use the same four localhost nodes as samples/localhost.yaml (so `dpwa run` works on any of them the
+same way), be in the mapping format, and their settings must make the rule mix in the in-process
+simulator (a sample whose settings never move the models would still load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from dpwa.config import RULE_SCHEDULES, RULE_SETTINGS, load_config
+from dpwa.rules import RULES, make_rule
+from dpwa.schedules import SCHEDULES, GroupsSchedule, make_schedule
+from dpwa.simulation import SimNode, Simulation
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "samples"
+ALL_SAMPLES = sorted(SAMPLES.glob("*.yaml"))
+RULE_SAMPLES = ("gem", "pushsum", "leader", "group")  # one samples/<rule>.yaml each
+
+
+def test_the_samples_directory_holds_a_sample_per_new_rule() -> None:
+    names = {p.stem for p in ALL_SAMPLES}
+    assert {"localhost", *RULE_SAMPLES} <= names, sorted(names)
+
+
+@pytest.mark.parametrize("path", ALL_SAMPLES, ids=lambda p: p.name)
+def test_every_sample_loads_and_builds_its_rule_and_schedule(path: Path) -> None:
+    config = load_config(path)
+    rule = make_rule(config.interpolation, config.settings, config.divergence_threshold)
+    assert isinstance(rule, RULES[config.interpolation])
+    default, allowed = RULE_SCHEDULES[config.interpolation]
+    assert config.schedule == default or config.schedule in allowed
+    schedule = make_schedule(config.schedule, config.settings)
+    assert isinstance(schedule, SCHEDULES[config.schedule])
+    # The rule starts on every node of the file (the leader rule checks the node is one of them).
+    names = [node.name for node in config.nodes]
+    for name in names:
+        make_rule(config.interpolation, config.settings, config.divergence_threshold).initial_extras(name, names)
+
+
+@pytest.mark.parametrize("rule", RULE_SAMPLES)
+def test_a_rule_sample_selects_its_rule_on_the_localhost_nodes(rule: str) -> None:
+    path = SAMPLES / f"{rule}.yaml"
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert isinstance(raw, dict), "mapping format"
+    assert rule in raw, f"{path.name} spells out the {rule} settings"
+    config = load_config(path)
+    assert config.interpolation == rule
+    assert config.schedule == RULE_SCHEDULES[rule][0], "the sample runs the rule's default schedule"
+    localhost = load_config(SAMPLES / "localhost.yaml")
+    assert config.nodes == localhost.nodes, "the same 4 nodes and ports 45000-45003 as samples/localhost.yaml"
+    assert [node.port for node in config.nodes] == [45000, 45001, 45002, 45003]
+    # Every setting the file gives is one of the rule's settings, with the value the rule ends up with.
+    fields = {f.name for f in dataclasses.fields(RULE_SETTINGS[rule])}
+    assert set(raw[rule] or {}) <= fields
+    for key, value in (raw[rule] or {}).items():
+        assert getattr(config.settings, key) == value
+
+
+def test_the_group_sample_rotates_pairs_and_syncs() -> None:
+    config = load_config(SAMPLES / "group.yaml")
+    schedule = make_schedule(config.schedule, config.settings)
+    assert isinstance(schedule, GroupsSchedule)
+    s = config.settings
+    assert s.group_size == 2 and s.sync_every > 1, "pairs that rotate, with a full average now and then"
+    n = len(config.nodes)
+    assert schedule.group(0, n, 0) == [0, 1] and schedule.group(0, n, 1) == [0, 2]
+    assert schedule.group(0, n, s.sync_every - 1) == list(range(n))
+
+
+def _simulate(rule: str, rounds: int, mix: bool) -> float:
+    """Spread of 4 simulated nodes after ``rounds`` rounds of the sample's rule and schedule.
+
+    Every node takes a gradient step on its own quadratic ``|x - c_i|^2 / 2`` (different centres, so
+    without mixing the nodes drift apart); ``mix=False`` serves nobody (fetches fail as timeouts).
+    """
+    config = load_config(SAMPLES / f"{rule}.yaml")
+    rng = np.random.default_rng(0)
+    start = rng.normal(size=64).astype(np.float32)
+    centres = {f"w{i + 1}": rng.normal(size=64).astype(np.float32) for i in range(4)}
+    sim = Simulation(
+        [[start] for _ in range(4)],
+        lambda: make_rule(config.interpolation, config.settings, config.divergence_threshold),
+        lambda: make_schedule(config.schedule, config.settings),
+        names=[node.name for node in config.nodes],
+    )
+
+    def train(node: SimNode) -> float:
+        x = node.arrays[0]
+        x -= np.float32(0.05) * (x - centres[node.name])
+        return float(0.5 * np.sum((x - centres[node.name]) ** 2))
+
+    losses = {name: 1.0 for name in sim.names}
+    for _ in range(rounds):
+        outcomes = sim.run_round(losses, train=train, lose=None if mix else (lambda a, b: "timeout"))
+        losses = {name: sim[name].state.loss for name in sim.names}
+        if not mix:
+            assert all(o.factor == 0.0 for o in outcomes.values())
+    return sim.spread()
+
+
+@pytest.mark.parametrize("rule", RULE_SAMPLES)
+def test_a_rule_sample_mixes_in_the_simulator(rule: str) -> None:
+    alone, gossip = _simulate(rule, 60, mix=False), _simulate(rule, 60, mix=True)
+    assert gossip < 0.5 * alone, (rule, gossip, alone)
