@@ -5,7 +5,10 @@ N worker processes (:mod:`dpwa.bench.trainworker`) each train the demo job's MLP
 dpwa, then with torch DDP (``--order`` swaps that), from the same initial weights, on the same
 shards and batch order, for the same total number of samples (``N x steps x batch``) and the same
 learning-rate schedule per sample.  With K > 1 the last worker is a straggler: after every step it
-sleeps K - 1 times the duration of its own recent steps.
+sleeps K - 1 times the median duration of its own recent steps (communication included), so its
+steps take K times as long while the CPU stays free for the others; under DDP everyone waits for it.
+With ``--repeats R`` each scenario runs R times, alternating which method goes first (the machine's
+load drifts), and median rows follow.
 
 Figures per scenario and method (all from the same run on the same machine):
 
