@@ -11,11 +11,13 @@ import importlib.util
 import json
 import math
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +34,20 @@ NUMBERS = [
     "block",
 ]  # fmt: skip
 CHECKS = ["ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block"]
+
+
+def wait_for_line(stream: Any, prefix: str, deadline: float) -> None:
+    """Read ``stream`` line by line until one starts with ``prefix``; fail at ``deadline`` (time.monotonic)."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if selector.select(timeout=0.1):
+                line = stream.readline()
+                if not line:
+                    pytest.fail(f"the benchmark closed its output before a line starting with {prefix!r}")
+                if line.startswith(prefix):
+                    return
+    pytest.fail(f"no line starting with {prefix!r} before the deadline")
 
 
 def bench(*args: str, **kwargs: object) -> subprocess.Popen[str]:
@@ -99,7 +115,8 @@ def test_interrupted_run_stops_its_peer(tmp_path: Path, signum: int) -> None:
             peers = children_of(proc.pid)
             time.sleep(0.1)
         assert peers, "the peer process never started"
-        time.sleep(2.0)  # well into the measurements
+        assert proc.stdout is not None
+        wait_for_line(proc.stdout, "measuring", deadline)  # the measurements are under way
         os.kill(proc.pid, signum)
         _, err = proc.communicate(timeout=15)
         assert proc.returncode != 0

@@ -739,6 +739,7 @@ def run_exchange(
     try:
         with _peer(ctx) as peer, _gloo_group(peer, gloo):
             for n in floats:
+                echo(f"measuring {n:,} floats ...")
                 t0 = time.monotonic()
                 got = measure_size(ctx, peer, n, wires, repeat, gloo, step_factor, busy)
                 rows.extend(got)
