@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from dpwa.bench.exchange import WIRE_DTYPES, parse_count
+from dpwa.bench.exchange import STOP_GRACE_S, WIRE_DTYPES, parse_count
 
 pytestmark = [
     pytest.mark.integration,
@@ -118,7 +118,8 @@ def test_interrupted_run_stops_its_peer(tmp_path: Path, signum: int) -> None:
         assert proc.stdout is not None
         wait_for_line(proc.stdout, "measuring", deadline)  # the measurements are under way
         os.kill(proc.pid, signum)
-        _, err = proc.communicate(timeout=15)
+        # the peer gets "quit", then SIGTERM, then SIGKILL, STOP_GRACE_S apart: bounded, but slow on a loaded machine
+        _, err = proc.communicate(timeout=4 * STOP_GRACE_S + 15)
         assert proc.returncode != 0
         assert "Traceback" not in err, err[-3000:]
         assert not any(alive(p) for p in peers), "the peer outlived the benchmark"

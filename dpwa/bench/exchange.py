@@ -745,7 +745,7 @@ def run_exchange(
                 rows.extend(got)
                 echo(f"{n:,} floats: {len(got)} rows in {time.monotonic() - t0:.1f} s")
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # never blocks, even if an interrupt left a socket open
     return rows
 
 
