@@ -52,7 +52,16 @@ def wait_for_line(stream: Any, prefix: str, deadline: float) -> None:
 
 def bench(*args: str, **kwargs: object) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "dpwa.cli", "bench", "exchange", *args]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)  # type: ignore[call-overload]
+    # A background job of a non-interactive shell (as CI may run us) inherits SIGINT ignored, and Python then never
+    # raises KeyboardInterrupt: give the benchmark the default disposition, as a terminal would.
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **kwargs,
+    )  # type: ignore[call-overload]
 
 
 def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:

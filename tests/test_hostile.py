@@ -63,7 +63,9 @@ STREAMING = hasattr(wire, "encode_chunk_tag")
 MAX_REQ = 2**64 - 1
 RX_MAXMSGSIZE = MAX_HEADER_BYTES  # dpwa/transport.py: MAX_REQUEST_BYTES
 TX_TIMEOUT_MS = 200
-WAIT_BOUND_S = TX_TIMEOUT_MS / 1000 + 0.25
+# Liveness, not latency: the tight bound (timeout + 0.25 s) is asserted by test_connection/test_cluster/test_faults;
+# here hundreds of exchanges run on a possibly loaded machine, so "never hangs" is timeout + 2 s.
+WAIT_BOUND_S = TX_TIMEOUT_MS / 1000 + 2.0
 N_FAKE = 8
 SETTINGS = settings(
     deadline=None,
