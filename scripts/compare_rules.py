@@ -270,11 +270,13 @@ def machine() -> dict[str, Any]:
 def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     m = meta["machine"]
     what = "\n".join(f"- `{r['rule']}`: {r['what']}" for r in rows)
+    total = meta.get("total_seconds")
+    took = f", {total:.0f} s in all" if isinstance(total, (int, float)) else ""
     return (
         f"# Mixing rules on the built-in demo\n\n"
-        f"`{meta['command']}` on {meta['date']}: 4 nodes of `{meta['cluster']}`, {meta['steps']} steps of 32 "
-        f"per node, seed 0; {m['usable_cpus']} usable cores, {m['platform']}, Python {m['python']}, "
-        f"torch {m['torch']}.\n\n{table(rows)}\n\n{LEGEND}\n\n{what}\n"
+        f"`{meta['command'].strip()}` on {meta['date']}: 4 nodes of `{meta['cluster']}`, {meta['steps']} steps "
+        f"of 32 per node, seed 0{took}; {m['usable_cpus']} usable cores, {m['platform']}, "
+        f"Python {m['python']}, torch {m['torch']}.\n\n{table(rows)}\n\n{LEGEND}\n\n{what}\n"
     )
 
 
@@ -321,10 +323,10 @@ def plot(rows: Sequence[dict[str, Any]], meta: dict[str, Any], path: Path) -> No
     if baselines:
         ax_acc.axhline(max(baselines), color="k", linestyle="--", linewidth=1, label="one-process baseline")
     ax_acc.set_xticks(pos, labels, rotation=45, ha="right")
-    ax_acc.set_ylim(0, 1.12)
+    ax_acc.set_ylim(0, 1.25)
     ax_acc.set_ylabel("held-out accuracy")
     ax_acc.set_title("accuracy")
-    ax_acc.legend(fontsize="small", loc="lower right")
+    ax_acc.legend(fontsize="small", loc="upper left", ncol=2)
 
     spreads = [r["spread"] if r["spread"] else np.nan for r in rows]
     ax_spread.bar(pos, spreads, 0.6, color=[colors[label] for label in labels])
@@ -390,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         shown = str(args.cluster)
     meta = {
-        "command": "scripts/compare_rules.sh " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["scripts/compare_rules.sh", *(argv if argv is not None else sys.argv[1:])]),
         "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "cluster": shown,
         "steps": args.steps,

@@ -1,0 +1,56 @@
+"""scripts/compare_rules.py end to end at a tiny size: one run per rule, then the table, JSON and PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import free_ports, port_is_free, write_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("compare_rules", ROOT / "scripts" / "compare_rules.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["compare_rules"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(240)
+def test_two_rules_make_a_table_json_and_png(tmp_path: Path) -> None:
+    compare = load_script()
+    ports = free_ports(2)
+    cluster = write_cluster(tmp_path / "c.yaml", ports, fetch_probability=1.0, timeout_ms=2500)
+    out = tmp_path / "out"
+    code = compare.main(["--steps", "40", "--rules", "pushsum,none", "--cluster", str(cluster), "--out", str(out)])
+    assert code == 0
+    saved = json.loads((out / "comparison.json").read_text())
+    rows = {r["rule"]: r for r in saved["rules"]}
+    assert list(rows) == ["pushsum", "none"]
+    for row in rows.values():
+        assert row["ok"] and math.isfinite(row["final_loss"]) and 0.0 <= row["averaged_accuracy"] <= 1.0
+        assert len(row["loss_curve"]) == 40
+    # the rule really was push-sum on the requested cluster, and gossip happened only with it
+    assert "interpolation: pushsum" in (out / "pushsum.yaml").read_text()
+    assert rows["pushsum"]["mixes"] > 0 and rows["pushsum"]["bytes_in"] > 0
+    assert rows["none"]["mixes"] == 0 and rows["none"]["bytes_in"] == 0
+    assert rows["pushsum"]["spread"] < rows["none"]["spread"]
+    table = (out / "comparison.md").read_text()
+    assert "| pushsum |" in table and "| none |" in table
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "comparison.png").stat().st_size > 10_000
+    assert all(port_is_free(p) for p in ports)
+
+
+def test_unknown_rule_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    compare = load_script()
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--rules", "constant,nope"])
+    assert exit_info.value.code == 2
+    assert "nope" in capsys.readouterr().err
