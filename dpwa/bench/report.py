@@ -7,12 +7,14 @@ import json
 import math
 import os
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["Column", "Report", "bench_run_dir", "machine_info", "render_table"]
+import click
+
+__all__ = ["Column", "Report", "bench_run_dir", "comma_list", "machine_info", "render_table"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,20 @@ class Column:
     key: str
     header: str
     fmt: str = ""
+
+
+_T = TypeVar("_T")
+
+
+def comma_list(text: str, convert: Callable[[str], _T], valid: Callable[[_T], bool], example: str) -> list[_T]:
+    """``"1,4"`` -> ``[convert("1"), convert("4")]``; click.BadParameter unless non-empty and every value ``valid``."""
+    try:
+        values = [convert(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(valid(v) for v in values):
+        raise click.BadParameter(f"{text!r}: give {example}, comma-separated")
+    return values
 
 
 def _cell(value: Any, fmt: str) -> str:

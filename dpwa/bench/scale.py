@@ -46,7 +46,7 @@ import numpy as np
 
 from dpwa.bench.fingerprint import SUFFIX, mean_state_at, read_records, spread
 from dpwa.bench.procs import BenchInterrupted, WorkerFailed, free_ports, node_names, run_workers, write_cluster
-from dpwa.bench.report import Column, Report, bench_run_dir, render_table
+from dpwa.bench.report import Column, Report, bench_run_dir, comma_list, render_table
 from dpwa.rundir import read_metrics
 
 log = logging.getLogger(__name__)
@@ -232,13 +232,7 @@ def run_step(
 
 
 def _counts(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: give node counts >= 2, comma-separated (e.g. 4,8,16,32)") from None
-    if not values or any(v < 2 for v in values):
-        raise click.BadParameter(f"{text!r}: give node counts >= 2, comma-separated (e.g. 4,8,16,32)")
-    return values
+    return comma_list(text, int, lambda n: n >= 2, "node counts >= 2 (e.g. 4,8,16,32)")
 
 
 def plot_scale(path: Path, rows: list[dict[str, Any]]) -> Path:

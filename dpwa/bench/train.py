@@ -55,7 +55,7 @@ import numpy as np
 
 from dpwa.bench.fingerprint import SUFFIX, mean_state_at, read_records
 from dpwa.bench.procs import BenchInterrupted, WorkerFailed, free_ports, node_names, run_workers, write_cluster
-from dpwa.bench.report import Column, Report, bench_run_dir, render_table
+from dpwa.bench.report import Column, Report, bench_run_dir, comma_list, render_table
 
 log = logging.getLogger(__name__)
 
@@ -434,13 +434,7 @@ def plot_curves(path: Path, scenarios: list[tuple[str, dict[str, PhaseResult], f
 
 
 def _factors(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: give numbers >= 1, comma-separated (e.g. 1,4)") from None
-    if not values or any(not math.isfinite(v) or v < 1 for v in values):
-        raise click.BadParameter(f"{text!r}: give numbers >= 1, comma-separated (e.g. 1,4)")
-    return values
+    return comma_list(text, float, lambda k: math.isfinite(k) and k >= 1, "numbers >= 1 (e.g. 1,4)")
 
 
 def _label(factor: float) -> str:
