@@ -30,6 +30,13 @@ later on the same stream see the mixed values.
 With a run directory (``run_dir=`` or ``DPWA_RUN_DIR``) every ``update_wait``
 appends one record to ``<run_dir>/<name>.metrics.jsonl`` (docs/metrics.md) and
 :meth:`DpwaPyTorchAdapter.report` appends ``"event": "report"`` lines.
+
+Checkpoints (:mod:`dpwa.checkpoint`, no pickle): with ``checkpoint_every: K`` in the cluster file
+and a run directory, every K-th ``update_wait`` writes the model's state, the optimizer's (pass
+``optimizer=``) and the node's gossip state atomically to ``<run_dir>/checkpoints/<name>.ckpt.npz``.
+:meth:`DpwaPyTorchAdapter.restore`, called once before training, resumes from it when the launcher
+asks (``DPWA_RESUME=1``: ``dpwa run --resume``, ``--restart-failed``) and then bootstraps from a
+peer when asked (``bootstrap: peer`` or ``DPWA_BOOTSTRAP=peer``).
 """
 
 from __future__ import annotations
@@ -37,26 +44,30 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dpwa.adapters.torch_state import load_model_arrays, load_optimizer_parts, model_arrays, optimizer_parts
 from dpwa.bfloat16 import BFLOAT16
+from dpwa.checkpoint import DpwaState, checkpoint_path, load_latest, write_checkpoint
 from dpwa.config import ClusterConfig
 from dpwa.connection import DpwaConnection
 from dpwa.metrics import MetricsWriter
 
-__all__ = ["ENV_CONFIG", "ENV_NODE", "ENV_RUN_DIR", "DpwaPyTorchAdapter"]
+__all__ = ["ENV_BOOTSTRAP", "ENV_CONFIG", "ENV_NODE", "ENV_RESUME", "ENV_RUN_DIR", "DpwaPyTorchAdapter", "Restored"]
 
 log = logging.getLogger(__name__)
 
 ENV_NODE = "DPWA_NODE"
 ENV_CONFIG = "DPWA_CONFIG"
 ENV_RUN_DIR = "DPWA_RUN_DIR"
+ENV_RESUME = "DPWA_RESUME"  # "1": restore() loads the node's checkpoint (set by `dpwa run --resume` and restarts)
+ENV_BOOTSTRAP = "DPWA_BOOTSTRAP"  # "peer" / "none": overrides the cluster file's `bootstrap` in restore()
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -146,6 +157,18 @@ def _collect(model: torch.nn.Module, buffers: bool, force_staging: bool) -> list
     return entries
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`DpwaPyTorchAdapter.restore` did: the step and loss training goes on from, the checkpoint
+    loaded (None: none), the peer copied (None: none), and the ``meta`` saved with the checkpoint."""
+
+    step: int
+    loss: float | None
+    checkpoint: Path | None
+    peer: str | None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
 class DpwaPyTorchAdapter:
     """One dpwa node training ``model``: :meth:`update_send` / :meth:`update_wait` around every batch.
 
@@ -153,8 +176,9 @@ class DpwaPyTorchAdapter:
     to the ``DPWA_NODE`` / ``DPWA_CONFIG`` environment variables that ``dpwa run`` sets.
     ``buffers``: also average floating buffers (BatchNorm statistics).  ``seed``: reproducible
     peer choice.  ``run_dir`` (default ``DPWA_RUN_DIR``): where ``<name>.metrics.jsonl`` goes;
-    none, no metrics file.  Build the adapter after the model has reached its device and
-    dtype: it holds views of the tensors as they are now.  ``_force_staging`` is a test hook:
+    none, no metrics file.  ``optimizer``: saved in and restored from checkpoints with the model.
+    Build the adapter after the model has reached its device and dtype: it holds views of the
+    tensors as they are now.  ``_force_staging`` is a test hook:
     stage CPU tensors through host copies exactly as CUDA tensors are.
     """
 
@@ -167,6 +191,7 @@ class DpwaPyTorchAdapter:
         buffers: bool = True,
         seed: int | None = None,
         run_dir: str | os.PathLike[str] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         _force_staging: bool = False,
     ) -> None:
         name = name if name is not None else os.environ.get(ENV_NODE)
@@ -186,7 +211,11 @@ class DpwaPyTorchAdapter:
         self._closed = False
         self._conn = DpwaConnection(name, config, seed=seed)
         self._metrics: MetricsWriter | None = None
+        self._model = model
+        self._optimizer = optimizer
         run_dir = run_dir if run_dir is not None else os.environ.get(ENV_RUN_DIR) or None
+        self._checkpoint = checkpoint_path(run_dir, name) if run_dir is not None else None
+        self._checkpoint_every = self._conn.config.checkpoint_every if run_dir is not None else 0
         try:
             if run_dir is not None:
                 self._metrics = MetricsWriter(Path(run_dir) / f"{name}.metrics.jsonl")
@@ -225,6 +254,11 @@ class DpwaPyTorchAdapter:
         return [e.tensor for e in self._entries]
 
     @property
+    def checkpoint_path(self) -> Path | None:
+        """``<run_dir>/checkpoints/<name>.ckpt.npz``, or None without a run directory."""
+        return self._checkpoint
+
+    @property
     def metrics_path(self) -> Path | None:
         """``<run_dir>/<name>.metrics.jsonl``, or None without a run directory."""
         return self._metrics.path if self._metrics else None
@@ -255,6 +289,8 @@ class DpwaPyTorchAdapter:
         self._step += 1
         if self._metrics is not None:
             self._metrics.write(self._exchange_record(value))
+        if self._checkpoint_every and self._step % self._checkpoint_every == 0:
+            self.save_checkpoint()
         return factor
 
     def _check_open(self) -> None:
@@ -323,6 +359,98 @@ class DpwaPyTorchAdapter:
         log.info("node %s report: %s", self.name, ", ".join(f"{k}={v}" for k, v in clean.items()))
         if self._metrics is not None:
             self._metrics.write({"time": time.time(), "node": self.name, "event": "report", **clean})
+
+    # ------------------------------------------------------------ checkpoints and restarts
+
+    def save_checkpoint(
+        self, path: str | os.PathLike[str] | None = None, meta: Mapping[str, Any] | None = None
+    ) -> Path:
+        """Write model, optimizer and gossip state atomically to ``path`` (default :attr:`checkpoint_path`).
+
+        ``meta``: JSON-safe values of the caller's, handed back by :meth:`load_checkpoint` / :meth:`restore`.
+        """
+        target = Path(path) if path is not None else self._checkpoint
+        if target is None:
+            raise ValueError("save_checkpoint() needs a path: this adapter has no run directory")
+        arrays = {f"model/{k}": a for k, a in model_arrays(self._model).items()}
+        document: dict[str, Any] = {"node": self.name, "time": time.time(), "user": dict(meta or {})}
+        if self._optimizer is not None:
+            optim_arrays, document["optimizer"] = optimizer_parts(self._optimizer)
+            arrays.update({f"optim/{k}": a for k, a in optim_arrays.items()})
+        state = self._conn.dpwa_state()
+        state.step = self._step  # the adapter counts update_wait calls; the node update_send calls (equal between)
+        document["dpwa"] = state.to_meta()
+        arrays.update({f"dpwa/{k}": a for k, a in state.arrays.items()})
+        written = write_checkpoint(target, arrays, document)
+        log.debug("node %s: checkpoint at step %d in %s", self.name, self._step, written)
+        return written
+
+    def load_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Restored | None:
+        """Load the latest complete checkpoint at ``path`` (default :attr:`checkpoint_path`; falls back to the
+        previous one if the latest is damaged) into model, optimizer and node; None (nothing changed) if none.
+
+        Call it before training; a checkpoint that does not fit the model or optimizer raises (ValueError, or
+        the RuntimeError of ``load_state_dict``).
+        """
+        target = Path(path) if path is not None else self._checkpoint
+        checkpoint = load_latest(target) if target is not None else None
+        if checkpoint is None:
+            return None
+        self._check_open()
+        state = DpwaState.from_meta(checkpoint.meta.get("dpwa", {}), checkpoint.section("dpwa"))
+        load_model_arrays(self._model, checkpoint.section("model"))
+        if self._optimizer is not None and "optimizer" in checkpoint.meta:
+            load_optimizer_parts(self._optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
+        elif self._optimizer is not None:
+            log.warning("node %s: %s holds no optimizer state; the optimizer starts afresh", self.name, target)
+        self._check_open()  # load_state_dict copied in place: the exchanged tensors are still the same memory
+        self._to_host()
+        self._conn.restore_state(state, self._arrays)
+        self._step = state.step
+        user = checkpoint.meta.get("user")
+        log.info("node %s: resumed from %s at step %d", self.name, checkpoint.path, self._step)
+        return Restored(self._step, state.loss, checkpoint.path, None, user if isinstance(user, dict) else {})
+
+    def restore(
+        self, *, resume: bool | None = None, bootstrap: bool | None = None, timeout_s: float | None = None
+    ) -> Restored:
+        """Call once before the first step: resume from this node's checkpoint, then bootstrap from a peer.
+
+        ``resume`` (default: ``DPWA_RESUME=1``, set by ``dpwa run --resume`` and ``--restart-failed``): load the
+        latest checkpoint, if there is one.  ``bootstrap`` (default: ``DPWA_BOOTSTRAP``, else the cluster file's
+        ``bootstrap: peer``): copy the model of a peer whose clock is ahead (:meth:`DpwaConnection.bootstrap`,
+        at most ``timeout_s``, default ``bootstrap_timeout_s``).  Both are logged and written to the metrics
+        file as ``"event": "resume"`` / ``"event": "bootstrap"`` records.
+        """
+        if resume is None:
+            resume = os.environ.get(ENV_RESUME, "") == "1"
+        if bootstrap is None:
+            mode = os.environ.get(ENV_BOOTSTRAP) or self._conn.config.bootstrap
+            bootstrap = mode == "peer"
+        loaded = self.load_checkpoint() if resume else None
+        if resume:
+            if loaded is None:
+                log.info("node %s: no checkpoint to resume from; starting at step 0", self.name)
+            self._event("resume", step=self._step, checkpoint=str(loaded.checkpoint) if loaded else None)
+        peer = None
+        if bootstrap:
+            self._check_open()
+            self._to_host()
+            peer = self._conn.bootstrap(self._arrays, timeout_s)
+            if peer is not None:
+                self._to_device()
+            self._event("bootstrap", step=self._step, peer=peer, clock=float(self._conn.clock))
+        return Restored(
+            self._step,
+            loaded.loss if loaded is not None else None,
+            loaded.checkpoint if loaded is not None else None,
+            peer,
+            loaded.meta if loaded is not None else {},
+        )
+
+    def _event(self, event: str, **values: Any) -> None:
+        if self._metrics is not None:
+            self._metrics.write({"time": time.time(), "node": self.name, "event": event, **values})
 
     # ------------------------------------------------------------ lifetime
 

@@ -22,6 +22,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "run": "dpwa.launcher:run",
     "plot": "dpwa.plot:plot",
     "bench": "dpwa.bench:bench",
+    "keys": "dpwa.keys:keys",
 }
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -77,7 +78,7 @@ def summary(config: ClusterConfig) -> str:
     return (
         f"{len(config.nodes)} node{plural}, interpolation {rule}, "
         f"fetch_probability {config.fetch_probability:g}, timeout_ms {config.timeout_ms:g}, "
-        f"divergence_threshold {config.divergence_threshold:g}"
+        f"divergence_threshold {config.divergence_threshold:g}{', security curve' if config.security.curve else ''}"
     )
 
 

@@ -30,8 +30,11 @@ from typing import Any
 import yaml
 from yaml.constructor import SafeConstructor
 
+from .keyfiles import KeyFileError, name_problem, public_path, read_key_file, secret_path
+
 __all__ = [
     "RULE_SETTINGS",
+    "SecurityConfig",
     "ClockSettings",
     "ClusterConfig",
     "ConfigError",
@@ -40,6 +43,7 @@ __all__ = [
     "GroupSettings",
     "LeaderSettings",
     "PushSumSettings",
+    "BOOTSTRAP_MODES",
     "PEER_SCHEDULES",
     "WIRE_DTYPES",
     "RULE_SCHEDULES",
@@ -326,6 +330,64 @@ PEER_SCHEDULES = ("auto", "random", "exponential", "ring", "leader", "groups")
 #: Values of the ``wire_dtype`` key: ``auto`` (every array travels in its own dtype) or the dtype that
 #: arrays wider than it travel in (rounded to nearest even when published, widened exactly when received).
 WIRE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+#: Values of the ``bootstrap`` key: ``none`` or ``peer`` (copy a peer's model before the first step).
+BOOTSTRAP_MODES = ("none", "peer")
+
+
+@dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    """The ``security`` key: ``curve: true`` encrypts and authenticates all traffic with CurveZMQ.
+
+    ``keys`` is the directory of the key files (``NAME.key``, ``NAME.key_secret``; see
+    ``dpwa keys generate``), made absolute on construction: a cluster file's relative ``keys`` is
+    relative to the file, one given in Python relative to the working directory. Required when
+    ``curve`` is true; ignored otherwise. With ``curve`` on, :class:`ClusterConfig` checks that every
+    node's public key is there; a node's own secret key is checked when it starts
+    (:meth:`ClusterConfig.check_secret_key`), so a machine needs only the secret keys of its nodes.
+    """
+
+    curve: bool = False
+    keys: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.curve, bool):
+            raise _error_in_memory("curve", f"must be true or false, got {_show(self.curve)}")
+        if self.keys is not None:
+            if not isinstance(self.keys, (str, os.PathLike)) or not os.fspath(self.keys):
+                raise _error_in_memory("keys", f"must be a directory path, got {_show(self.keys)}")
+            object.__setattr__(self, "keys", os.path.abspath(os.path.expanduser(os.fspath(self.keys))))
+        if self.curve and self.keys is None:
+            raise _error_in_memory("keys", "missing; `curve: true` needs `keys: DIR`, the directory of the key files")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Security(_Spec):
+    """The ``security`` map (``{curve: true, keys: DIR}``; null or {} for no security)."""
+
+    def read(self, doc: _Document, node: yaml.Node, key: str) -> object:
+        allowed = [f.name for f in dataclasses.fields(SecurityConfig)]
+        if not isinstance(node, yaml.MappingNode):
+            value = doc.value(node, key)
+            if value is None:
+                return SecurityConfig()
+            raise doc.error(key, f"must be a map like {{curve: true, keys: DIR}}, got {_show(value)}", node)
+        given: dict[str, object] = {}
+        for field, value_node in doc.mapping(node, key):
+            if field not in allowed:
+                raise doc.error(f"{key}.{field}", f"unknown security key{_allowed(field, allowed)}")
+            given[field] = doc.value(value_node, f"{key}.{field}")
+        keys = given.get("keys")
+        if isinstance(keys, str) and keys and doc.source != MEMORY:  # relative to the cluster file
+            base = os.path.dirname(os.path.abspath(doc.source))
+            given["keys"] = os.path.join(base, os.path.expanduser(keys))
+        return doc._build(SecurityConfig, given, key)
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if not isinstance(value, SecurityConfig):
+            yield "", f"must be a SecurityConfig, got {_show(value)}"
+
+    def dump(self, value: object) -> object:
+        return dataclasses.asdict(value)  # type: ignore[call-overload]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +450,21 @@ class ClusterConfig:
     divergence_threshold: float = setting(0.0, lo=0)
     peers: str = choice("auto", PEER_SCHEDULES)
     wire_dtype: str = dataclasses.field(default="auto", metadata={_SPEC: _Choice(WIRE_DTYPES), _OMIT_DEFAULT: True})
+    security: SecurityConfig = dataclasses.field(
+        default=SecurityConfig(), metadata={_SPEC: _Security(), _OMIT_DEFAULT: True}
+    )
+    #: Checkpoint every this many steps into <run_dir>/checkpoints/ (0 = never); dpwa/checkpoint.py.
+    checkpoint_every: int = dataclasses.field(
+        default=0, metadata={_SPEC: _Number(lo=0, integer=True), _OMIT_DEFAULT: True}
+    )
+    #: ``peer``: before its first step a node copies a peer's model (dpwa/recovery.py); ``none``: it does not.
+    bootstrap: str = dataclasses.field(default="none", metadata={_SPEC: _Choice(BOOTSTRAP_MODES), _OMIT_DEFAULT: True})
+    #: How long a bootstrapping node looks for a peer before it trains from its own state.
+    bootstrap_timeout_s: float = dataclasses.field(
+        default=10.0, metadata={_SPEC: _Number(lo=0, lo_open=True), _OMIT_DEFAULT: True}
+    )
+    #: "Far behind": a first reply whose clock is more than this ahead is copied outright (0 = never).
+    bootstrap_gap: float = dataclasses.field(default=100.0, metadata={_SPEC: _Number(lo=0), _OMIT_DEFAULT: True})
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     source: str = dataclasses.field(default=MEMORY, compare=False)
     #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.
@@ -411,6 +488,61 @@ class ClusterConfig:
                 f"schedule {self.peers!r} does not fit interpolation {self.interpolation!r}; "
                 f"allowed with {self.interpolation}: auto (= {default}), {', '.join(allowed)}",
             )
+        self._check_public_keys()
+
+    def _check_public_keys(self) -> None:
+        """With ``security.curve``: node names can name key files, and every node's public key is readable."""
+        keys = self.security.keys
+        if not self.security.curve or keys is None:
+            return
+        for i, node in enumerate(self.nodes):
+            problem = name_problem(node.name)
+            if problem:
+                raise self.error(f"nodes[{i}].name", f"with security.curve on, node names name key files: {problem}")
+        names = [node.name for node in self.nodes]
+        hint = f"; generate with `dpwa keys generate {{}} --dir {keys}` and copy every NAME.key to every machine"
+        if not os.path.isdir(keys):
+            raise self.error("security.keys", f"key directory {keys} does not exist" + hint.format(" ".join(names)))
+        missing = [name for name in names if not os.path.lexists(public_path(keys, name))]
+        if missing:
+            files = ", ".join(public_path(keys, name).name for name in missing)
+            raise self.error("security.keys", f"no public key {files} in {keys}" + hint.format(" ".join(missing)))
+        owners: dict[bytes, str] = {}
+        for name in names:
+            try:
+                public, _ = read_key_file(public_path(keys, name))
+            except KeyFileError as err:
+                raise self.error("security.keys", str(err)) from None
+            if public in owners:
+                reason = f"nodes {owners[public]!r} and {name!r} have the same public key; every node needs its own"
+                raise self.error("security.keys", reason)
+            owners[public] = name
+
+    def check_secret_key(self, name: str) -> str:
+        """The path of node ``name``'s secret key file, checked: it exists, holds a key pair, and that
+        pair's public key is ``name``'s public key file. ConfigError at ``security.keys`` otherwise.
+
+        Only meaningful with ``security.curve`` on; a node calls it when it starts (a machine needs
+        only the secret keys of the nodes it runs).
+        """
+        self.node(name)
+        keys = self.security.keys
+        if not self.security.curve or keys is None:
+            raise self.error("security", "security.curve is off: no keys are used")
+        path = secret_path(keys, name)
+        try:
+            public, _ = read_key_file(path, secret=True)
+            listed, _ = read_key_file(public_path(keys, name))
+        except KeyFileError as err:
+            hint = (
+                f"; the machine that runs {name!r} needs it: copy it there, or make a new pair with "
+                f"`dpwa keys generate {name} --dir {keys} --force` and give every machine the new {name}.key"
+            )
+            raise self.error("security.keys", str(err) + hint) from None
+        if public != listed:
+            reason = f"{path} does not belong to {public_path(keys, name)}: its public key differs"
+            raise self.error("security.keys", reason + "; regenerate the pair or copy the matching files")
+        return str(path)
 
     @property
     def schedule(self) -> str:

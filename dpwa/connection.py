@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import wire
+from . import recovery, wire
+from .checkpoint import DpwaState
 from .config import ClusterConfig, resolve_config
 from .peers import FlowControl
 from .rules import NodeState, PeerSnapshot, Rule, make_rule
 from .schedules import Round, Schedule, make_schedule
+from .security import NodeSecurity, warn_if_exposed
 from .snapshots import SnapshotPool
 from .stats import NodeStats, OnceLog
 from .transport import FetchJob, FetchTarget, Reply, RxServer, TxFetcher
@@ -87,17 +89,29 @@ class _Node:
         self.requests = itertools.count(1)
         self.step = 0  # update_send calls so far: the schedules' round index
         self.alone = False
+        self.caught_up = False  # recovery: a peer was copied, or the first reply was checked for "far behind"
         self.mixing = False
         self.last_exchange: dict[str, Any] | None = None
         self.closed = False
         self.ctx = zmq.Context(io_threads=1)
+        self.security: NodeSecurity | None = None
         try:
+            if config.security.curve:  # reads the keys and starts the ZAP handler: before the ROUTER binds
+                self.security = NodeSecurity(config, name, self.ctx, self.on_auth_denied)
             self.rx = RxServer(
-                self.ctx, bind_endpoint(me.host, me.port), self.serve, self.stats.add, name=f"dpwa-rx-{name}"
+                self.ctx,
+                bind_endpoint(me.host, me.port),
+                self.serve,
+                self.stats.add,
+                name=f"dpwa-rx-{name}",
+                setup=self.security.server if self.security is not None else None,
             )
-        except OSError:
+        except BaseException:  # a busy port, a missing key: stop what started, then raise
+            if self.security is not None:
+                self.security.stop()
             self.ctx.term()
             raise
+        warn_if_exposed(name, self.rx.endpoint, curve=self.security is not None)
         self.tx = TxFetcher(
             self.ctx,
             name,
@@ -106,6 +120,7 @@ class _Node:
             self.on_target,
             self.stats.add,
             name=f"dpwa-tx-{name}",
+            setup=self.security.client if self.security is not None else None,
         )
         self.rx.start()
         self.tx.start()
@@ -148,8 +163,18 @@ class _Node:
             self.config.wire_dtype,
         )
 
+    def check_threads(self) -> None:
+        """Raise RuntimeError, the original exception chained, when the RX or TX thread died of a bug."""
+        for role, thread, lost in (("TX", self.tx, "fetch from"), ("RX", self.rx, "serve")):
+            if thread.failure is not None:
+                raise RuntimeError(
+                    f"node {self.name}: the {role} thread died of {thread.failure!r}, so the node can no longer "
+                    f"{lost} its peers (traceback in the log); close the connection"
+                ) from thread.failure
+
     def update_send(self, params: Sequence[np.ndarray], loss: Any) -> None:
         value = _as_loss(loss)
+        self.check_threads()
         if self.layout is None:
             self.setup_layout(params)
         elif not self.layout.matches(params):
@@ -203,6 +228,7 @@ class _Node:
 
     def update_wait(self, loss: Any) -> float:
         value = _as_loss(loss)
+        self.check_threads()
         with self.state_lock:
             self.state.loss = value
         self.mixing = True  # set before pending is cleared: the snapshot converter keeps deferring
@@ -220,8 +246,9 @@ class _Node:
         assert self.params is not None
         waited = time.perf_counter()
         if job is not None and not job.done.wait(max(0.0, job.deadline - time.monotonic()) + WAIT_SLACK_S):
-            log.debug("node %s: TX gave no verdict by the deadline", self.name)
-            job = None
+            for target in job.expire():  # a busy or stalled TX thread: time its targets out here, ignore it later
+                self.on_target(job, target)
+        self.check_threads()  # the TX thread may have died while we waited
         mixing = time.perf_counter()
         targets = job.targets if job is not None else []
         peers = [
@@ -234,7 +261,9 @@ class _Node:
             for t in targets:
                 if t.status in ("timeout", "rejected"):
                     self.rule.on_reply_lost(self.state, dict(t.header.extras) if t.header is not None else None)
-            outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track their motion
+            outcome = recovery.take_over_if_far_behind(self, peers) if peers and not self.caught_up else None
+            if outcome is None:
+                outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track their motion
         mixed = time.perf_counter()
         if peers:
             self.stats.add("mixes")
@@ -271,7 +300,13 @@ class _Node:
         if not not_ready:  # a peer still starting up is alive: no penalty, ask again next time
             with self.flow_lock:
                 self.flow.failure(peer)
-        if target.status == "timeout":
+        if target.status == "timeout" and target.late:
+            self.stats.add("fetches_timed_out")
+            self.stats.add("fetches_late")
+            self.once.warning(
+                (peer, "late"), "node %s: no verdict on %s by the deadline: the TX thread is late", self.name, peer
+            )
+        elif target.status == "timeout":
             self.stats.add("fetches_timed_out")
             self.once.warning((peer, "timeout"), "node %s: peer %s did not answer in time", self.name, peer)
         elif target.status == "refused":
@@ -295,6 +330,18 @@ class _Node:
                 target.code,
                 f": {target.detail}" if target.detail else "",
             )
+
+    # ------------------------------------------------------------ ZAP thread
+
+    def on_auth_denied(self, address: str) -> None:
+        """A connection to the RX socket refused by CURVE authentication: count it, warn once."""
+        self.stats.add("auth_denied")
+        self.once.warning(
+            ("auth_denied",),
+            "node %s: refused a connection from %s: its CURVE key is not one of the cluster's nodes",
+            self.name,
+            address,
+        )
 
     # ------------------------------------------------------------ RX thread
 
@@ -359,6 +406,10 @@ class _Node:
         out["rule"] = self.rule.name
         out["schedule"] = self.schedule.name
         out["snapshot_buffers"] = len(self.pool) if self.pool is not None else 0
+        out["rx_alive"], out["tx_alive"] = self.rx.is_alive(), self.tx.is_alive()
+        out["thread_errors"] = {
+            role: repr(thread.failure) for role, thread in (("rx", self.rx), ("tx", self.tx)) if thread.failure
+        }
         return out
 
     def linger(self, seconds: float, idle_s: float = 1.0) -> float:
@@ -395,6 +446,9 @@ class _Node:
         self.tx.close_waker()
         if self.rx.is_alive() or self.tx.is_alive():  # pragma: no cover - a stuck thread is a bug
             log.error("node %s: a dpwa thread did not stop; leaving its context open", self.name)
+            return
+        if self.security is not None and not self.security.stop():  # only now: the ROUTER is closed
+            log.error("node %s: the ZAP thread did not stop; leaving its context open", self.name)  # pragma: no cover
             return
         self.ctx.term()
         log.info("node %s closed", self.name)
@@ -459,11 +513,36 @@ class DpwaConnection:
         self._node.update_send(params, loss)
 
     def update_wait(self, loss: Any) -> float:
-        """Wait at most until the fetch's deadline, mix into params in place; return the factor (0.0 = no mix)."""
+        """Wait at most until the fetch's deadline, mix into params in place; return the factor (0.0 = no mix).
+
+        Never waits past the deadline plus 50 ms: a verdict the TX thread has not given by then is a
+        timeout (``fetches_late``), and the reply, should it come later, is dropped. Raises RuntimeError
+        (the cause chained) once the RX or TX thread has died of a bug, as does update_send.
+        """
         return self._node.update_wait(loss)
 
+    def bootstrap(self, params: Sequence[np.ndarray], timeout_s: float | None = None) -> str | None:
+        """Before the first ``update_send``: copy one peer's model into ``params`` (factor 1) if that peer's
+        clock is ahead; return its name, or None when no peer answered within ``timeout_s`` (default: the
+        cluster's ``bootstrap_timeout_s``) or the one that answered was not ahead.  See :mod:`dpwa.recovery`.
+        """
+        timeout = self.config.bootstrap_timeout_s if timeout_s is None else timeout_s
+        return recovery.bootstrap(self._node, params, timeout)
+
+    def dpwa_state(self) -> DpwaState:
+        """The node's gossip state for a checkpoint: clock, step, loss, the rule's scalar extras and arrays."""
+        return recovery.export_state(self._node)
+
+    def restore_state(self, state: DpwaState, params: Sequence[np.ndarray] | None = None) -> None:
+        """Take back a :meth:`dpwa_state` (trainer thread, before training goes on); ``params`` lets the rule's
+        arrays (GEM's proxy) be checked against the parameters and restored."""
+        recovery.restore_state(self._node, state, params)
+
     def stats(self) -> dict[str, Any]:
-        """Counters (fetches ok / timed out / refused / rejected, bytes, mean fetch ms, ...) and flow-control scores."""
+        """Counters (fetches ok / timed out / refused / rejected, bytes, mean fetch ms, ...) and flow-control scores.
+
+        Also ``rx_alive`` / ``tx_alive`` (the threads run) and ``thread_errors`` (role -> repr of what killed it).
+        """
         return self._node.snapshot_stats()
 
     def close(self, linger: float = 0.0, idle: float = 1.0) -> None:

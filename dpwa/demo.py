@@ -32,6 +32,13 @@ The node
     and keeps serving its final parameters while peers still fetch them (``close(linger=...)``),
     so peers that are still training do not wait on a closed node.
 
+Restarts
+    With ``checkpoint_every: K`` in the cluster file the adapter checkpoints model, optimizer and
+    gossip state every K steps (and the demo once more at the end).  Started by ``dpwa run
+    --resume`` or restarted by ``--restart-failed``, a node first calls ``adapter.restore()``: it
+    resumes from its checkpoint's step (same batches and learning rates as an uninterrupted run)
+    and copies a peer's model if that peer is ahead, then trains on to ``--steps``.
+
 The evaluation
     Averages every ``<node>.model.npz`` of the run, evaluates that averaged model, and trains a
     *baseline*: one process, all the training data, the same model, optimizer, initial weights,
@@ -261,24 +268,34 @@ def train(
     stream_seed: Sequence[int],
     exchange: Exchange | None = None,
     on_progress: Callable[[int, float, float, float], None] | None = None,
+    start_step: int = 0,
+    start_loss: float | None = None,
 ) -> TrainResult:
     """``steps`` steps of ``optimizer`` on ``data.x_train[indices]`` with the cosine schedule over ``steps``.
 
     Around each step: ``exchange.update_send(previous loss)``, the step, ``exchange.update_wait(loss)``.
-    ``on_progress(step, mean loss, mean factor, lr)`` is called about ten times.
+    ``on_progress(step, mean loss, mean factor, lr)`` is called about ten times.  ``start_step`` > 0
+    resumes a run (model and optimizer restored by the caller): steps ``start_step+1 .. steps`` are done,
+    with the same batches and learning rates as an uninterrupted run; ``start_loss`` is the loss of
+    step ``start_step`` (the first ``update_send`` reports it).
     """
     exchange = exchange if exchange is not None else NoExchange()
     stream = BatchStream(indices, config.batch_size, stream_seed)
+    for _ in range(start_step):  # the batches the steps before start_step took
+        next(stream)
     x, y = data.x_train, data.y_train
-    with torch.no_grad():
-        first = next(BatchStream(indices, config.batch_size, stream_seed))
-        prev_loss = nn.functional.cross_entropy(model(x[first]), y[first]).item()
+    if start_step > 0 and start_loss is not None:
+        prev_loss = start_loss
+    else:
+        with torch.no_grad():
+            first = next(BatchStream(indices, config.batch_size, stream_seed))
+            prev_loss = nn.functional.cross_entropy(model(x[first]), y[first]).item()
     recent: list[float] = []
     factors = 0.0
     window_loss, window_factor, window_n = 0.0, 0.0, 0
     every = max(1, steps // 10)
     start = time.monotonic()
-    for step in range(steps):
+    for step in range(start_step, steps):
         lr = lr_at(config, step, steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -297,12 +314,13 @@ def train(
         if on_progress is not None and ((step + 1) % every == 0 or step + 1 == steps):
             on_progress(step + 1, window_loss / window_n, window_factor / window_n, lr)
             window_loss, window_factor, window_n = 0.0, 0.0, 0
+    recent = recent or [prev_loss]  # resumed at the end: nothing left to train
     return TrainResult(
         steps=steps,
         samples=steps * config.batch_size,
         final_loss=sum(recent) / len(recent),
         seconds=time.monotonic() - start,
-        mean_factor=factors / steps,
+        mean_factor=factors / max(1, steps - start_step),
     )
 
 
@@ -406,8 +424,18 @@ def run_node(config: TrainConfig) -> int:
             "node %s: step %d/%d  loss %.4f  mean factor %.3f  lr %.4f", name, step, config.steps, loss, factor, lr
         )
 
-    with DpwaPyTorchAdapter(model, name, cluster, seed=config.seed * 1000 + index, run_dir=run_dir) as conn:
-        result = train(model, optimizer, data, indices, config, config.steps, (config.seed, index + 1), conn, progress)
+    seed = config.seed * 1000 + index
+    with DpwaPyTorchAdapter(model, name, cluster, seed=seed, run_dir=run_dir, optimizer=optimizer) as conn:
+        restored = conn.restore()  # dpwa run --resume / --restart-failed: checkpoint, then a peer's model
+        if restored.checkpoint is not None and restored.meta.get("config", config.to_dict()) != config.to_dict():
+            log.warning("node %s: the checkpoint was written with other settings; resuming anyway", name)
+        start = min(restored.step, config.steps)
+        result = train(
+            model, optimizer, data, indices, config, config.steps, (config.seed, index + 1), conn, progress,
+            start_step=start, start_loss=restored.loss,
+        )  # fmt: skip
+        if conn.checkpoint_path is not None and cluster.checkpoint_every > 0:
+            conn.save_checkpoint(meta={"config": config.to_dict()})  # the end, so a resumed run has nothing to redo
         accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
         stats = conn.stats()
         log.info(

@@ -28,6 +28,7 @@ from .cli import fail
 from .config import ClusterConfig, ConfigError, NodeSpec, load_config
 from .placement import node_env, select_nodes, threads_per_node, usable_cores
 from .progress import NodeView, Progress, summary_table
+from .restarts import Restarter, resume_env
 from .rundir import MetricsTail, NodeMetrics, RunDir, default_run_dir, tail_lines
 from .supervisor import POLL_S, SignalTrap, Supervisor, stop_quietly
 
@@ -51,6 +52,8 @@ class Job:
     evaluate: bool = False  # built-in demo with every node here: run `dpwa.demo --evaluate RUN_DIR` after
     timeout_s: float | None = None
     keep_going: bool = False
+    restart_failed: int = 0  # restarts per node after a failure (--restart-failed); dpwa/restarts.py
+    resume: bool = False  # dpwa run --resume: every node resumes from its checkpoint and bootstraps from a peer
 
 
 def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | None = None) -> int:
@@ -76,16 +79,33 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
             views = [NodeView(n, supervisor.children[n].state, live[n]) for n in live if n in supervisor.children]
             progress.update(views, force=force)
 
+    def start(node: NodeSpec, restart: bool = False) -> None:
+        node_vars = node_env(
+            base, node=node.name, config_path=job.run_dir.config_path, run_dir=job.run_dir.path, threads=job.threads
+        )
+        if restart or job.resume:
+            node_vars.update(resume_env())
+        log_path = job.run_dir.log_path(node.name)
+        supervisor.start(node.name, job.command, env=node_vars, log_path=log_path, append=restart or job.resume,
+                         replace=restart)  # fmt: skip
+
+    specs = {node.name: node for node in job.nodes}
+
+    def restart(name: str) -> None:
+        message = f"restarting {name} ({supervisor.children[name].describe_exit()}), restart {restarter.counts[name]}"
+        if progress is not None:
+            progress.message(message)
+        else:
+            click.echo(message, err=True)
+        start(specs[name], restart=True)
+
+    restarter = Restarter(job.restart_failed, {n.name: (n.host, n.port) for n in job.nodes}, restart)
     status = "failed"
     with SignalTrap() as trap:
         try:
             for node in job.nodes:
-                node_vars = node_env(
-                    base, node=node.name, config_path=job.run_dir.config_path, run_dir=job.run_dir.path,
-                    threads=job.threads,
-                )  # fmt: skip
-                supervisor.start(node.name, job.command, env=node_vars, log_path=job.run_dir.log_path(node.name))
-            status = _watch(supervisor, trap, deadline, not job.keep_going, tick)
+                start(node)
+            status = _watch(supervisor, trap, deadline, not job.keep_going, tick, restarter)
             stop_quietly(supervisor, trap)
             tick(force=True)
             if status == "ok" and job.evaluate:
@@ -111,17 +131,23 @@ def _watch(
     deadline: float | None,
     fail_fast: bool,
     tick: Callable[[], None],
+    restarter: Restarter | None = None,
 ) -> str:
     """Poll until every child has exited (``ok`` or ``failed``), one failed (``failed``, if ``fail_fast``),
-    a signal arrived (``interrupted``) or the deadline passed (``timeout``). Does not stop anything."""
+    a signal arrived (``interrupted``) or the deadline passed (``timeout``). Does not stop anything.
+
+    With a ``restarter``, a failed child it schedules for a restart is not a failure (yet); one whose
+    restart it gives up on is."""
     while True:
         exited = supervisor.poll()
         tick()
         if trap.received:
             return "interrupted"
-        if fail_fast and any(child.state == "failed" for child in exited):
+        failed = [c for c in exited if c.state == "failed" and not (restarter is not None and restarter.handle(c))]
+        gave_up = restarter.tick() if restarter is not None else []
+        if fail_fast and (failed or gave_up):
             return "failed"
-        if not supervisor.running():
+        if not supervisor.running() and not (restarter is not None and restarter.pending):
             return "failed" if any(c.state == "failed" for c in supervisor.children.values()) else "ok"
         if deadline is not None and time.monotonic() >= deadline:
             return "timeout"
@@ -160,6 +186,8 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
             "returncode": None if child is None else child.returncode,
             "exit": None if child is None else child.describe_exit(),
             "pid": None if child is None else child.pid,
+            "restarts": len(supervisor.previous.get(node.name, [])),
+            "restarted_after": [c.describe_exit() for c in supervisor.previous.get(node.name, [])],
             "log": job.run_dir.log_path(node.name).name,
             "metrics": job.run_dir.metrics_path(node.name).name,
             **metrics.summary(),
@@ -176,6 +204,8 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
         "duration_s": round(time.time() - started, 3),
         "outcome": status,
         "exit_code": code,
+        "restart_failed": job.restart_failed,
+        "resumed": job.resume,
         "ok": status == "ok",
         "nodes": nodes,
     }
@@ -259,7 +289,7 @@ def _die(message: str) -> NoReturn:
 
 
 @click.command("run", cls=_RunCommand, context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("cluster", metavar="CLUSTER.yaml")
+@click.argument("cluster", metavar="CLUSTER.yaml", required=False)
 @click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--steps", type=click.IntRange(min=1), help="Batches per node of the built-in demo (not with SCRIPT).")
@@ -282,9 +312,22 @@ def _die(message: str) -> NoReturn:
 )
 @click.option("--threads", type=click.IntRange(min=1), help="Threads per node  [default: usable cores // local nodes]")
 @click.option("--keep-going", is_flag=True, help="Keep the other nodes running when one fails.")
+@click.option(
+    "--restart-failed",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Restart a node that fails (non-zero exit, or killed) up to N times; it resumes from its checkpoint.",
+)
+@click.option(
+    "--resume",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    metavar="RUN_DIR",
+    help="Resume the run in RUN_DIR (its nodes, cluster file and command) from the nodes' last checkpoints.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No live progress (the summary is still printed).")
 def run(
-    cluster: str,
+    cluster: str | None,
     script: str | None,
     script_args: tuple[str, ...],
     steps: int | None,
@@ -293,6 +336,8 @@ def run(
     timeout_s: float | None,
     threads: int | None,
     keep_going: bool,
+    restart_failed: int,
+    resume: Path | None,
     quiet: bool,
 ) -> None:
     """Start this machine's nodes of CLUSTER.yaml, each running SCRIPT with ARGS (default: the built-in demo).
@@ -306,10 +351,22 @@ def run(
     Its output goes to RUN_DIR/<node>.log. Without SCRIPT each node runs `python -m dpwa.demo`, and once
     all succeeded the averaged model is compared with a single-process baseline.
 
+    `dpwa run --resume RUN_DIR` starts the same nodes with the same command again; each resumes from its
+    last checkpoint (`checkpoint_every` in the cluster file) and copies a peer's model if it is ahead
+    (DPWA_RESUME=1, DPWA_BOOTSTRAP=peer). --restart-failed N restarts a failed node the same way.
+
     Ctrl-C or SIGTERM stops every process the run started (SIGTERM, then SIGKILL after 3 s).
     Exit status: 0 all nodes succeeded; 1 a node failed or --timeout-s passed; 2 a bad cluster file
     or usage; 130/143 interrupted.
     """
+    if resume is not None:
+        if cluster is not None or node_names or run_dir is not None:
+            raise click.UsageError("--resume RUN_DIR takes the cluster file, nodes and command from RUN_DIR")
+        config, nodes, command, directory, evaluate, per_node = _resume_plan(RunDir(resume), steps, threads)
+        _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, True,
+               quiet)  # fmt: skip
+    if cluster is None:
+        raise click.UsageError("missing CLUSTER.yaml (or --resume RUN_DIR)")
     try:
         config = load_config(cluster)
     except ConfigError as err:
@@ -330,19 +387,70 @@ def run(
         fail(err)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
-
     directory = RunDir(run_dir if run_dir is not None else default_run_dir())
     evaluate = script is None and len(nodes) == len(config.nodes)
+    per_node = threads if threads is not None else threads_per_node(len(nodes))
+    _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, False, quiet)
+
+
+def _start(
+    config: ClusterConfig,
+    nodes: list[NodeSpec],
+    command: list[str],
+    directory: RunDir,
+    evaluate: bool,
+    per_node: int,
+    timeout_s: float | None,
+    keep_going: bool,
+    restart_failed: int,
+    resume: bool,
+    quiet: bool,
+) -> NoReturn:
+    """Check the nodes' keys, prepare the run directory (kept as it is by ``resume``), run the job and exit."""
     try:
-        directory.prepare([node.name for node in nodes], evaluate=evaluate)
-        directory.write_config(config)
+        for node in nodes if config.security.curve else ():  # every node started here needs its secret key
+            config.check_secret_key(node.name)
+    except ConfigError as err:
+        fail(err)
+    try:
+        directory.prepare([node.name for node in nodes], evaluate=evaluate, resume=resume)
+        if not resume:
+            directory.write_config(config)
+        launch = {"version": 1, "nodes": [n.name for n in nodes], "command": command, "threads": per_node}
+        directory.write_launch({**launch, "evaluate": evaluate, "demo": command[1:3] == ["-m", DEMO_MODULE]})
     except OSError as err:
         _die(f"{directory.path}: cannot write the run directory: {err.strerror or err}")
-    per_node = threads if threads is not None else threads_per_node(len(nodes))
     if not quiet:
         names = ", ".join(node.name for node in nodes)
         plural = "s" if per_node != 1 else ""
-        click.echo(f"dpwa run: {names} ({per_node} thread{plural} each); run dir {directory.path}", err=True)
-    job = Job(config, nodes, command, directory, per_node, evaluate, timeout_s, keep_going)
+        what = "resuming" if resume else "run dir"
+        click.echo(f"dpwa run: {names} ({per_node} thread{plural} each); {what} {directory.path}", err=True)
+    job = Job(config, nodes, command, directory, per_node, evaluate, timeout_s, keep_going, restart_failed, resume)
     progress = None if quiet else Progress(sys.stderr)
     sys.exit(run_job(job, progress=progress))
+
+
+def _resume_plan(
+    directory: RunDir, steps: int | None, threads: int | None
+) -> tuple[ClusterConfig, list[NodeSpec], list[str], RunDir, bool, int]:
+    """(config, nodes, command, run dir, evaluate, threads) of the run recorded in ``directory``'s launch.json."""
+    record = directory.read_launch()
+    if record is None:
+        _die(f"{directory.path}: no {directory.launch_path.name}: not a run directory of `dpwa run`")
+    try:
+        config = load_config(directory.config_path)
+    except ConfigError as err:
+        fail(err)
+    try:
+        nodes = [config.node(name) for name in record["nodes"]]
+        command = [str(arg) for arg in record["command"]]
+        evaluate, demo, per_node = bool(record["evaluate"]), bool(record["demo"]), int(record["threads"])
+    except (KeyError, TypeError, ValueError) as err:
+        _die(f"{directory.launch_path}: unreadable launch record: {err}")
+    if steps is not None:
+        if not demo:
+            raise click.UsageError("--steps is for the built-in demo; this run's SCRIPT keeps its own options")
+        command = [*command[:3], "--steps", str(steps)]
+    if config.checkpoint_every == 0:
+        click.echo(f"warning: {config.source}: checkpoint_every is 0: the nodes start over from step 0", err=True)
+    return config, nodes, command, directory, evaluate, threads if threads is not None else per_node

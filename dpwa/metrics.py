@@ -52,6 +52,8 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # closed in close()
         self._lock = threading.Lock()
+        if _ends_torn(self.path):  # a writer killed mid-line (a restarted node appends): end that line first
+            self._file.write("\n")
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append ``record`` as one line; TypeError (nothing written) for a value JSON cannot hold."""
@@ -77,6 +79,19 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ends_torn(path: Path) -> bool:
+    """True when ``path`` is non-empty and does not end with a newline."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            if handle.tell() == 0:
+                return False
+            handle.seek(-1, os.SEEK_END)
+            return handle.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

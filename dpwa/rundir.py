@@ -8,6 +8,8 @@ The layout is a contract with the adapter (docs/metrics.md)::
     <run_dir>/summary.json            per-node summary, run outcome      (launcher)
     <run_dir>/<node>.model.npz        final parameters                   (built-in demo)
     <run_dir>/demo.json               averaged-model and baseline accuracy (built-in demo)
+    <run_dir>/launch.json             nodes, command, threads: what `dpwa run --resume` restarts (launcher)
+    <run_dir>/checkpoints/<node>.ckpt.npz[.prev]  latest (and previous) checkpoint (adapter, dpwa/checkpoint.py)
 
 Metrics files are read tolerantly: a line that is not a JSON object (typically a torn last
 line of a node that is still writing, or was killed mid-write) is skipped, never an error.
@@ -31,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from .checkpoint import checkpoint_path, remove_checkpoints
 from .config import ClusterConfig
 
 try:  # the adapter engineer's reader, when it exists; the fallback below follows the same contract
@@ -55,6 +58,7 @@ CONFIG = "cluster.yaml"
 SUMMARY = "summary.json"
 DEMO = "demo.json"
 EVALUATE_LOG = "evaluate.log"
+LAUNCH = "launch.json"
 LOG_SUFFIX = ".log"
 METRICS_SUFFIX = ".metrics.jsonl"
 MODEL_SUFFIX = ".model.npz"
@@ -114,26 +118,49 @@ class RunDir:
     def model_path(self, node: str) -> Path:
         return self.path / f"{node}{MODEL_SUFFIX}"
 
+    @property
+    def launch_path(self) -> Path:
+        return self.path / LAUNCH
+
+    def checkpoint_path(self, node: str) -> Path:
+        return checkpoint_path(self.path, node)
+
     def metrics_nodes(self) -> list[str]:
         """Names of the nodes that have a metrics file, sorted."""
         return sorted(p.name[: -len(METRICS_SUFFIX)] for p in self.path.glob(f"*{METRICS_SUFFIX}"))
 
     # ------------------------------------------------------------------ writes
 
-    def prepare(self, nodes: Iterable[str], *, evaluate: bool = False) -> None:
+    def prepare(self, nodes: Iterable[str], *, evaluate: bool = False, resume: bool = False) -> None:
         """Create the directory; remove the files a previous run left for ``nodes`` (only theirs).
 
-        A metrics file is appended to by the adapter, so a stale one would mix two runs.
-        ``evaluate`` also removes a stale ``demo.json`` and ``evaluate.log``.
+        A metrics file is appended to by the adapter, so a stale one would mix two runs; a stale
+        checkpoint would be resumed from by a restarted node.  ``evaluate`` also removes a stale
+        ``demo.json`` and ``evaluate.log``.  ``resume`` (``dpwa run --resume``): logs, metrics and
+        checkpoints are kept -- the run goes on -- and only final models (and the demo's results) go.
         """
         self.path.mkdir(parents=True, exist_ok=True)
-        stale = [p for n in nodes for p in (self.log_path(n), self.metrics_path(n), self.model_path(n))]
+        nodes = list(nodes)
+        kinds = (self.model_path,) if resume else (self.log_path, self.metrics_path, self.model_path)
+        stale = [kind(n) for n in nodes for kind in kinds]
         if evaluate:
             stale += [self.demo_path, self.evaluate_log]
         for path in stale:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 log.info("removed stale %s", path)
+        for node in nodes if not resume else ():
+            for path in remove_checkpoints(self.checkpoint_path(node)):
+                log.info("removed stale %s", path)
+
+    def write_launch(self, record: Mapping[str, Any]) -> Path:
+        """Write ``launch.json``: what ``dpwa run --resume`` needs to start the same nodes the same way."""
+        _atomic_write(self.launch_path, json.dumps(dict(record), indent=2) + "\n")
+        return self.launch_path
+
+    def read_launch(self) -> dict[str, Any] | None:
+        """``launch.json`` as a dict, or None when missing or unreadable."""
+        return _read_json(self.launch_path)
 
     def write_config(self, config: ClusterConfig) -> Path:
         """Write the resolved config (``config.to_dict()``) as ``cluster.yaml``; return its path."""

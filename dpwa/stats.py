@@ -11,14 +11,16 @@ COUNTERS = (
     "fetches_started",  # fetch requests sent to a peer
     "fetches_ok",  # replies received, validated and handed to the trainer
     "fetches_timed_out",  # no (complete) reply before the deadline
+    "fetches_late",  # of those: update_wait timed out itself, the TX thread had no verdict by deadline + 50 ms
     "fetches_refused",  # the peer answered with an error (not ready, layout mismatch)
     "fetches_rejected",  # a reply that failed validation: dropped, params untouched
     "fetches_skipped",  # a batch wanted a fetch but no peer was up (or one was still in flight)
-    "stale_replies",  # late replies to an earlier request, discarded
+    "stale_replies",  # messages of no fetch in flight (late replies, stray chunks, other ERRORs), discarded
     "mixes",  # update_wait calls that mixed at least one peer in
     "served",  # snapshots sent to requesters
     "serve_dropped",  # replies dropped because a requester's queue was full
     "requests_rejected",  # malformed requests received by the RX thread
+    "auth_denied",  # connections to the RX thread refused by CURVE authentication (security.curve)
     "snapshots_skipped",  # update_send found every snapshot buffer busy and kept the previous one
     "bytes_in",
     "bytes_out",

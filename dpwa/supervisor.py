@@ -89,6 +89,7 @@ class Supervisor:
 
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}
+        self.previous: dict[str, list[Child]] = {}  # earlier processes of a restarted child, oldest first
         self._groups: set[int] = set()  # process groups that may still have members
         self._killed: set[int] = set()  # groups already sent SIGKILL
         self._preexec = _die_with_parent()
@@ -101,11 +102,16 @@ class Supervisor:
         env: Mapping[str, str],
         log_path: Path,
         cwd: str | os.PathLike[str] | None = None,
+        append: bool = False,
+        replace: bool = False,
     ) -> Child:
-        """Start ``argv`` as child ``name``, its stdout and stderr going to ``log_path`` (truncated)."""
-        if name in self.children:
+        """Start ``argv`` as child ``name``, its stdout and stderr going to ``log_path`` (truncated unless
+        ``append``). ``replace``: ``name`` may be a child that has exited (a restart; the old one moves to
+        ``previous[name]``); a running child's name is always a ValueError."""
+        old = self.children.get(name)
+        if old is not None and (not replace or old.returncode is None):
             raise ValueError(f"a child named {name!r} was already started")
-        with open(log_path, "wb") as log_file:
+        with open(log_path, "ab" if append else "wb") as log_file:
             popen = subprocess.Popen(
                 list(argv),
                 env=dict(env),
@@ -118,6 +124,8 @@ class Supervisor:
                 close_fds=True,
             )
         child = Child(name, popen, log_path, time.monotonic())
+        if old is not None:
+            self.previous.setdefault(name, []).append(old)
         self.children[name] = child
         self._groups.add(popen.pid)
         log.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))

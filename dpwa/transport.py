@@ -10,10 +10,13 @@
   preallocated receive buffer, copying (or widening a 16-bit wire dtype) and
   validating it in one pass, and after a timeout -- or a broken stream -- closes
   and reopens the peer's socket (Lazy Pirate) so a late reply is never taken
-  for the next one.
+  for the next one. Its DEALERs refuse any frame larger than a valid reply's
+  (ZMQ_MAXMSGSIZE from the layout); every message that belongs to no fetch in
+  flight is dropped and counted (``stale_replies``).
 
 Every wait here is a poll with a timeout; ``stop()`` ends a thread within
-``POLL_MS`` milliseconds.
+``POLL_MS`` milliseconds. A thread that dies of a bug keeps the exception in
+``failure`` (DpwaConnection raises it in the trainer's next call).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class RxServer(threading.Thread):
         *,
         name: str = "dpwa-rx",
         sndhwm: int = REPLIES_QUEUED,
+        setup: Callable[[zmq.Socket], None] | None = None,
     ) -> None:
         super().__init__(name=name, daemon=True)
         self._replies_queued = sndhwm
@@ -103,6 +107,8 @@ class RxServer(threading.Thread):
         self._serve = serve
         self._on_event = on_event
         self._stop_flag = threading.Event()
+        self.failure: BaseException | None = None
+        """The exception that ended the thread, if one did (a bug, not a network fault)."""
         # Bind here, in the caller's thread, so that a busy port fails the constructor loudly.
         self._sock = ctx.socket(zmq.ROUTER)
         _common_options(self._sock)
@@ -112,6 +118,8 @@ class RxServer(threading.Thread):
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         tune_data_socket(self._sock)
         try:
+            if setup is not None:  # e.g. make it a CURVE server (dpwa.security); must precede bind
+                setup(self._sock)
             self._sock.bind(endpoint)
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
@@ -127,8 +135,9 @@ class RxServer(threading.Thread):
             while not self._stop_flag.is_set():
                 if sock.poll(POLL_MS, zmq.POLLIN):
                     self._handle_one(sock)
-        except Exception:  # pragma: no cover - a bug, not a network fault
-            log.exception("RX thread failed")
+        except Exception as exc:  # a bug, not a network fault: DpwaConnection raises it in the trainer
+            self.failure = exc
+            log.exception("RX thread failed: this node no longer serves its peers")
         finally:
             sock.close(linger=0)
 
@@ -231,11 +240,20 @@ class FetchTarget:
     nbytes: int = 0
     next_chunk: int = -1
     """In a streamed reply: the index of the chunk expected next; -1 while the header is awaited."""
+    late: bool = False
+    """update_wait timed this target out itself: the TX thread had no verdict by the deadline."""
+
+
+LATE_DETAIL = "the TX thread gave no verdict by the deadline"
 
 
 @dataclass
 class FetchJob:
-    """Fetch the latest snapshot of every target before ``deadline`` (time.monotonic seconds)."""
+    """Fetch the latest snapshot of every target before ``deadline`` (time.monotonic seconds).
+
+    Each target gets exactly one verdict (:meth:`settle`): from the TX thread, or -- when
+    update_wait stops waiting -- a timeout from :meth:`expire`; a verdict that comes later is ignored.
+    """
 
     req: int
     targets: list[FetchTarget]
@@ -243,6 +261,28 @@ class FetchJob:
     extras: dict[str, Any] = field(default_factory=dict)  # sent with the request (rule push-pull state)
     started: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
+    expired: bool = False
+    """update_wait gave up on this job (:meth:`expire`): the TX thread drops it."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def settle(self, target: FetchTarget, status: str, code: str = "", detail: str = "") -> bool:
+        """Give ``target`` its verdict; False (and nothing changes) when it already has one."""
+        with self.lock:
+            if target.status != "pending":
+                return False
+            target.status, target.code, target.detail = status, code, detail
+            target.ms = (time.monotonic() - self.started) * 1000.0
+            return True
+
+    def expire(self) -> list[FetchTarget]:
+        """Time out every target still without a verdict (``late``) and return them; the job is abandoned."""
+        with self.lock:
+            self.expired = True
+            late = [t for t in self.targets if t.status == "pending"]
+            for t in late:
+                t.status, t.code, t.detail, t.late = "timeout", "timeout", LATE_DETAIL, True
+                t.ms = (time.monotonic() - self.started) * 1000.0
+        return late
 
 
 class _Broken(Exception):
@@ -275,9 +315,11 @@ class TxFetcher(threading.Thread):
         *,
         name: str = "dpwa-tx",
         chunk: int = CHUNK_BYTES,
+        setup: Callable[[zmq.Socket, str], None] | None = None,
     ) -> None:
         super().__init__(name=name, daemon=True)
         self._ctx = ctx
+        self._setup = setup  # (socket, peer) before connect, e.g. make it a CURVE client (dpwa.security)
         self._node = node
         self._endpoints = dict(endpoints)
         self._layouts = layouts
@@ -295,6 +337,9 @@ class TxFetcher(threading.Thread):
         self._sockets: dict[str, zmq.Socket] = {}
         self._reader: PayloadReader | None = None
         self._bounds: list[tuple[int, int]] = []
+        self._maxmsgsize = max(chunk, wire.MAX_HEADER_BYTES)
+        self.failure: BaseException | None = None
+        """The exception that ended the thread, if one did (a bug, not a network fault)."""
 
     # -- called from other threads
     def submit(self, job: FetchJob) -> None:
@@ -338,7 +383,7 @@ class TxFetcher(threading.Thread):
                         self._receive(poller, job, peer, sock)
                 if job is not None and time.monotonic() >= job.deadline:
                     for target in job.targets:
-                        if target.status == "pending":
+                        if target.status == "pending" or target.late:  # late: update_wait timed it out
                             self._finish(job, target, "timeout", "timeout", "no reply before the deadline")
                             self._reset(poller, target.peer)
                 if job is not None and all(t.status != "pending" for t in job.targets):
@@ -349,12 +394,23 @@ class TxFetcher(threading.Thread):
                         job = self._jobs.get_nowait()
                     except queue.Empty:
                         continue
+                    if job.expired:  # queued while this thread was busy; update_wait already gave up on it
+                        job.done.set()
+                        job = None
+                        continue
                     self._start(poller, job)
-        except Exception:  # pragma: no cover - a bug, not a network fault
+        except Exception as exc:  # a bug, not a network fault: DpwaConnection raises it in the trainer
+            self.failure = exc
             log.exception("TX thread failed")
         finally:
             if job is not None:
                 job.done.set()
+            if self.failure is not None:  # nobody will run the queued jobs: wake whoever waits on them
+                while True:
+                    try:
+                        self._jobs.get_nowait().done.set()
+                    except queue.Empty:
+                        break
             for sock in self._sockets.values():
                 sock.close(linger=0)
             self._wake_rx.close(linger=0)
@@ -364,9 +420,11 @@ class TxFetcher(threading.Thread):
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             _common_options(sock)
-            sock.setsockopt(zmq.MAXMSGSIZE, max(self._chunk, wire.MAX_HEADER_BYTES))
+            sock.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
             sock.setsockopt(zmq.SNDHWM, 4)
             tune_data_socket(sock)
+            if self._setup is not None:
+                self._setup(sock, peer)
             sock.connect(self._endpoints[peer])
             poller.register(sock, zmq.POLLIN)
             self._sockets[peer] = sock
@@ -389,6 +447,7 @@ class TxFetcher(threading.Thread):
         if self._reader is None or self._reader.wire is not wire_layout or self._reader.local is not local:
             self._reader = PayloadReader(wire_layout, local)
             self._bounds = wire_layout.frame_bounds(self._chunk)
+            self._limit_frames(poller, wire_layout)
         try:
             request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, job.extras, stream=True)
         except (TypeError, ValueError) as exc:  # a rule's extras too big or not JSON: fetch without them
@@ -403,10 +462,28 @@ class TxFetcher(threading.Thread):
                 self._finish(job, target, "timeout", "send-queue-full", "send queue full")
                 self._reset(poller, target.peer)
 
+    def _limit_frames(self, poller: zmq.Poller, wire_layout: Layout) -> None:
+        """ZMQ_MAXMSGSIZE of the DEALERs from the layout replies must have (libzmq applies it to every frame).
+
+        No valid reply has a frame above the larger of a header and a payload frame: the
+        layout's wire bytes up to one chunk (the 16-byte chunk tag of the streamed framing
+        is a frame of its own). A peer sending more loses its connection before ZeroMQ
+        buffers the frame. Sockets opened under an older limit are closed and reopened.
+        """
+        largest = max(end - start for start, end in wire_layout.frame_bounds(self._chunk))  # at most a chunk
+        limit = max(wire.MAX_HEADER_BYTES, largest)
+        if limit != self._maxmsgsize:
+            self._maxmsgsize = limit
+            for peer in list(self._sockets):
+                self._reset(poller, peer)
+
     def _finish(self, job: FetchJob, target: FetchTarget, status: str, code: str = "", detail: str = "") -> None:
-        target.status, target.code, target.detail = status, code, detail
-        target.ms = (time.monotonic() - job.started) * 1000.0
-        self._on_target(job, target)
+        """Report ``target``'s verdict; a reply judged after update_wait timed the target out counts as stale."""
+        if job.settle(target, status, code, detail):
+            self._on_target(job, target)
+        elif status != "timeout":
+            log.debug("dropping the verdict %s on %s: update_wait stopped waiting for it", status, target.peer)
+            self._on_event("stale_replies", 1)
 
     def _receive(self, poller: zmq.Poller, job: FetchJob | None, peer: str, sock: zmq.Socket) -> None:
         """Take the messages waiting on ``peer``'s socket (at most MAX_MESSAGES_PER_WAKE)."""
@@ -433,6 +510,7 @@ class TxFetcher(threading.Thread):
         if tag is not None:
             if job is None or target is None or tag[0] != job.req or target.next_chunk < 0:
                 _discard_rest(sock)  # a chunk of a reply already judged (or never announced): nothing to take
+                self._on_event("stale_replies", 1)
                 return
             self._chunk_message(target, sock, tag[1], len(head))
             if target.next_chunk == len(self._bounds):
@@ -452,10 +530,15 @@ class TxFetcher(threading.Thread):
         assert layouts is not None and self._reader is not None
         wire_layout = layouts[0]
         received = len(head)
+        alone = not sock.get(zmq.RCVMORE)  # a header without payload frames: streamed chunks may follow it
         try:
             header = wire.decode_header(head)
             if header.kind is Kind.ERROR:
                 _discard_rest(sock)
+                if header.node != target.peer or header.req != job.req:  # not a refusal of this fetch
+                    log.debug("dropping an ERROR reply of %s to request %s", header.node, header.req)
+                    self._on_event("stale_replies", 1)
+                    return
                 target.header = header
                 self._finish(job, target, "refused", header.code, header.detail)
                 return
@@ -483,8 +566,10 @@ class TxFetcher(threading.Thread):
             if sock.get(zmq.RCVMORE):
                 raise WireError("frames", "reply has more payload frames than announced")
         except WireError as exc:
-            _discard_rest(sock)
             target.nbytes = received
+            if alone:  # reset the socket, so that the chunks of a rejected streamed reply never arrive as strays
+                raise _Broken(exc) from None
+            _discard_rest(sock)
             self._finish(job, target, "rejected", exc.reason, exc.detail)
             return
         target.nbytes = received

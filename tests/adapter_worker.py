@@ -15,11 +15,11 @@ The model, data and training step are importable, so a test can train the same m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 from torch import nn
+from worker_loop import serve
 
 IN_FEATURES = 8
 
@@ -80,35 +80,26 @@ def main() -> int:
     data = NodeData(args.data)
     adapter = DpwaPyTorchAdapter(model, args.name, args.config, seed=args.seed)
 
-    def answer(obj: object) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
-    answer({"ready": adapter.connection.endpoint})
     loss = torch.tensor(1.0)
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "train":
-            mixed = 0
-            for _ in range(int(words[1])):
-                adapter.update_send(loss)
-                loss = train_step(model, optimizer, data)
-                mixed += adapter.update_wait(loss) > 0.0
-            answer({"steps": int(words[1]), "mixed": mixed, "loss": loss.item()})
-        elif words[0] == "state":
-            answer({"state": floating_state(model)})
-        elif words[0] == "stats":
-            answer(adapter.stats())
-        elif words[0] == "quit":
-            adapter.close()
-            answer({"closed": True})
-            return 0
-        else:
-            answer({"error": f"unknown command {words[0]!r}"})
-    adapter.close()
-    return 0
+
+    def train(words: list[str]) -> dict[str, float]:
+        nonlocal loss
+        steps, mixed = int(words[0]), 0
+        for _ in range(steps):
+            adapter.update_send(loss)
+            loss = train_step(model, optimizer, data)
+            mixed += adapter.update_wait(loss) > 0.0
+        return {"steps": steps, "mixed": mixed, "loss": loss.item()}
+
+    return serve(
+        {"ready": adapter.connection.endpoint},
+        {
+            "train": train,
+            "state": lambda words: {"state": floating_state(model)},
+            "stats": lambda words: adapter.stats(),
+        },
+        adapter.close,
+    )
 
 
 if __name__ == "__main__":

@@ -13,10 +13,15 @@ import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dpwa import DpwaConnection
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "node_worker.py"
@@ -83,6 +88,28 @@ def traced(fn: Callable[[], Any]) -> tuple[Any, int]:
 def traced_peak(fn: Callable[[], Any]) -> int:
     """The peak memory allocated while ``fn`` runs (see :func:`traced`)."""
     return traced(fn)[1]
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM (peak) of process ``pid``, in MiB (Linux /proc)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            key, value = line.split(":")
+            out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def exchange_pair(
+    a: DpwaConnection, b: DpwaConnection, pa: list[np.ndarray], pb: list[np.ndarray], rounds: int
+) -> None:
+    """``rounds`` rounds of two connected nodes: b publishes ``pb``, a publishes ``pa`` and must mix b's
+    parameters (factor 0.5, asserted), then b waits for its own fetch."""
+    for _ in range(rounds):
+        b.update_send(pb, 1.0)
+        a.update_send(pa, 1.0)
+        assert a.update_wait(1.0) == 0.5
+        b.update_wait(1.0)
 
 
 @contextlib.contextmanager

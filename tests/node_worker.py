@@ -11,11 +11,11 @@ At start-up it prints {"ready": endpoint} once the connection is up.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import numpy as np
+from worker_loop import serve
 
 from dpwa import DpwaConnection
 
@@ -36,35 +36,24 @@ def main() -> int:
     ]
     conn = DpwaConnection(args.name, args.config, seed=args.seed)
 
-    def answer(obj: object) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
+    def run(words: list[str]) -> dict[str, list[float]]:
+        factors, waits = [], []
+        for _ in range(int(words[0])):
+            conn.update_send(params, 1.0)
+            t0 = time.monotonic()
+            factors.append(conn.update_wait(1.0))
+            waits.append((time.monotonic() - t0) * 1000.0)
+        return {"factors": factors, "wait_ms": waits}
 
-    answer({"ready": conn.endpoint})
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "run":
-            factors, waits = [], []
-            for _ in range(int(words[1])):
-                conn.update_send(params, 1.0)
-                t0 = time.monotonic()
-                factors.append(conn.update_wait(1.0))
-                waits.append((time.monotonic() - t0) * 1000.0)
-            answer({"factors": factors, "wait_ms": waits})
-        elif words[0] == "params":
-            answer({"params": [p.ravel().astype(float).tolist() for p in params]})
-        elif words[0] == "stats":
-            answer(conn.stats())
-        elif words[0] == "quit":
-            conn.close()
-            answer({"closed": True})
-            return 0
-        else:
-            answer({"error": f"unknown command {words[0]!r}"})
-    conn.close()
-    return 0
+    return serve(
+        {"ready": conn.endpoint},
+        {
+            "run": run,
+            "params": lambda words: {"params": [p.ravel().astype(float).tolist() for p in params]},
+            "stats": lambda words: conn.stats(),
+        },
+        conn.close,
+    )
 
 
 if __name__ == "__main__":

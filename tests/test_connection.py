@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import fakes
 import numpy as np
 import pytest
-import zmq
-from conftest import free_ports, port_is_free, wait_until, write_cluster
+from conftest import exchange_pair, free_ports, port_is_free, traced_peak, wait_until, write_cluster
 
 from dpwa import ConfigError, DpwaConnection, load_config, wire
 from dpwa.wire import Layout
@@ -21,36 +21,17 @@ from dpwa.wire import Layout
 pytestmark = pytest.mark.integration
 
 
-class FakePeer:
-    """A ROUTER bound where a node expects a peer, answering FETCH with whatever ``respond`` builds."""
+class FakePeer(fakes.FakePeer):
+    """A :class:`fakes.FakePeer` whose ``respond`` builds one reply message (None: no answer)."""
 
     def __init__(self, port: int, name: str = "w2") -> None:
         self.name = name
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        super().__init__(port)
         self.respond: Callable[[wire.Header], list[bytes] | None] = lambda header: None
-        self.requests: list[wire.Header] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.sock.poll(20):
-                identity, frame = self.sock.recv_multipart()
-                header = wire.decode_header(frame)
-                self.requests.append(header)
-                frames = self.respond(header)
-                if frames is not None:
-                    self.sock.send_multipart([identity, *frames])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
-        self.ctx.term()
+    def replies(self, header: wire.Header) -> fakes.Messages:
+        frames = self.respond(header)
+        return [] if frames is None else [frames]
 
 
 def state_reply(
@@ -336,8 +317,6 @@ def test_many_requesters_are_all_served(tmp_path: Path):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_no_model_sized_allocation_after_warm_up(tmp_path: Path, dtype: str):
     """Exchanges after warm-up allocate nothing proportional to the model (receive and mix in place)."""
-    import tracemalloc
-
     ports = free_ports(2)
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=5000)
     n = 8_000_000
@@ -345,21 +324,8 @@ def test_no_model_sized_allocation_after_warm_up(tmp_path: Path, dtype: str):
     p2 = [np.ones(n, dtype), np.ones(1000, dtype)]
     model_bytes = sum(x.nbytes for x in p1)
     with DpwaConnection("w1", cfg, seed=1) as a, DpwaConnection("w2", cfg, seed=2) as b:
-        for _ in range(3):  # warm-up: layouts, snapshot pools, receive buffers
-            b.update_send(p2, 1.0)
-            a.update_send(p1, 1.0)
-            assert a.update_wait(1.0) == 0.5
-            b.update_wait(1.0)
-        tracemalloc.start()
-        try:
-            for _ in range(5):
-                b.update_send(p2, 1.0)
-                a.update_send(p1, 1.0)
-                assert a.update_wait(1.0) == 0.5
-                b.update_wait(1.0)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        exchange_pair(a, b, p1, p2, rounds=3)  # warm-up: layouts, snapshot pools, receive buffers
+        peak = traced_peak(lambda: exchange_pair(a, b, p1, p2, rounds=5))
     # a fixed bound (block-sized mixing scratch, headers), far below one model copy
     assert peak < 2**21 < model_bytes / 4, (peak, model_bytes)
 

@@ -351,7 +351,8 @@ def test_run_a_script_end_to_end(tmp_path: Path, node_script: Path) -> None:
     code, out, err = finish(proc, tmp_path)
     assert code == 0, err
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "cluster.yaml", "summary.json", *(f"w{i}.{kind}" for i in (1, 2, 3) for kind in ("log", "metrics.jsonl")),
+        "cluster.yaml", "launch.json", "summary.json",
+        *(f"w{i}.{kind}" for i in (1, 2, 3) for kind in ("log", "metrics.jsonl")),
     ]  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ok"] is True and summary["exit_code"] == 0

@@ -9,7 +9,6 @@ parameters, and the next fetch from the same peer works.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import free_ports, write_cluster
+from fakes import FakePeer, Messages
 
 from dpwa import DpwaConnection, wire
 from dpwa.wire import CHUNK_BYTES, Layout
@@ -38,9 +38,6 @@ def payload(arrays: list[np.ndarray]) -> tuple[Layout, np.ndarray]:
     return layout, buf
 
 
-Messages = list[list[bytes]]
-
-
 def streamed(header: wire.Header, arrays: list[np.ndarray], node: str = "w2") -> Messages:
     """A well-formed streamed reply to ``header``: [header], then [tag, chunk] per chunk."""
     layout, buf = payload(arrays)
@@ -50,41 +47,11 @@ def streamed(header: wire.Header, arrays: list[np.ndarray], node: str = "w2") ->
     return [[head], *chunks]
 
 
-class StreamingPeer:
-    """A ROUTER where w1 expects w2; answers each FETCH with the messages ``respond`` builds."""
-
-    def __init__(self, port: int) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
-        self.respond: Callable[[wire.Header], Messages] = lambda header: []
-        self.requests: list[wire.Header] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.sock.poll(20):
-                identity, frame = self.sock.recv_multipart()
-                header = wire.decode_header(frame)
-                self.requests.append(header)
-                for message in self.respond(header):
-                    self.sock.send_multipart([identity, *message])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
-        self.ctx.term()
-
-
 @pytest.fixture
 def rig(tmp_path: Path):
     ports = free_ports(2)
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=500)
-    peer = StreamingPeer(ports[1])
+    peer = FakePeer(ports[1])
     try:
         with DpwaConnection("w1", cfg, seed=0) as node:
             yield node, peer

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import threading
 import time
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_ports, port_is_free, write_cluster
+from conftest import exchange_pair, free_ports, port_is_free, traced_peak, write_cluster
 
 from dpwa import ConfigError, DpwaConnection, wire
 from dpwa.bfloat16 import BFLOAT16, from_float32, to_float32
@@ -258,21 +257,8 @@ def test_no_model_sized_allocation_after_warm_up(tmp_path: Path, wire_dtype: str
     n = 6_000_000
     p1, p2 = [np.zeros(n, np.float32)], [np.ones(n, np.float32)]
     with DpwaConnection("w1", cfg, seed=1) as a, DpwaConnection("w2", cfg, seed=2) as b:
-        for _ in range(4):  # warm-up: layouts, pools, wire buffers, receive buffers
-            b.update_send(p2, 1.0)
-            a.update_send(p1, 1.0)
-            assert a.update_wait(1.0) == 0.5
-            b.update_wait(1.0)
-        tracemalloc.start()
-        try:
-            for _ in range(4):
-                b.update_send(p2, 1.0)
-                a.update_send(p1, 1.0)
-                assert a.update_wait(1.0) == 0.5
-                b.update_wait(1.0)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        exchange_pair(a, b, p1, p2, rounds=4)  # warm-up: layouts, pools, wire buffers, receive buffers
+        peak = traced_peak(lambda: exchange_pair(a, b, p1, p2, rounds=4))
     assert peak < 2**21 < p1[0].nbytes / 4, peak
 
 

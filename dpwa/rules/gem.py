@@ -102,6 +102,10 @@ class GemRule(Rule):
         """The momentum proxy ``m`` (one array per parameter array), None before the first mix."""
         return self._m
 
+    def restore_proxy(self, proxy: Sequence[np.ndarray]) -> None:
+        """Set ``m`` from a checkpoint (the caller checked shapes and compute dtypes)."""
+        self._m = [np.array(m, copy=True) for m in proxy]
+
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         """Remember ``x_at_update_send`` (read-only views, valid until the next ``update_send``)."""
         self._published = published

@@ -1,0 +1,170 @@
+"""CurveZMQ for one node: its keys, a ZAP handler admitting exactly the cluster's nodes, socket set-up.
+
+With ``security: {curve: true, keys: DIR}`` a node's RX ROUTER is a CURVE server (the node's
+own secret key) and each TX DEALER a CURVE client (the node's key pair plus the peer's public
+key). Every connection to the ROUTER goes through the ZAP handler here, which admits a client
+only if its public key is one of the cluster's nodes': any other client's connection is closed
+at the end of the CURVE handshake, before libzmq reads a single message from it. All traffic is
+encrypted and authenticated.
+
+The ZAP handler binds ``inproc://zeromq.zap.01`` in the node's own ``zmq.Context`` (ZAP is per
+context; every node has its own, so nodes in one process never share a handler). It must be bound
+before the ROUTER and kept until the ROUTER is closed: a CURVE server without a ZAP handler
+admits any client that knows its public key. :class:`NodeSecurity` does both in that order.
+
+Keys are read once, when the node starts; new keys need a restart.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable, Mapping
+
+import zmq
+from zmq.utils import z85
+
+from .config import ClusterConfig
+from .keyfiles import public_path, read_key_file
+
+log = logging.getLogger(__name__)
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = b"dpwa"
+POLL_MS = 100
+"""Longest the ZAP thread sleeps in poll before it looks at its stop flag."""
+STOP_TIMEOUT_S = 1.0
+ZAP_VERSION = b"1.0"
+
+
+class ZapHandler(threading.Thread):
+    """Answers libzmq's ZAP requests (RFC 27) for one context: CURVE clients whose public key is in
+    ``allowed`` (32-byte binary key -> node name) get 200 with the node name as user id; everything
+    else gets 400. Every denial calls ``on_denied(address)``.
+
+    The socket is bound in the constructor (a second handler on one context fails there, loudly);
+    ``stop()`` then ``join()`` ends the thread within ``POLL_MS`` and closes the socket.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        allowed: Mapping[bytes, str],
+        on_denied: Callable[[str], None],
+        *,
+        name: str = "dpwa-zap",
+    ) -> None:
+        super().__init__(name=name, daemon=True)
+        self._allowed = dict(allowed)
+        self._on_denied = on_denied
+        self._stop_flag = threading.Event()
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            raise
+
+    def stop(self) -> None:
+        self._stop_flag.set()
+
+    def run(self) -> None:
+        sock = self._sock
+        try:
+            while not self._stop_flag.is_set():
+                if sock.poll(POLL_MS, zmq.POLLIN):
+                    request = sock.recv_multipart(zmq.NOBLOCK)
+                    sock.send_multipart(self._answer(request), zmq.NOBLOCK)
+        except Exception:  # pragma: no cover - a bug; the context is terminated by close() after this
+            log.exception("ZAP handler failed")
+        finally:
+            sock.close(linger=0)
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        """The reply frames for one request: [version, request id, status code, status text, user id, metadata]."""
+        if len(request) < 6 or request[0] != ZAP_VERSION:
+            request_id = request[1] if len(request) > 1 else b""
+            return [ZAP_VERSION, request_id, b"500", b"malformed ZAP request", b"", b""]
+        _, request_id, _domain, address, _identity, mechanism, *credentials = request
+        if mechanism == b"CURVE" and len(credentials) == 1:
+            node = self._allowed.get(credentials[0])
+            if node is not None:
+                return [ZAP_VERSION, request_id, b"200", b"OK", node.encode(), b""]
+        self._on_denied(address.decode("utf-8", "replace"))
+        return [ZAP_VERSION, request_id, b"400", b"not a node of this cluster", b"", b""]
+
+
+class NodeSecurity:
+    """CURVE keys of one node and its running ZAP handler; ``server``/``client`` set sockets up.
+
+    ``NodeSecurity(config, name, ctx, on_denied)`` reads the node's secret key and every node's
+    public key (ConfigError when one is missing or invalid) and starts the ZAP handler; ``stop()``
+    stops it (call it after the ROUTER is closed, before ``ctx.term()``).
+    """
+
+    def __init__(self, config: ClusterConfig, name: str, ctx: zmq.Context, on_denied: Callable[[str], None]) -> None:
+        keys = config.security.keys
+        assert config.security.curve and keys is not None
+        secret_file = config.check_secret_key(name)
+        self.public, secret = read_key_file(secret_file, secret=True)
+        assert secret is not None
+        self._secret = secret
+        self.peers = {node.name: read_key_file(public_path(keys, node.name))[0] for node in config.nodes}
+        _warn_if_readable(secret_file)
+        self.name = name
+        self.zap = ZapHandler(
+            ctx, {z85.decode(key): peer for peer, key in self.peers.items()}, on_denied, name=f"dpwa-zap-{name}"
+        )
+        self.zap.start()
+
+    def server(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (not yet bound) a CURVE server with this node's secret key, authenticated by ZAP."""
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)
+
+    def client(self, sock: zmq.Socket, peer: str) -> None:
+        """Make ``sock`` (not yet connected) a CURVE client of ``peer`` with this node's key pair."""
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.peers[peer])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)
+
+    def stop(self) -> bool:
+        """Stop the ZAP handler; True once its thread has ended (within STOP_TIMEOUT_S)."""
+        self.zap.stop()
+        self.zap.join(timeout=STOP_TIMEOUT_S)
+        return not self.zap.is_alive()
+
+
+def _warn_if_readable(path: str) -> None:
+    mode = os.stat(path).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("secret key %s is readable by other users (mode %o); chmod 600 it", path, stat.S_IMODE(mode))
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True when ``tcp://ADDRESS:PORT`` binds a loopback address (127.0.0.0/8, ::1 or localhost)."""
+    host = endpoint.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(name: str, endpoint: str, curve: bool) -> bool:
+    """Log one warning when node ``name`` binds a non-loopback ``endpoint`` without CURVE; True if it did."""
+    if curve or is_loopback(endpoint):
+        return False
+    log.warning(
+        "node %s listens on %s without CURVE: anyone who can reach this port can read the model and feed it "
+        "parameters; set `security: {curve: true, keys: DIR}` (keys from `dpwa keys generate`)",
+        name,
+        endpoint,
+    )
+    return True
