@@ -438,8 +438,10 @@ class PayloadReader:
     place and calls :meth:`check`; otherwise :meth:`read` widens each block of
     :data:`BLOCK` elements exactly (float16 and bfloat16 are subsets of float32)
     from ZeroMQ's buffer and checks it while it is in cache: one pass over the
-    received bytes. Scratch is fixed-size; nothing proportional to the model is
-    allocated.
+    received bytes. When the process has already imported torch, float16 and
+    bfloat16 are widened by torch's casts (the same values, 1.2-2.7x faster);
+    else by a table look-up (float16) or a shift (bfloat16). Scratch is
+    fixed-size; nothing proportional to the model is allocated.
     """
 
     def __init__(self, wire: Layout, local: Layout, block: int = BLOCK) -> None:
@@ -491,6 +493,8 @@ class PayloadReader:
             s, d, ok = src[a:b], dst[a:b], self._ok[: b - a]
             if wire == local:
                 np.copyto(d, s)
+            elif wire == "bf16" and local == "<f4" and (torch := _loaded_torch()) is not None and s.flags.aligned:
+                torch.from_numpy(d).copy_(torch.from_numpy(s.view(np.uint16)).view(torch.bfloat16))
             elif wire == "bf16":
                 wide = d if local == "<f4" else self._f32[: b - a]
                 bits = wide.view(np.uint32)  # a bfloat16 is the upper half of a float32: zero-extend, shift
@@ -498,6 +502,8 @@ class PayloadReader:
                 np.left_shift(bits, 16, out=bits)
                 if wide is not d:
                     np.copyto(d, wide)
+            elif wire == "<f2" and local == "<f4" and (torch := _loaded_torch()) is not None and s.flags.aligned:
+                torch.from_numpy(d).copy_(torch.from_numpy(s))  # exact, vectorized: ~2.7x the table look-up
             elif wire == "<f2" and local == "<f4" and self._table is not None:
                 index = self._index[: b - a]
                 np.copyto(index, s.view(np.uint16))

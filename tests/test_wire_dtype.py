@@ -112,7 +112,7 @@ def test_writer_rounds_to_nearest_even_and_reader_widens_exactly(wire_dtype: str
 
 @pytest.mark.parametrize("wire_dtype", [*SIXTEEN, "float32"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_reader_finds_every_non_finite_value(wire_dtype: str, bad: float):
+def test_reader_finds_every_non_finite_value(wire_dtype: str, bad: float, backend: str):
     x = np.ones(10_000, np.float32)
     local = Layout.of([x])
     wire_layout = local.on_wire(wire_dtype)
