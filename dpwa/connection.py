@@ -538,6 +538,15 @@ class DpwaConnection:
         arrays (GEM's proxy) be checked against the parameters and restored."""
         recovery.restore_state(self._node, state, params)
 
+    def wait_published(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s until the last ``update_send``'s snapshot can be served whole; True if so.
+
+        Only a 16-bit ``wire_dtype`` makes this wait (the snapshot is rounded in the background); False also
+        before the first ``update_send``.
+        """
+        pool = self._node.pool
+        return pool is not None and pool.wait_ready(timeout)
+
     def stats(self) -> dict[str, Any]:
         """Counters (fetches ok / timed out / refused / rejected, bytes, mean fetch ms, ...) and flow-control scores.
 

@@ -154,6 +154,17 @@ def cluster(tmp_path: Path, wire_dtype: str, **settings: object) -> Path:
     return write_cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=3000, wire_dtype=wire_dtype, **settings)
 
 
+@pytest.mark.parametrize("wire_dtype", ["auto", "bfloat16"])
+def test_wait_published_says_when_the_snapshot_is_whole_on_the_wire(tmp_path: Path, wire_dtype: str):
+    cfg = cluster(tmp_path, wire_dtype, fetch_probability=0.0)
+    with DpwaConnection("w1", cfg, seed=1) as node:
+        assert node.wait_published(0.01) is False  # nothing published yet
+        params = [np.linspace(-3, 3, 3_000_000, dtype=np.float32)]  # 12 MB: rounding takes a while
+        node.update_send(params, 1.0)
+        assert node.wait_published(10.0) is True
+        assert node.stats()["snapshots_skipped"] == 0
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("wire_dtype", SIXTEEN)
 def test_float32_model_mixes_within_16_bit_rounding_of_the_exact_average(tmp_path: Path, wire_dtype: str):

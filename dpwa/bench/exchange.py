@@ -331,8 +331,7 @@ def peer_main(endpoint: str, parent: int) -> None:
                     conn = state.conns[message["index"]]
                     t0 = time.perf_counter()
                     conn.update_send(state.model, 1.0)
-                    wait_ready = getattr(conn._node.pool, "wait_ready", None)  # the bench looks inside
-                    if wait_ready is not None and not wait_ready(CONTROL_TIMEOUT_S / 2):
+                    if not conn.wait_published(CONTROL_TIMEOUT_S / 2):
                         raise TimeoutError("the snapshot never became ready on the wire")
                     answer["ready_ms"] = (time.perf_counter() - t0) * 1000.0
                 elif op == "gloo":
