@@ -205,6 +205,7 @@ def _copy(node: _Node, params: Sequence[np.ndarray], peer: PeerSnapshot) -> None
     for dst, src in zip(params, peer.arrays):
         np.copyto(dst, src, casting="no")
     node.state.clock = float(peer.state.clock)
+    node.rule.on_params_replaced(node.state)  # push-sum: the published snapshot no longer carries the mass
     node.caught_up = True
     node.stats.add("bootstraps")
 

@@ -140,6 +140,16 @@ def test_a_node_that_mixed_since_publishing_serves_no_mass():
     assert rule.on_serve(own) == {"w_given": 0.5}
 
 
+def test_a_node_whose_params_were_replaced_serves_no_mass_until_it_publishes():
+    rule = PushSumRule()
+    own = node(rule, n=4)
+    rule.on_publish(own, [np.zeros(3)])
+    rule.on_params_replaced(own)  # e.g. a bootstrap copy of a peer
+    assert rule.on_serve(own) == {"w_given": 0.0} and own.extras["weight"] == 1.0
+    rule.on_publish(own, [np.zeros(3)])
+    assert rule.on_serve(own) == {"w_given": 0.5}
+
+
 def test_valid_mass():
     assert valid_mass(0.5) == 0.5 and valid_mass(2) == 2.0
     assert valid_mass(4.0, limit=4.0) == 4.0 and valid_mass(4.5, limit=4.0) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import time
@@ -112,6 +113,25 @@ def test_a_node_far_behind_copies_its_first_peer(tmp_path: Path, gap: float) -> 
             assert factor == 0.5 and "bootstrap" not in node.last_exchange
         node.update_send(mine, 1.0)
         assert node.update_wait(1.0) == 0.5  # only the first reply is checked: then the rule mixes
+
+
+def test_push_sum_mass_never_travels_with_the_model_a_catch_up_copy_replaced(tmp_path: Path) -> None:
+    cfg = write_cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=2000, bootstrap_gap=50, interpolation="pushsum")
+    with DpwaConnection("w1", cfg, seed=1) as ahead, DpwaConnection("w2", cfg, seed=2) as node:
+        ahead.restore_state(DpwaState(clock=200.0, step=200, rule="pushsum", extras={"weight": 1.0}))
+        theirs = arrays(1)
+        ahead.update_send(theirs, 1.0)  # its fetch of w2 finds nothing published yet
+        ahead.update_wait(1.0)
+        mine = arrays(2)
+        node.update_send(mine, 1.0)  # publishes its own (soon replaced) model
+        assert node.update_wait(1.0) == 1.0 and node.last_exchange["bootstrap"] == 1.0
+        weight_after_copy = node.dpwa_state().extras["weight"]
+        ahead.update_send(theirs, 1.0)  # fetches w2 before w2 publishes again: its snapshot is the old model
+        assert ahead.update_wait(1.0) == 0.0
+        assert ahead.last_exchange["empty_replies"] == 1.0  # served "no mass", not half of w2's weight
+        assert node.dpwa_state().extras["weight"] == weight_after_copy
+        weights = [c.dpwa_state().extras["weight"] for c in (ahead, node)]
+        assert math.isclose(sum(weights), 2.0, abs_tol=1e-12), weights
 
 
 # --------------------------------------------------------------------------- dpwa run --restart-failed

@@ -140,6 +140,10 @@ class Rule(ABC):
         Push-sum counts lost mass here.  Default no-op.
         """
 
+    def on_params_replaced(self, own: NodeState) -> None:  # noqa: B027 - optional hook
+        """The node's parameters were replaced outside :meth:`mix` (a bootstrap copy of a peer), so the
+        published snapshot no longer stands for them until the next ``update_send``.  Default no-op."""
+
     @abstractmethod
     def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
         """Mix ``peers`` into ``arrays`` in place and update ``own`` (clock, extras).

@@ -100,6 +100,10 @@ class PushSumRule(Rule):
         """A fresh snapshot: the weight belongs to the published model again."""
         self._mixed_since_publish = False
 
+    def on_params_replaced(self, own: NodeState) -> None:
+        """A copy replaced the model: until the next publish, serve "no mass" (as after a mix)."""
+        self._mixed_since_publish = True
+
     def on_serve(self, own: NodeState) -> dict[str, Any]:
         """``w <- w/2``; the reply carries ``{"w_given": w}`` -- or ``0.0`` when the published model is pre-mix."""
         if self._mixed_since_publish:
