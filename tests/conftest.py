@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,27 +136,20 @@ class NodeProcess:
     """tests/node_worker.py in a subprocess: send a command line, read one JSON answer with a deadline."""
 
     def __init__(self, name: str, config: Path, seed: int, size: int = 1000, dtype: str = "float32") -> None:
+        argv = [sys.executable, str(WORKER), "--name", name, "--config", str(config), "--seed", str(seed)]
+        self._spawn(name, [*argv, "--size", str(size), "--dtype", dtype])
+
+    def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+        """Start ``argv`` with line-buffered pipes, pump its output, and wait (60 s) for its ready line."""
         self.name = name
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                "--name",
-                name,
-                "--config",
-                str(config),
-                "--seed",
-                str(seed),
-                "--size",
-                str(size),
-                "--dtype",
-                dtype,
-            ],
+            list(argv),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
+            env=env,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._stderr: list[str] = []

@@ -16,12 +16,9 @@ hiccups; the mean rate, probes included, is reported and checked more loosely.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -52,40 +49,9 @@ class FaultNode(NodeProcess):
         drift: float = 0.0,
         size: int = 1000,
     ) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [
-                *prefix,
-                sys.executable,
-                str(FAULT_WORKER),
-                "--name",
-                name,
-                "--config",
-                str(config),
-                "--seed",
-                str(seed),
-                "--size",
-                str(size),
-                "--step-ms",
-                str(step_ms),
-                "--drift",
-                str(drift),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        self._init_pipes()
-
-    def _init_pipes(self) -> None:
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._stderr: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines), daemon=True).start()
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.ready = self.read(timeout=60)
+        argv = [*prefix, sys.executable, str(FAULT_WORKER), "--name", name, "--config", str(config)]
+        argv += ["--seed", str(seed), "--size", str(size), "--step-ms", str(step_ms), "--drift", str(drift)]
+        self._spawn(name, argv, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def run_all(nodes: Sequence[FaultNode], seconds: float) -> list[list[list[Any]]]:
