@@ -9,7 +9,9 @@ those processes are ever signalled.  This module never imports torch.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -17,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -36,6 +39,7 @@ __all__ = [
     "node_names",
     "read_rss_kib",
     "run_workers",
+    "worker_start",
     "write_cluster",
 ]
 
@@ -52,6 +56,22 @@ class BenchInterrupted(RuntimeError):
     def __init__(self, signum: int) -> None:
         super().__init__(f"interrupted by signal {signum}: stopped every worker this benchmark started")
         self.signum = signum
+
+
+def worker_start(bench: str, argv: Sequence[str] | None = None) -> tuple[dict[str, Any], int]:
+    """A bench worker's command line ``SPEC RANK`` -> (the JSON spec ``dpwa bench <bench>`` wrote, rank).
+
+    Also sets up logging and torch's thread count as the demo's nodes do (imports torch: workers only).
+    """
+    from dpwa import demo
+
+    parser = argparse.ArgumentParser(prog=f"python -m dpwa.bench.{bench}worker")
+    parser.add_argument("spec", type=Path, help=f"the JSON spec written by dpwa bench {bench}")
+    parser.add_argument("rank", type=int)
+    args = parser.parse_args(argv)
+    demo.configure_logging()
+    demo.set_threads()
+    return json.loads(args.spec.read_text()), args.rank
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

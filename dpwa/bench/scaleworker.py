@@ -16,7 +16,6 @@ final ``report`` line in its metrics file, lingering for peers at the end -- plu
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from torch import nn
 
 from dpwa import demo
 from dpwa.bench.fingerprint import SUFFIX, ParamRecorder
-from dpwa.bench.procs import read_rss_kib
+from dpwa.bench.procs import read_rss_kib, worker_start
 
 log = logging.getLogger("dpwa.bench.scaleworker")
 
@@ -124,14 +123,9 @@ def run(spec: dict[str, Any], rank: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpwa.bench.scaleworker")
-    parser.add_argument("spec", type=Path, help="the JSON spec written by dpwa bench scale")
-    parser.add_argument("rank", type=int)
-    args = parser.parse_args(argv)
-    demo.configure_logging()
-    demo.set_threads()
-    log.info("rank %d, %d torch thread(s)", args.rank, torch.get_num_threads())
-    return run(json.loads(args.spec.read_text()), args.rank)
+    spec, rank = worker_start("scale", argv)
+    log.info("rank %d, %d torch thread(s)", rank, torch.get_num_threads())
+    return run(spec, rank)
 
 
 if __name__ == "__main__":

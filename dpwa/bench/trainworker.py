@@ -31,7 +31,6 @@ phase.  Exit status 0 when every phase completed.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import datetime as _dt
 import json
@@ -51,6 +50,7 @@ from torch import nn
 
 from dpwa import demo
 from dpwa.bench.fingerprint import SUFFIX, ParamRecorder
+from dpwa.bench.procs import worker_start
 
 log = logging.getLogger("dpwa.bench.trainworker")
 
@@ -308,18 +308,12 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpwa.bench.trainworker")
-    parser.add_argument("spec", type=Path, help="the JSON spec written by dpwa bench train")
-    parser.add_argument("rank", type=int)
-    args = parser.parse_args(argv)
-    demo.configure_logging()
-    demo.set_threads()
-    spec = json.loads(args.spec.read_text())
-    worker = Worker(spec, args.rank)
+    spec, rank = worker_start("train", argv)
+    worker = Worker(spec, rank)
     log.info(
         "%s: rank %d of %d, straggler factor %g, phases %s, %d torch thread(s)",
         worker.name,
-        args.rank,
+        rank,
         worker.nodes,
         worker.factor,
         ",".join(spec["phases"]),
@@ -329,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{spec['master_port']}",
-        rank=args.rank,
+        rank=rank,
         world_size=worker.nodes,
         timeout=_dt.timedelta(seconds=float(spec["collective_timeout_s"])),
     )
