@@ -17,12 +17,12 @@ At start-up it prints {"ready": endpoint, "pid": pid} once the connection is up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import numpy as np
+from worker_loop import serve
 
 from dpwa import DpwaConnection
 
@@ -42,10 +42,6 @@ def main() -> int:
     target = np.random.default_rng(1000 + args.seed).normal(size=(args.size,)).astype(np.float32)
     conn = DpwaConnection(args.name, args.config, seed=args.seed)
 
-    def answer(obj: object) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
     def run_for(seconds: float) -> list[list[object]]:
         steps: list[list[object]] = []
         end = time.monotonic() + seconds
@@ -62,25 +58,15 @@ def main() -> int:
             steps.append([t_send, t_end, (t_end - t0) * 1000.0, factor, ex.get("peer"), ex.get("status")])
         return steps
 
-    answer({"ready": conn.endpoint, "pid": os.getpid()})
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "run_for":
-            answer({"steps": run_for(float(words[1]))})
-        elif words[0] == "params":
-            answer({"params": params[0].astype(float).tolist()})
-        elif words[0] == "stats":
-            answer(conn.stats())
-        elif words[0] == "quit":
-            conn.close()
-            answer({"closed": True})
-            return 0
-        else:
-            answer({"error": f"unknown command {words[0]!r}"})
-    conn.close()
-    return 0
+    return serve(
+        {"ready": conn.endpoint, "pid": os.getpid()},
+        {
+            "run_for": lambda words: {"steps": run_for(float(words[0]))},
+            "params": lambda words: {"params": params[0].astype(float).tolist()},
+            "stats": lambda words: conn.stats(),
+        },
+        conn.close,
+    )
 
 
 if __name__ == "__main__":

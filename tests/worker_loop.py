@@ -1,4 +1,5 @@
-"""The stdin command loop shared by the test worker processes (tests/node_worker.py, tests/adapter_worker.py).
+"""The stdin command loop shared by the test worker processes (tests/node_worker.py, tests/adapter_worker.py,
+tests/fault_worker.py).
 
 A worker runs as a script, so tests/ is sys.path[0] and ``from worker_loop import serve`` works.
 """
