@@ -21,7 +21,6 @@ import ipaddress
 import logging
 import os
 import stat
-import threading
 from collections.abc import Callable, Mapping
 
 import zmq
@@ -29,25 +28,26 @@ from zmq.utils import z85
 
 from .config import ClusterConfig
 from .keyfiles import public_path, read_key_file
+from .transport import SocketThread
 
 log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"dpwa"
-POLL_MS = 100
-"""Longest the ZAP thread sleeps in poll before it looks at its stop flag."""
 STOP_TIMEOUT_S = 1.0
 ZAP_VERSION = b"1.0"
 
 
-class ZapHandler(threading.Thread):
+class ZapHandler(SocketThread):
     """Answers libzmq's ZAP requests (RFC 27) for one context: CURVE clients whose public key is in
     ``allowed`` (32-byte binary key -> node name) get 200 with the node name as user id; everything
     else gets 400. Every denial calls ``on_denied(address)``.
 
     The socket is bound in the constructor (a second handler on one context fails there, loudly);
-    ``stop()`` then ``join()`` ends the thread within ``POLL_MS`` and closes the socket.
+    ``stop()`` then ``join()`` ends the thread within ``dpwa.transport.POLL_MS`` and closes the socket.
     """
+
+    failure_message = "ZAP handler failed"
 
     def __init__(
         self,
@@ -57,11 +57,9 @@ class ZapHandler(threading.Thread):
         *,
         name: str = "dpwa-zap",
     ) -> None:
-        super().__init__(name=name, daemon=True)
+        super().__init__(ctx.socket(zmq.REP), name=name)
         self._allowed = dict(allowed)
         self._on_denied = on_denied
-        self._stop_flag = threading.Event()
-        self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
             self._sock.bind(ZAP_ENDPOINT)
@@ -69,20 +67,9 @@ class ZapHandler(threading.Thread):
             self._sock.close(linger=0)
             raise
 
-    def stop(self) -> None:
-        self._stop_flag.set()
-
-    def run(self) -> None:
-        sock = self._sock
-        try:
-            while not self._stop_flag.is_set():
-                if sock.poll(POLL_MS, zmq.POLLIN):
-                    request = sock.recv_multipart(zmq.NOBLOCK)
-                    sock.send_multipart(self._answer(request), zmq.NOBLOCK)
-        except Exception:  # pragma: no cover - a bug; the context is terminated by close() after this
-            log.exception("ZAP handler failed")
-        finally:
-            sock.close(linger=0)
+    def _handle_one(self, sock: zmq.Socket) -> None:
+        request = sock.recv_multipart(zmq.NOBLOCK)
+        sock.send_multipart(self._answer(request), zmq.NOBLOCK)
 
     def _answer(self, request: list[bytes]) -> list[bytes]:
         """The reply frames for one request: [version, request id, status code, status text, user id, metadata]."""

@@ -87,8 +87,45 @@ class Reply:
     req: int = 0
 
 
-class RxServer(threading.Thread):
-    """Serves FETCH requests on a bound ROUTER socket by calling ``serve(header) -> Reply``."""
+class SocketThread(threading.Thread):
+    """A thread that owns one bound socket: polls it (``POLL_MS``) until ``stop()``, passes each readable
+    moment to :meth:`_handle_one`, and closes the socket on the way out. An exception ends the thread (a
+    bug, not a network fault): it is kept in ``failure`` and logged with ``failure_message``."""
+
+    failure_message = "socket thread failed"
+
+    def __init__(self, sock: zmq.Socket, *, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._sock = sock
+        self._stop_flag = threading.Event()
+        self.failure: BaseException | None = None
+        """The exception that ended the thread, if one did."""
+
+    def stop(self) -> None:
+        self._stop_flag.set()
+
+    def run(self) -> None:
+        sock = self._sock
+        try:
+            while not self._stop_flag.is_set():
+                if sock.poll(POLL_MS, zmq.POLLIN):
+                    self._handle_one(sock)
+        except Exception as exc:
+            self.failure = exc
+            log.exception(self.failure_message)
+        finally:
+            sock.close(linger=0)
+
+    def _handle_one(self, sock: zmq.Socket) -> None:
+        raise NotImplementedError
+
+
+class RxServer(SocketThread):
+    """Serves FETCH requests on a bound ROUTER socket by calling ``serve(header) -> Reply``.
+
+    A failure (DpwaConnection raises it in the trainer's next call) means the node no longer serves."""
+
+    failure_message = "RX thread failed: this node no longer serves its peers"
 
     def __init__(
         self,
@@ -101,16 +138,12 @@ class RxServer(threading.Thread):
         sndhwm: int = REPLIES_QUEUED,
         setup: Callable[[zmq.Socket], None] | None = None,
     ) -> None:
-        super().__init__(name=name, daemon=True)
+        # Bind here, in the caller's thread, so that a busy port fails the constructor loudly.
+        super().__init__(ctx.socket(zmq.ROUTER), name=name)
         self._replies_queued = sndhwm
         self._hwm = sndhwm
         self._serve = serve
         self._on_event = on_event
-        self._stop_flag = threading.Event()
-        self.failure: BaseException | None = None
-        """The exception that ended the thread, if one did (a bug, not a network fault)."""
-        # Bind here, in the caller's thread, so that a busy port fails the constructor loudly.
-        self._sock = ctx.socket(zmq.ROUTER)
         _common_options(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, sndhwm)
@@ -125,21 +158,6 @@ class RxServer(threading.Thread):
             self._sock.close(linger=0)
             raise OSError(f"cannot bind {endpoint}: {exc}") from exc
         self.endpoint = endpoint
-
-    def stop(self) -> None:
-        self._stop_flag.set()
-
-    def run(self) -> None:
-        sock = self._sock
-        try:
-            while not self._stop_flag.is_set():
-                if sock.poll(POLL_MS, zmq.POLLIN):
-                    self._handle_one(sock)
-        except Exception as exc:  # a bug, not a network fault: DpwaConnection raises it in the trainer
-            self.failure = exc
-            log.exception("RX thread failed: this node no longer serves its peers")
-        finally:
-            sock.close(linger=0)
 
     def _handle_one(self, sock: zmq.Socket) -> None:
         identity = sock.recv(zmq.NOBLOCK)
