@@ -4,3 +4,5 @@
 model's floating parameters (and buffers) in place through a :class:`dpwa.DpwaConnection`.
 Importing this package does not import any framework; each adapter module imports its own.
 """
+
+__all__: list[str] = []

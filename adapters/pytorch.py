@@ -12,7 +12,7 @@ What is exchanged: every floating tensor of ``model.parameters()`` (tied
 parameters once) and, with ``buffers=True``, every floating buffer (BatchNorm
 ``running_mean``/``running_var``); integer buffers (``num_batches_tracked``)
 never.  fp16, bf16, fp32 and fp64 all work; a bf16 tensor travels as its raw
-16 bits (:data:`dpwa.bfloat16.BFLOAT16`) and is mixed in float32, rounded once.
+16 bits (:data:`dpwa.utils.bfloat16.BFLOAT16`) and is mixed in float32, rounded once.
 
 In place: a CPU tensor is handed to the core as a numpy view of its own memory,
 so mixing writes straight into the parameter -- no copy, same ``data_ptr()``,
@@ -53,11 +53,11 @@ import numpy as np
 import torch
 
 from dpwa.adapters.torch_state import load_model_arrays, load_optimizer_parts, model_arrays, optimizer_parts
-from dpwa.bfloat16 import BFLOAT16
 from dpwa.checkpoint import DpwaState, checkpoint_path, load_latest, write_checkpoint
 from dpwa.config import ClusterConfig
-from dpwa.connection import DpwaConnection
 from dpwa.metrics import MetricsWriter
+from dpwa.node.connection import DpwaConnection
+from dpwa.utils.bfloat16 import BFLOAT16
 
 __all__ = ["ENV_BOOTSTRAP", "ENV_CONFIG", "ENV_NODE", "ENV_RESUME", "ENV_RUN_DIR", "DpwaPyTorchAdapter", "Restored"]
 

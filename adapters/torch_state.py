@@ -7,7 +7,7 @@ tensors, so their memory -- and the adapter's views of it -- stays the same).
 :func:`optimizer_parts` / :func:`load_optimizer_parts`: ``optimizer.state_dict()``: every tensor in its
 per-parameter state (SGD momentum buffers, Adam moments and step counts) as an array, every other
 value and the ``param_groups`` as JSON.  A value that is neither a tensor nor JSON-safe is a TypeError
-at save time.  Nothing is pickled; bfloat16 tensors travel as :data:`dpwa.bfloat16.BFLOAT16` arrays.
+at save time.  Nothing is pickled; bfloat16 tensors travel as :data:`dpwa.utils.bfloat16.BFLOAT16` arrays.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpwa.bfloat16 import BFLOAT16, is_bfloat16
+from dpwa.utils.bfloat16 import BFLOAT16, is_bfloat16
 
 __all__ = ["array_of", "load_model_arrays", "load_optimizer_parts", "model_arrays", "optimizer_parts", "tensor_of"]
 

@@ -7,7 +7,7 @@ The format (no pickle anywhere; loaded with ``np.load(allow_pickle=False)``)::
                 "arrays": {key: {"crc32": int, "dtype": "float32" | "bfloat16" | ...}}, ...caller's keys}
 
 Every array's CRC-32 is in the metadata and checked on load, so a file with a damaged member
-is refused, not half-loaded.  bfloat16 arrays (:data:`dpwa.bfloat16.BFLOAT16`) are stored as
+is refused, not half-loaded.  bfloat16 arrays (:data:`dpwa.utils.bfloat16.BFLOAT16`) are stored as
 their raw ``uint16`` words and come back tagged as bfloat16.
 
 Atomicity (:func:`write_checkpoint`): the file is written to a temporary file in the same
@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from .bfloat16 import BFLOAT16, is_bfloat16
+from dpwa.utils.atomic import TEMP_SUFFIX, temp_path, write_atomically
+from dpwa.utils.bfloat16 import BFLOAT16, is_bfloat16
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -148,20 +149,12 @@ def write_checkpoint(
     for stale in _temp_files(path):  # left behind by a writer that was killed mid-write
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            np.savez(handle, **stored)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if keep_previous and path.exists():
-            _keep_previous(path)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
+    write_atomically(
+        path,
+        lambda handle: np.savez(handle, **stored),
+        durable=True,
+        before_rename=(lambda: _keep_previous(path)) if keep_previous and path.exists() else None,
+    )
     log.debug("wrote checkpoint %s (%d arrays, %d bytes)", path, len(arrays), path.stat().st_size)
     return path
 
@@ -169,37 +162,22 @@ def write_checkpoint(
 def _keep_previous(path: Path) -> None:
     """Hard-link the current checkpoint to ``<path>.prev`` (through a temporary name, then a rename)."""
     prev = previous_path(path)
-    link = prev.with_name(f".{prev.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        link.unlink()
+    link = temp_path(prev)
     try:
         os.link(path, link)
         os.replace(link, prev)
     except OSError as err:  # a file system without hard links: keep only the latest
+        log.debug("cannot keep %s as %s: %s", path, prev, err)
+    finally:
         with contextlib.suppress(FileNotFoundError):
             link.unlink()
-        log.debug("cannot keep %s as %s: %s", path, prev, err)
 
 
 def _temp_files(path: Path) -> list[Path]:
     if not path.parent.is_dir():
         return []
     names = (f".{path.name}.", f".{previous_path(path).name}.")
-    return [p for p in path.parent.iterdir() if p.name.startswith(names) and p.name.endswith(".tmp")]
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the renames in ``directory`` durable (best effort where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some file systems refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
+    return [p for p in path.parent.iterdir() if p.name.startswith(names) and p.name.endswith(TEMP_SUFFIX)]
 
 
 def _contiguous(a: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 from yaml.constructor import SafeConstructor
 
-from .keyfiles import KeyFileError, name_problem, public_path, read_key_file, secret_path
+from dpwa.security.keyfiles import KeyFileError, name_problem, public_path, read_key_file, secret_path
 
 __all__ = [
     "RULE_SETTINGS",
@@ -265,8 +265,9 @@ class GemSettings(Settings):
     momentum: float = setting(0.9, lo=0, hi=1, hi_open=True)
     kappa: float = setting(1.0, lo=0, lo_open=True)
     eps: float = setting(1e-12, lo=0, lo_open=True)
-    #: ``now``: ``d = base*(x_peer - x)`` as in ALGORITHMS §2; ``sent``: ``d = base*(x_peer - x_at_update_send)``,
-    #: which keeps the node's own local step (``now`` stalls progress once the nodes agree).
+    #: ``now``: ``d = base*(x_peer - x)`` (the step relative to the current model);
+    #: ``sent``: ``d = base*(x_peer - x_at_update_send)``, which keeps the node's own local step
+    #: (``now`` stalls progress once the nodes agree).
     reference: str = choice("now", ("now", "sent"))
 
 
@@ -325,7 +326,7 @@ RULE_SCHEDULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "leader": ("leader", ("leader",)),
     "group": ("groups", ("groups",)),
 }
-#: Values of the ``peers`` key: ``auto`` (the rule's default) or a schedule of ``dpwa.schedules``.
+#: Values of the ``peers`` key: ``auto`` (the rule's default) or a schedule of ``dpwa.rules.schedules``.
 PEER_SCHEDULES = ("auto", "random", "exponential", "ring", "leader", "groups")
 #: Values of the ``wire_dtype`` key: ``auto`` (every array travels in its own dtype) or the dtype that
 #: arrays wider than it travel in (rounded to nearest even when published, widened exactly when received).
@@ -457,7 +458,7 @@ class ClusterConfig:
     checkpoint_every: int = dataclasses.field(
         default=0, metadata={_SPEC: _Number(lo=0, integer=True), _OMIT_DEFAULT: True}
     )
-    #: ``peer``: before its first step a node copies a peer's model (dpwa/recovery.py); ``none``: it does not.
+    #: ``peer``: before its first step a node copies a peer's model (dpwa/node/recovery.py); ``none``: it does not.
     bootstrap: str = dataclasses.field(default="none", metadata={_SPEC: _Choice(BOOTSTRAP_MODES), _OMIT_DEFAULT: True})
     #: How long a bootstrapping node looks for a peer before it trains from its own state.
     bootstrap_timeout_s: float = dataclasses.field(
@@ -517,6 +518,13 @@ class ClusterConfig:
                 reason = f"nodes {owners[public]!r} and {name!r} have the same public key; every node needs its own"
                 raise self.error("security.keys", reason)
             owners[public] = name
+
+    def public_key_files(self) -> dict[str, str]:
+        """Node name -> the path of its public key file ``NAME.key`` in ``security.keys`` (checked at load)."""
+        keys = self.security.keys
+        if not self.security.curve or keys is None:
+            raise self.error("security", "security.curve is off: no keys are used")
+        return {node.name: str(public_path(keys, node.name)) for node in self.nodes}
 
     def check_secret_key(self, name: str) -> str:
         """The path of node ``name``'s secret key file, checked: it exists, holds a key pair, and that

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "read_metrics"]
+__all__ = ["MetricsTail", "MetricsWriter", "parse_metrics_line", "read_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,9 @@ def _ends_torn(path: Path) -> bool:
         return False
 
 
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every JSON-object line of a metrics file, in order; FileNotFoundError if there is none.
+def read_metrics(path: str | os.PathLike[str], *, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """Every JSON-object line of a metrics file, in order; FileNotFoundError if there is none (``[]`` with
+    ``missing_ok``).
 
     Safe on a file still being written: a torn last line (a writer caught
     mid-line) is skipped silently.  Any other line that is not a JSON object is
@@ -104,6 +105,8 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     newline (a JSON object is never the prefix of a longer one).
     """
     path = Path(path)
+    if missing_ok and not path.exists():
+        return []
     lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
     records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, start=1):
@@ -118,3 +121,38 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         elif number < len(lines):  # the last piece has no newline yet: torn, not corrupt
             log.warning("%s:%d: skipping a line that is not a JSON object", path, number)
     return records
+
+
+def parse_metrics_line(line: bytes | str) -> dict[str, Any] | None:
+    """One metrics line as a dict, or None when it is blank, torn or not a JSON object."""
+    try:
+        value = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class MetricsTail:
+    """Incremental reader of a growing metrics file: each :meth:`read_new` returns the complete new lines."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+
+    def read_new(self, *, final: bool = False) -> list[dict[str, Any]]:
+        """Records appended since the last call. A line without its newline is kept for the next call,
+        unless ``final`` (the writer has exited): then it is parsed if it is whole JSON, else dropped.
+        """
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = b"" if final else lines.pop()
+        records = (parse_metrics_line(line) for line in lines if line.strip())
+        return [r for r in records if r is not None]

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dpwa.config import load_config  # noqa: E402
-from dpwa.rundir import read_metrics  # noqa: E402 -- a missing file is []
+from dpwa.metrics import read_metrics  # noqa: E402
 
 NODE_SETTINGS = ("nodes", "fetch_probability", "timeout_ms")  # taken from --cluster; the rest is the rule's
 
@@ -170,7 +170,7 @@ def summarize(label: str, run_dir: Path, nodes: Sequence[str], code: int | None,
     exchanges: dict[str, list[dict[str, Any]]] = {}
     reports: dict[str, dict[str, Any]] = {}
     for node in nodes:
-        records = read_metrics(run_dir / f"{node}.metrics.jsonl")
+        records = read_metrics(run_dir / f"{node}.metrics.jsonl", missing_ok=True)
         exchanges[node] = [r for r in records if r.get("event") is None]
         found = [r for r in records if r.get("event") == "report"]
         reports[node] = found[-1] if found else {}

@@ -14,7 +14,7 @@ fi
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 stamp="$venv/.dpwa-installed"
-want="$(cat "$root/setup.cfg" "$root/pyproject.toml" | sha1sum | cut -c1-12) extras=[$extras] torch=${TORCH_SPEC:-torch==2.13.0}"
+want="$(cat "$root/setup.cfg" "$root/setup.py" "$root/pyproject.toml" | sha1sum | cut -c1-12) extras=[$extras] torch=${TORCH_SPEC:-torch==2.13.0}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "dpwa: installing into $venv (extras: ${extras:-none})" >&2
   python -m pip install --quiet --upgrade pip

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import zmq
 
-from dpwa import wire
+from dpwa.node import wire
 
 Messages = list[list[bytes]]
 """The messages a peer sends back for one request, in order; each is a list of frames."""

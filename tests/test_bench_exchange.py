@@ -1,6 +1,6 @@
 """`dpwa bench exchange` at a tiny size: the output's shape and finite numbers (never their values).
 
-The figures themselves are the benchmark's business (README, "Benchmarks"); a test only
+The figures themselves are the benchmark's business (docs/performance.md); a test only
 checks that every measurement was taken and written, and that the benchmark cleans up
 after itself, Ctrl-C included.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from dpwa.bench.exchange import STOP_GRACE_S, WIRE_DTYPES, parse_count
+from dpwa.tools.bench.exchange import STOP_GRACE_S, WIRE_DTYPES, parse_count
 
 pytestmark = [
     pytest.mark.integration,

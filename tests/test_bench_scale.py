@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dpwa.bench import bench
-from dpwa.bench.fingerprint import record_dtype, spread
-from dpwa.bench.procs import free_ports, read_rss_kib, write_cluster
-from dpwa.bench.scale import COLUMNS, _counts, spread_over_time, summarize
+from dpwa.cli.bench import bench
 from dpwa.config import load_config
+from dpwa.tools.bench.fingerprint import record_dtype, spread
+from dpwa.tools.bench.procs import free_ports, read_rss_kib, write_cluster
+from dpwa.tools.bench.scale import COLUMNS, _counts, spread_over_time, summarize
 
 FINITE = (
     "startup_s", "train_s", "rss_mb_mean", "rss_mb_max", "rss_added_mb", "fetch_ms_p50", "fetch_ms_p95",

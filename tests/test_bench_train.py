@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dpwa.bench import bench
-from dpwa.bench.fingerprint import ParamRecorder, mean_state_at, read_records
-from dpwa.bench.train import (
+from dpwa.cli.bench import bench
+from dpwa.tools.bench.fingerprint import ParamRecorder, mean_state_at, read_records
+from dpwa.tools.bench.train import (
     COLUMNS,
     PhaseResult,
     _factors,
@@ -31,7 +31,7 @@ from dpwa.bench.train import (
     pooled_loss,
     time_to_target,
 )
-from dpwa.bench.trainworker import SharedCounter, Straggler
+from dpwa.tools.bench.trainworker import SharedCounter, Straggler
 
 ROW_KEYS = {c.key for c in COLUMNS} - {"x_samples_per_s", "x_time_to_target", "accuracy_points", "straggler_steps"}
 FINITE = ("samples_per_s", "wall_s", "final_loss", "final_batch_loss", "accuracy", "target_loss", "cpu_s")
@@ -177,7 +177,7 @@ def _workers_of(run_dir: Path) -> list[int]:
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if b"dpwa.bench.trainworker" in cmdline and str(run_dir).encode() in cmdline and state != "Z":
+        if b"dpwa.tools.bench.trainworker" in cmdline and str(run_dir).encode() in cmdline and state != "Z":
             pids.append(int(entry))
     return pids
 

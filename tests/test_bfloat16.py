@@ -9,9 +9,9 @@ from conftest import traced_peak
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpwa.bfloat16 import BFLOAT16, from_float32, is_bfloat16, isfinite, to_float32
+from dpwa.node.wire import FiniteChecker, Layout
 from dpwa.rules.mixing import BLOCK, interpolate_, interpolate_elementwise_
-from dpwa.wire import FiniteChecker, Layout
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, is_bfloat16, isfinite, to_float32
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint16).view(BFLOAT16)
 """Every bfloat16 value there is."""

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from dpwa import cli
+from dpwa.cli import app as cli
 from dpwa.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_log_level_option_is_accepted_and_checked() -> None:
 
 
 def test_lazy_commands_are_listed_and_imported_on_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(cli.LAZY_COMMANDS, "check", "dpwa.cli:validate")
+    monkeypatch.setitem(cli.COMMANDS, "check", "dpwa.cli.app:validate")
     assert "check" in CliRunner().invoke(cli.main, ["--help"]).stdout
     assert CliRunner().invoke(cli.main, ["check", str(GOOD)]).exit_code == 0
 

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from conftest import exchange_pair, free_ports, port_is_free, traced_peak, wait_until, write_cluster
 
-from dpwa import ConfigError, DpwaConnection, load_config, wire
-from dpwa.wire import Layout
+from dpwa import ConfigError, DpwaConnection, load_config
+from dpwa.node import wire
+from dpwa.node.wire import Layout
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The built-in demo (dpwa/demo.py): its data and shards, a short 2-node run, and ``--evaluate``."""
+"""The built-in demo (dpwa/tools/demo.py): its data and shards, a short 2-node run, and ``--evaluate``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import free_ports, processes, wait_all, write_cluster
 
-from dpwa import demo
+from dpwa.tools import demo
 
 STEPS = 150
 BATCH = 16
@@ -107,7 +107,7 @@ def test_two_node_run_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixtur
                 "DPWA_TORCH_THREADS": "1",
             }
             with open(run_dir / f"{name}.log", "wb") as log:
-                argv = [sys.executable, "-m", "dpwa.demo", "--steps", str(STEPS), "--batch-size", str(BATCH)]
+                argv = [sys.executable, "-m", "dpwa.tools.demo", "--steps", str(STEPS), "--batch-size", str(BATCH)]
                 procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         wait_all(procs, run_dir)
 

@@ -1,4 +1,4 @@
-"""GEM in gossip form (ALGORITHMS §2): dpwa/rules/gem.py."""
+"""GEM in gossip form: dpwa/rules/gem.py."""
 
 from __future__ import annotations
 
@@ -8,22 +8,22 @@ from conftest import traced_peak
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpwa.bfloat16 import BFLOAT16, from_float32, to_float32
 from dpwa.config import GemSettings
 from dpwa.rules import RULES, make_rule
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot
 from dpwa.rules.gem import GemRule
 from dpwa.rules.mixing import BLOCK, mix_clock
 from dpwa.rules.pairwise import ConstantRule
-from dpwa.schedules import RandomSchedule
-from dpwa.simulation import Simulation
+from dpwa.rules.schedules import RandomSchedule
+from dpwa.tools.simulation import Simulation
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 MULTI_BLOCK = 2 * BLOCK + 123  # several blocks and a partial one
 
 
 def make(values, dtype: str) -> np.ndarray:
-    """An array of ``dtype`` (bfloat16 = dpwa.bfloat16.BFLOAT16) holding ``values`` rounded once."""
+    """An array of ``dtype`` (bfloat16 = dpwa.utils.bfloat16.BFLOAT16) holding ``values`` rounded once."""
     v = np.asarray(values, dtype=np.float64)
     if dtype == "bfloat16":
         out = np.empty(v.shape, BFLOAT16)
@@ -53,7 +53,7 @@ def step(rule: GemRule, own: NodeState, x: list[np.ndarray], local, peer_arrays=
 
 
 def reference(x_now, sent, m_prev, x_peer, base=0.5, mu=0.9, kappa=1.0, eps=1e-12):
-    """The formulas of ALGORITHMS §2 in float64, literally: returns (x_new, m, pi)."""
+    """The rule's formulas (docs/rules.md) in float64, literally: returns (x_new, m, pi)."""
     delta = x_now - sent
     m = mu * m_prev + delta
     d = base * (x_peer - x_now)

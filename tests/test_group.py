@@ -1,4 +1,4 @@
-"""Group averaging, WAGMA-style (ALGORITHMS §5), and the weighted_sum_ kernel it uses."""
+"""Group averaging, WAGMA-style, and the weighted_sum_ kernel it uses."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from conftest import traced
 
-from dpwa.bfloat16 import BFLOAT16, from_float32, to_float32
 from dpwa.config import GroupSettings
 from dpwa.rules import RULES, NodeState, PeerSnapshot, make_rule
 from dpwa.rules.group import GroupRule, is_sync_step
 from dpwa.rules.mixing import BLOCK, weighted_sum_
-from dpwa.schedules import GroupsSchedule
-from dpwa.simulation import Simulation
+from dpwa.rules.schedules import GroupsSchedule
+from dpwa.tools.simulation import Simulation
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
 NAMES = ("a", "b", "c", "d")
 

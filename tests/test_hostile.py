@@ -16,7 +16,7 @@ Two targets, each a node that stays up for the whole module:
   reply has (a header, or the layout up to a chunk) is dropped by ZeroMQ: a timeout.
 
 Every expectation comes from an independent reading of the documented wire
-format (README "What travels on the wire", the check order of dpwa/wire.py),
+format (docs/wire.md, the check order of dpwa/node/wire.py),
 not from calling the code under test.
 
 Flow control: a peer that fails 3 times in a row is down for at least 1 s. The
@@ -51,9 +51,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
-from dpwa import DpwaConnection, wire
-from dpwa.bfloat16 import BFLOAT16, from_float32, is_bfloat16, to_float32
-from dpwa.wire import MAGIC, MAX_HEADER_BYTES, Layout
+from dpwa import DpwaConnection
+from dpwa.node import wire
+from dpwa.node.wire import MAGIC, MAX_HEADER_BYTES, Layout
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, is_bfloat16, to_float32
 
 pytestmark = pytest.mark.integration
 
@@ -61,9 +62,9 @@ PREFIX = struct.Struct("<4sHB")
 CHUNK_MAGIC = b"DPWC"
 CHUNK_TAG = struct.Struct("<4sQI")
 STREAMING = hasattr(wire, "encode_chunk_tag")
-"""The core streams replies (README: header, then one [tag, chunk] message per chunk) when a FETCH asks."""
+"""The core streams replies (docs/wire.md: header, then one [tag, chunk] message per chunk) when a FETCH asks."""
 MAX_REQ = 2**64 - 1
-RX_MAXMSGSIZE = MAX_HEADER_BYTES  # dpwa/transport.py: MAX_REQUEST_BYTES
+RX_MAXMSGSIZE = MAX_HEADER_BYTES  # dpwa/node/transport.py: MAX_REQUEST_BYTES
 TX_TIMEOUT_MS = 200
 # Liveness, not latency: the tight bound (timeout + 0.25 s) is asserted by test_connection/test_cluster/test_faults;
 # here hundreds of exchanges run on a possibly loaded machine, so "never hangs" is timeout + 2 s.
@@ -89,7 +90,7 @@ def make_params(seed: int = 0) -> list[np.ndarray]:
 
 
 def tx_maxmsgsize(arrays: list[np.ndarray]) -> int:
-    """The largest frame a node exchanging ``arrays`` takes (README): a header, or its payload bytes up to a chunk."""
+    """The largest frame a node exchanging ``arrays`` takes (docs/wire.md): a header, or its payload up to a chunk."""
     return max(MAX_HEADER_BYTES, min(wire.CHUNK_BYTES, Layout.of(arrays).total_bytes))
 
 
@@ -280,7 +281,7 @@ class Recipe:
     status: str  # ok | rejected | refused | timeout
     reason: str = ""  # rejected_by_reason key (or "a|b": either)
     stale: int = 0  # stale_replies the node must count
-    stray: int = 0  # messages it may count as stale or drop silently (stray chunks: README does not say)
+    stray: int = 0  # messages it may count as stale or drop silently (stray chunks: docs/wire.md does not say)
     not_ready: bool = False  # a refusal that costs no flow-control score
 
     def __repr__(self) -> str:
@@ -666,7 +667,7 @@ def _not_a_tag(frames: list[bytes]) -> bool:
 
 @st.composite
 def stream_recipes(draw: st.DrawFn) -> Recipe:
-    """Streamed replies (README/wire.py: the header alone, then one ``[tag, chunk]`` message per chunk)."""
+    """Streamed replies (docs/wire.md: the header alone, then one ``[tag, chunk]`` message per chunk)."""
     what = draw(
         st.sampled_from(
             ["good", "glued", "index", "other-req", "tag-only", "two-frames", "resize", "nonfinite", "interrupted"]
@@ -871,7 +872,7 @@ class TxRig:
     ) -> None:
         peer = ctx.peer
         want_status, reason = recipe.status, recipe.reason
-        if ctx.oversized:  # README: a frame above the largest a valid reply has never reaches dpwa: a timeout
+        if ctx.oversized:  # docs/wire.md: a frame above the largest a valid reply has never reaches dpwa: a timeout
             want_status, reason = "timeout", ""
         elif want_status == "ok|non-finite":  # decided when the payload was built
             want_status, reason = ("ok", "") if ctx.mixed is not None else ("rejected", "non-finite")

@@ -26,13 +26,14 @@ import yaml
 from click.testing import CliRunner
 from conftest import free_ports, port_is_free, wait_until
 
-from dpwa import cli
+from dpwa.cli import app as cli
+from dpwa.cli.run import _split_at_script
 from dpwa.config import ClusterConfig, parse_config
-from dpwa.launcher import _split_at_script
-from dpwa.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
-from dpwa.progress import NodeView, Progress, summary_table
-from dpwa.rundir import MetricsTail, NodeMetrics, RunDir, read_metrics
-from dpwa.supervisor import STOP_GRACE_S
+from dpwa.launcher.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
+from dpwa.launcher.progress import NodeView, Progress, summary_table
+from dpwa.launcher.rundir import NodeMetrics, RunDir
+from dpwa.launcher.supervisor import STOP_GRACE_S
+from dpwa.metrics import MetricsTail, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD_FILE = ROOT / "tests" / "data" / "configs" / "bad" / "fetch_probability_out_of_range.yaml"
@@ -237,15 +238,15 @@ def test_script_and_its_arguments_are_split_from_the_launchers_options() -> None
 def test_metrics_are_read_tolerantly_and_incrementally(tmp_path: Path) -> None:
     path = tmp_path / "w1.metrics.jsonl"
     tail = MetricsTail(path)
-    assert tail.read_new() == [] and read_metrics(path) == []
+    assert tail.read_new() == [] and read_metrics(path, missing_ok=True) == []
     path.write_text('{"step": 1, "loss": 2.0, "status": "ok", "fetch_ms": 4.0, "bytes": 10}\n{"step": 2, "lo')
     assert [r["step"] for r in tail.read_new()] == [1]  # the torn line waits for its end
-    assert [r["step"] for r in read_metrics(path)] == [1]
+    assert [r["step"] for r in read_metrics(path, missing_ok=True)] == [1]
     with open(path, "a") as handle:
         handle.write('ss": 1.0, "status": "timeout", "fetch_ms": 500.0}\n{"event": "report", "accuracy": 0.75}\n')
     records = tail.read_new()
     assert [r.get("step") for r in records] == [2, None]
-    metrics = NodeMetrics.of(read_metrics(path))
+    metrics = NodeMetrics.of(read_metrics(path, missing_ok=True))
     assert (metrics.steps, metrics.loss, metrics.timeouts, metrics.failed) == (2, 1.0, 1, 1)
     assert metrics.mean_fetch_ms == 4.0 and metrics.accuracy == 0.75 and metrics.bytes_in == 10
     with open(path, "a") as handle:
@@ -334,11 +335,6 @@ def test_run_usage_errors(tmp_path: Path, node_script: Path, monkeypatch: pytest
     assert result.exit_code == 2 and "SLURM_NTASKS=4 but the file has 1 node" in result.stderr
 
 
-def test_the_launcher_does_not_import_torch() -> None:
-    code = "import sys, dpwa.cli, dpwa.launcher, dpwa.plot; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
 # --------------------------------------------------------------------------- runs
 
 
@@ -361,7 +357,7 @@ def test_run_a_script_end_to_end(tmp_path: Path, node_script: Path) -> None:
         node = summary["nodes"][name]
         assert node["status"] == "ok" and node["steps"] == 15 and node["accuracy"] == 0.5
         assert node["mixes"] > 0 and node["mean_fetch_ms"] is not None
-        assert len(read_metrics(run_dir / f"{name}.metrics.jsonl")) == 16
+        assert len(read_metrics(run_dir / f"{name}.metrics.jsonl", missing_ok=True)) == 16
         log = run_dir / f"{name}.log"
         assert json.loads(log_values(log, "ARGV")[0]) == argv  # passed through untouched
         env = json.loads(log_values(log, "ENV")[0])
@@ -438,7 +434,9 @@ def test_a_signal_stops_every_process_it_started_and_nothing_else(
         pids += [int(v) for v in wait_until(lambda: log_values(logs[1], "CHILD"), 30, 0.05)]
         reaper.extend(pids)
         metrics = [run_dir / f"w{i}.metrics.jsonl" for i in (1, 2, 3)]
-        wait_until(lambda: all(len(read_metrics(m)) >= 3 for m in metrics), 30, 0.05, "every node is training")
+        wait_until(
+            lambda: all(len(read_metrics(m, missing_ok=True)) >= 3 for m in metrics), 30, 0.05, "every node is training"
+        )
         assert all(alive(pid) for pid in pids)
 
         sent = time.monotonic()
@@ -483,11 +481,11 @@ def test_nodes_do_not_outlive_a_killed_launcher(tmp_path: Path, node_script: Pat
 
 
 def _demo_runnable() -> bool:
-    return importlib.util.find_spec("dpwa.demo") is not None and importlib.util.find_spec("torch") is not None
+    return importlib.util.find_spec("dpwa.tools.demo") is not None and importlib.util.find_spec("torch") is not None
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _demo_runnable(), reason="the built-in demo needs dpwa.demo and torch")
+@pytest.mark.skipif(not _demo_runnable(), reason="the built-in demo needs dpwa.tools.demo and torch")
 def test_run_the_sample_cluster_with_the_built_in_demo(tmp_path: Path) -> None:
     sample = ROOT / "samples" / "localhost.yaml"
     ports = [node.port for node in parse_config(sample.read_text()).nodes]

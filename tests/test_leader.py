@@ -1,4 +1,4 @@
-"""LSGD in gossip form (ALGORITHMS §4): dpwa/rules/leader.py with dpwa.schedules.LeaderSchedule."""
+"""LSGD in gossip form: dpwa/rules/leader.py with dpwa.rules.schedules.LeaderSchedule."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from dpwa.config import LeaderSettings
 from dpwa.rules import RULES, make_rule
 from dpwa.rules.base import NodeState, PeerSnapshot
 from dpwa.rules.leader import TABLE_BUDGET, UNKNOWN_LOSS, LeaderRule, parse_entry
-from dpwa.schedules import LeaderSchedule
-from dpwa.simulation import Simulation
+from dpwa.rules.schedules import LeaderSchedule
+from dpwa.tools.simulation import Simulation
 
 
 def cluster(n: int, seed: int = 0, **kwargs) -> Simulation:

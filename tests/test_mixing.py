@@ -1,4 +1,4 @@
-"""The in-place mixing kernels and scalar helpers of dpwa.rules.mixing (ALGORITHMS §1)."""
+"""The in-place mixing kernels and scalar helpers of dpwa.rules.mixing."""
 
 from __future__ import annotations
 

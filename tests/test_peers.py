@@ -1,4 +1,4 @@
-"""Flow-control peer selection (ALGORITHMS §1 "Peer choice"), with a seeded rng and a fake clock."""
+"""Flow-control peer selection , with a seeded rng and a fake clock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from dpwa.peers import JITTER, FlowControl
+from dpwa.node.peers import JITTER, FlowControl
 
 
 class FakeClock:

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from dpwa import cli
-from dpwa.plot import MISSING_MATPLOTLIB, series
+from dpwa.cli import app as cli
+from dpwa.tools.plot import MISSING_MATPLOTLIB, series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

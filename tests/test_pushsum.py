@@ -1,4 +1,4 @@
-"""Push-sum in pull form (ALGORITHMS §3): mass conservation, exact averaging, lost-mass accounting."""
+"""Push-sum in pull form: mass conservation, exact averaging, lost-mass accounting."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dpwa.config import PushSumSettings
 from dpwa.rules import RULES, NodeState, PeerSnapshot, make_rule
 from dpwa.rules.mixing import BLOCK
 from dpwa.rules.pushsum import PushSumRule, valid_mass
-from dpwa.schedules import ExponentialSchedule, RandomSchedule, RingSchedule
-from dpwa.simulation import Simulation
+from dpwa.rules.schedules import ExponentialSchedule, RandomSchedule, RingSchedule
+from dpwa.tools.simulation import Simulation
 
 
 def node(rule: PushSumRule, name: str = "a", n: int = 4, clock: float = 0.0, loss: float = 1.0) -> NodeState:

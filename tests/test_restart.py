@@ -1,6 +1,6 @@
 """Restarts: bootstrapping from a peer, "far behind" take-over, `dpwa run --restart-failed` and `--resume`.
 
-* bootstrap (dpwa/recovery.py): a (re)started node's parameters equal the peer's published snapshot before its
+* bootstrap (dpwa/node/recovery.py): a (re)started node's parameters equal the peer's published snapshot before its
   first local step, its clock is the peer's, push-sum weight is conserved; a peer that is not ahead is not
   copied; with no peer up the node goes on from its own state once the timeout has passed;
 * a node whose first reply shows it more than ``bootstrap_gap`` behind copies that peer (factor 1) once;
@@ -28,10 +28,11 @@ from conftest import free_ports, port_is_free, wait_until, write_cluster
 from test_launcher import NODE_SCRIPT, _demo_runnable, alive, finish, launch, log_values
 from test_launcher import reaper as reaper  # noqa: F401 - the fixture, shared
 
-from dpwa import DpwaConnection, cli
+from dpwa import DpwaConnection
 from dpwa.checkpoint import DpwaState, load_latest
-from dpwa.restarts import Restarter
-from dpwa.rundir import read_metrics
+from dpwa.cli import app as cli
+from dpwa.launcher.restarts import Restarter
+from dpwa.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -155,7 +156,7 @@ def node_pid(launcher: int, node: str) -> int | None:
 
 
 def max_step(path: Path) -> int:
-    return max((int(r["step"]) for r in read_metrics(path) if "event" not in r), default=0)
+    return max((int(r["step"]) for r in read_metrics(path, missing_ok=True) if "event" not in r), default=0)
 
 
 @pytest.fixture
@@ -244,13 +245,13 @@ def test_resume_needs_a_run_directory_of_dpwa_run(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- the built-in demo
 
-demo_only = pytest.mark.skipif(not _demo_runnable(), reason="the built-in demo needs dpwa.demo and torch")
+demo_only = pytest.mark.skipif(not _demo_runnable(), reason="the built-in demo needs dpwa.tools.demo and torch")
 
 
 def segments(path: Path) -> tuple[list[dict[str, Any]], list[list[int]]]:
     """(the event records, the step numbers of each run of exchange records between resume events)."""
     events, runs = [], [[]]
-    for record in read_metrics(path):
+    for record in read_metrics(path, missing_ok=True):
         if record.get("event") == "resume":
             runs.append([])
         if "event" in record:
@@ -261,7 +262,7 @@ def segments(path: Path) -> tuple[list[dict[str, Any]], list[list[int]]]:
 
 
 def events_of(path: Path, kind: str) -> list[dict[str, Any]]:
-    return [r for r in read_metrics(path) if r.get("event") == kind]
+    return [r for r in read_metrics(path, missing_ok=True) if r.get("event") == kind]
 
 
 @demo_only

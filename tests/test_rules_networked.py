@@ -102,7 +102,7 @@ def check_converges(run_dir: Path, reference: float) -> dict[str, list[dict[str,
 
 def test_gem_converges_and_reports_its_energy_factor(tmp_path: Path, reference_spread: float) -> None:
     # reference "sent": with "now" the mix undoes the local step while the nodes agree, and on the demo
-    # (every node starts from the same weights) the loss never falls (README "Mixing rules" > gem).
+    # (every node starts from the same weights) the loss never falls (docs/rules.md, gem).
     base = 0.5
     run_dir = run_demo(tmp_path, "gem", interpolation="gem", gem={"base": base, "reference": "sent"})
     records = check_converges(run_dir, reference_spread)

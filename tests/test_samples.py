@@ -1,6 +1,6 @@
 """Every cluster file in samples/ loads, and its rule and peer schedule can be built from it.
 
-The per-rule samples (samples/<rule>.yaml) are the README's examples: they must select their rule,
+The per-rule samples (samples/<rule>.yaml) are the examples of docs/rules.md: they must select their rule,
 use the same four localhost nodes as samples/localhost.yaml (so `dpwa run` works on any of them the
 same way), be in the mapping format, and their settings must make the rule mix in the in-process
 simulator (a sample whose settings never move the models would still load).
@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from dpwa.config import RULE_SCHEDULES, RULE_SETTINGS, ClusterConfig, load_config
-from dpwa.keys import generate_keys
 from dpwa.rules import RULES, make_rule
-from dpwa.schedules import SCHEDULES, GroupsSchedule, make_schedule
-from dpwa.simulation import SimNode, Simulation
+from dpwa.rules.schedules import SCHEDULES, GroupsSchedule, make_schedule
+from dpwa.security.keys import generate_keys
+from dpwa.tools.simulation import SimNode, Simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples"

@@ -1,4 +1,4 @@
-"""Peer schedules (dpwa/schedules.py): whom each node fetches at each step."""
+"""Peer schedules (dpwa/rules/schedules.py): whom each node fetches at each step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from dpwa.config import GroupSettings, PushSumSettings
 from dpwa.rules import NodeState
-from dpwa.schedules import (
+from dpwa.rules.schedules import (
     SCHEDULES,
     ExponentialSchedule,
     GroupsSchedule,

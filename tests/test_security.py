@@ -34,13 +34,14 @@ from conftest import free_ports, port_is_free, rss_mib, wait_until, write_cluste
 from zmq.utils.garbage import GarbageCollectorThread
 from zmq.utils.monitor import recv_monitor_message
 
-from dpwa import ConfigError, DpwaConnection, load_config, wire
+from dpwa import ConfigError, DpwaConnection, load_config
 from dpwa.cli import main
 from dpwa.config import ClusterConfig, NodeSpec, SecurityConfig
-from dpwa.keyfiles import read_key_file, write_key_pair
-from dpwa.keys import generate_keys
-from dpwa.security import is_loopback
-from dpwa.wire import Kind, Layout
+from dpwa.node import wire
+from dpwa.node.wire import Kind, Layout
+from dpwa.security.curve import is_loopback
+from dpwa.security.keyfiles import read_key_file, write_key_pair
+from dpwa.security.keys import generate_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_MS = 400

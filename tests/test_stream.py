@@ -1,4 +1,4 @@
-"""Streamed replies: the header alone, then one tagged message per chunk (dpwa/wire.py).
+"""Streamed replies: the header alone, then one tagged message per chunk (dpwa/node/wire.py).
 
 A node asks for the streamed framing in every FETCH; a peer that answers with the
 single-message framing (the original) is still understood (tests/test_connection.py,
@@ -18,8 +18,9 @@ import zmq
 from conftest import free_ports, write_cluster
 from fakes import FakePeer, Messages
 
-from dpwa import DpwaConnection, wire
-from dpwa.wire import CHUNK_BYTES, Layout
+from dpwa import DpwaConnection
+from dpwa.node import wire
+from dpwa.node.wire import CHUNK_BYTES, Layout
 
 pytestmark = pytest.mark.integration
 

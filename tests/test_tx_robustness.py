@@ -25,8 +25,9 @@ import zmq
 from conftest import free_ports, wait_until, write_cluster
 from fakes import FakePeer, Messages
 
-from dpwa import DpwaConnection, wire
-from dpwa.wire import Layout
+from dpwa import DpwaConnection
+from dpwa.node import wire
+from dpwa.node.wire import Layout
 
 pytestmark = pytest.mark.integration
 

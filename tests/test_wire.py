@@ -8,8 +8,8 @@ import struct
 import numpy as np
 import pytest
 
-from dpwa import wire
-from dpwa.wire import ErrorCode, Kind, Layout, WireError
+from dpwa.node import wire
+from dpwa.node.wire import ErrorCode, Kind, Layout, WireError
 
 
 def arrays(*specs):

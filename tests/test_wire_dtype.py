@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from conftest import exchange_pair, free_ports, port_is_free, traced_peak, write_cluster
 
-from dpwa import ConfigError, DpwaConnection, wire
-from dpwa.bfloat16 import BFLOAT16, from_float32, to_float32
+from dpwa import ConfigError, DpwaConnection
 from dpwa.config import parse_config
-from dpwa.wire import Layout, PayloadReader, PayloadWriter
+from dpwa.node import wire
+from dpwa.node.wire import Layout, PayloadReader, PayloadWriter
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
 SIXTEEN = ["float16", "bfloat16"]
 

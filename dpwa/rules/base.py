@@ -6,7 +6,7 @@ I fetched from peers and the small state each side sends along, what is my new
 they only read :class:`NodeState` / :class:`PeerSnapshot` and mutate the
 trainer's arrays and state in place.
 
-Whom to fetch is not a rule's business but a schedule's (``dpwa/schedules.py``).
+Whom to fetch is not a rule's business but a schedule's (:mod:`dpwa.rules.schedules`).
 
 Which thread calls what (the connection and the simulator guarantee it):
 
@@ -19,7 +19,12 @@ Which thread calls what (the connection and the simulator guarantee it):
 * :meth:`Rule.on_reply_lost` -- trainer thread, under the state lock, for a fetch that failed after
   the peer may have served it (a timeout, or a reply that arrived and was rejected);
 * :meth:`Rule.mix` -- trainer thread, under the state lock, at EVERY ``update_wait``
-  (``peers`` may be empty: a rule that tracks its own motion, like GEM, still sees the step).
+  (``peers`` may be empty: a rule that tracks its own motion, like GEM, still sees the step);
+* :meth:`Rule.on_reply_not_mixed` -- trainer thread, under the state lock, for a valid reply that
+  recovery took instead of :meth:`Rule.mix` (a bootstrap or a far-behind catch-up);
+* :meth:`Rule.on_params_replaced` -- trainer thread, under the state lock, after such a copy;
+* :meth:`Rule.state_arrays` / :meth:`Rule.load_state_arrays` -- trainer thread, under the state
+  lock, when a checkpoint is written or restored.
 """
 
 from __future__ import annotations
@@ -143,6 +148,21 @@ class Rule(ABC):
     def on_params_replaced(self, own: NodeState) -> None:  # noqa: B027 - optional hook
         """The node's parameters were replaced outside :meth:`mix` (a bootstrap copy of a peer), so the
         published snapshot no longer stands for them until the next ``update_send``.  Default no-op."""
+
+    def on_reply_not_mixed(self, own: NodeState, peer_extras: Mapping[str, Any]) -> None:  # noqa: B027
+        """A valid reply that recovery took instead of :meth:`mix`: copied outright (bootstrap, far-behind
+        catch-up) or looked at and not copied.  Keep what it carried that must not be lost (push-sum adds the
+        weight it carried).  Default no-op."""
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Model-sized state the rule keeps (GEM's momentum proxy) as copies, keyed by name, for a
+        checkpoint; default ``{}``."""
+        return {}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], params: Sequence[np.ndarray]) -> bool:
+        """Take back what :meth:`state_arrays` returned, checked against ``params``; False (nothing changed)
+        when the arrays do not fit them.  Default: nothing to take, True."""
+        return True
 
     @abstractmethod
     def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:

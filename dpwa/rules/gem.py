@@ -1,4 +1,4 @@
-"""GEM -- Gradient Energy Matching in gossip form (ALGORITHMS §2; Hermans & Louppe 2018).
+"""GEM -- Gradient Energy Matching in gossip form (Hermans & Louppe 2018; docs/rules.md).
 
 Per batch a node moves by its local step ``delta = x_now - x_at_update_send``
 and by the mixing step ``d = f0*(x_peer - x_now)`` (``f0 = base``).  A momentum
@@ -27,7 +27,7 @@ Divergence damping (``divergence_threshold = t``): every ``g`` is multiplied by
 ``s = diverge(f0, loss) / f0`` (``s = loss/t`` when ``loss < t``, else 1), the
 same damping the pairwise rules apply to their single factor.
 
-A property to know (seen in ``dpwa.simulation``): a peer's snapshot predates
+A property to know (seen in ``dpwa.tools.simulation``): a peer's snapshot predates
 this node's local step, so once the nodes agree ``x_peer ~ x_at_update_send``
 and ``d ~ -f0*delta``; the proxy then allows ``pi = 1/f0`` and the mix undoes the
 local step (``delta + pi*d ~ 0``).  The energy bound holds -- it limits motion,
@@ -43,15 +43,18 @@ two published models and keeps its own local step on top (``g = 1`` gives
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.mixing import BLOCK, _check_pairs, _compute_dtype, _is_half, _narrow, _Scratch, _widen, mix_clock
+from dpwa.rules.mixing import BLOCK, Scratch, check_pairs, compute_dtype, is_half, mix_clock, narrow, widen
 
-__all__ = ["GemRule"]
+__all__ = ["PROXY_KEY", "GemRule"]
+
+PROXY_KEY = "gem_m"
+"""Checkpoint arrays of the proxy are named ``gem_m/<i>``, one per parameter array."""
 
 
 class GemRule(Rule):
@@ -91,7 +94,7 @@ class GemRule(Rule):
         self.reference = reference
         self._published: Sequence[np.ndarray] | None = None
         self._m: list[np.ndarray] | None = None
-        self._scratch = _Scratch()
+        self._scratch = Scratch()
 
     def _params(self) -> dict[str, Any]:
         keys = ("base", "momentum", "kappa", "eps", "reference", "divergence_threshold")
@@ -102,9 +105,25 @@ class GemRule(Rule):
         """The momentum proxy ``m`` (one array per parameter array), None before the first mix."""
         return self._m
 
-    def restore_proxy(self, proxy: Sequence[np.ndarray]) -> None:
-        """Set ``m`` from a checkpoint (the caller checked shapes and compute dtypes)."""
-        self._m = [np.array(m, copy=True) for m in proxy]
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """``{"gem_m/<i>": m_i}``: copies of the proxy for a checkpoint (``{}`` before the first mix)."""
+        if self._m is None:
+            return {}
+        return {f"{PROXY_KEY}/{i}": np.array(m, copy=True) for i, m in enumerate(self._m)}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], params: Sequence[np.ndarray]) -> bool:
+        """Set ``m`` from a checkpoint's ``gem_m/<i>`` when there is one per parameter array, of its shape
+        and compute dtype (True); False (``m`` unchanged) when they do not fit; True when there are none."""
+        stored = [key for key in arrays if key.startswith(PROXY_KEY + "/")]
+        if not stored:
+            return True
+        proxy = [arrays.get(f"{PROXY_KEY}/{i}") for i in range(len(params))]
+        if len(stored) != len(params) or any(
+            m is None or m.shape != p.shape or m.dtype != compute_dtype(p.dtype) for m, p in zip(proxy, params)
+        ):
+            return False
+        self._m = [np.array(m, copy=True) for m in proxy if m is not None]
+        return True
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         """Remember ``x_at_update_send`` (read-only views, valid until the next ``update_send``)."""
@@ -112,9 +131,9 @@ class GemRule(Rule):
 
     def _proxy_for(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         if self._m is None:
-            self._m = [np.zeros(a.shape, _compute_dtype(a.dtype)) for a in arrays]
+            self._m = [np.zeros(a.shape, compute_dtype(a.dtype)) for a in arrays]
         if len(self._m) != len(arrays) or any(
-            m.shape != a.shape or m.dtype != _compute_dtype(a.dtype) for m, a in zip(self._m, arrays)
+            m.shape != a.shape or m.dtype != compute_dtype(a.dtype) for m, a in zip(self._m, arrays)
         ):
             raise ValueError("GEM: the parameter layout changed since the first mix")
         return self._m
@@ -129,10 +148,10 @@ class GemRule(Rule):
             raise RuntimeError("GEM: mix() before on_publish(): x_at_update_send is unknown")
         if len(peers) > 1:
             raise ValueError(f"GemRule mixes one peer at a time, got {len(peers)}")
-        _check_pairs(arrays, self._published, "published")
+        check_pairs(arrays, self._published, "published")
         peer = peers[0] if peers else None
         if peer is not None:
-            _check_pairs(arrays, peer.arrays)
+            check_pairs(arrays, peer.arrays)
         proxy = self._proxy_for(arrays)
         damping = self.diverge(self.base, own.loss) / self.base if peer is not None else 0.0
         total = low = high = 0.0
@@ -161,8 +180,8 @@ class GemRule(Rule):
         """One array, block by block: ``m``; then (with a peer) ``g`` and ``x``. Returns (sum g, #g==0, #g==1)."""
         if x.size == 0:
             return 0.0, 0, 0
-        c = _compute_dtype(x.dtype)
-        half = _is_half(x.dtype)
+        c = compute_dtype(x.dtype)
+        half = is_half(x.dtype)
         mu, kappa, eps = c.type(self.momentum), c.type(self.kappa), c.type(self.eps / self.base)
         s = c.type(damping)
         xv, bv, mv = x.reshape(-1), sent.reshape(-1), m.reshape(-1)
@@ -173,10 +192,10 @@ class GemRule(Rule):
             stop = min(start + BLOCK, xv.size)
             n = stop - start
             xb, mb = xv[start:stop], mv[start:stop]
-            xc = _widen(xb, scratch.get(c, n, 0)) if half else xb  # x_now in compute precision
+            xc = widen(xb, scratch.get(c, n, 0)) if half else xb  # x_now in compute precision
             dl = scratch.get(c, n, 1)  # delta = x_now - x_sent
             if half:
-                _widen(bv[start:stop], dl)
+                widen(bv[start:stop], dl)
                 np.subtract(xc, dl, out=dl)
             else:
                 np.subtract(xc, bv[start:stop], out=dl)
@@ -184,11 +203,11 @@ class GemRule(Rule):
             np.add(mb, dl, out=mb)  # m <- mu*m + delta
             if pv is None:
                 continue
-            pc = _widen(pv[start:stop], scratch.get(c, n, 2)) if half else pv[start:stop]
+            pc = widen(pv[start:stop], scratch.get(c, n, 2)) if half else pv[start:stop]
             if self.reference == "now":
                 ref = xc
             else:  # "sent": the mixing step is measured from the published model
-                ref = _widen(bv[start:stop], scratch.get(c, n, 4)) if half else bv[start:stop]
+                ref = widen(bv[start:stop], scratch.get(c, n, 4)) if half else bv[start:stop]
             g = scratch.get(c, n, 3)
             np.abs(mb, out=g)
             if kappa != 1:
@@ -219,5 +238,5 @@ class GemRule(Rule):
                 np.multiply(dl, g, out=dl)
                 np.add(xc, dl, out=xc)  # x_now + g*(x_peer - x_sent)
             if half:
-                _narrow(xc, xb, dl)
+                narrow(xc, xb, dl)
         return total, low, high

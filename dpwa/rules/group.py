@@ -1,4 +1,4 @@
-"""Group averaging -- WAGMA-SGD (Li et al. 2021; ALGORITHMS §5).
+"""Group averaging -- WAGMA-SGD (Li et al. 2021; docs/rules.md).
 
 The ``groups`` schedule fetches this node's group (rotating groups of
 ``group_size``; everybody on every ``sync_every``-th step); this rule averages
@@ -35,7 +35,7 @@ __all__ = ["GroupRule", "is_sync_step"]
 def is_sync_step(index: int, sync_every: int) -> bool:
     """True on every ``sync_every``-th step (0-based ``index``: ``sync_every - 1``, ``2*sync_every - 1``, ...).
 
-    :meth:`dpwa.schedules.GroupsSchedule.is_sync_step` calls this one, so rule and schedule agree.
+    :meth:`dpwa.rules.schedules.GroupsSchedule.is_sync_step` calls this one, so rule and schedule agree.
     """
     return bool(sync_every) and (index + 1) % sync_every == 0
 

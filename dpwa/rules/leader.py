@@ -1,4 +1,4 @@
-"""Leader -- LSGD in gossip form (ALGORITHMS §4; Teng et al. 2019).
+"""Leader -- LSGD in gossip form (Teng et al. 2019; docs/rules.md).
 
 Followers are pulled toward the leader, the node with the lowest running mean
 of its last ``window`` batch losses (the loss passed to ``update_wait``):
@@ -11,7 +11,7 @@ own step counter, strictly increasing), which travels with every reply.  At
 every :meth:`LeaderRule.mix` a node merges each peer's table (per name the
 larger stamp wins), then rewrites its own entry (a node is the authority on
 itself, whatever others claim), drops stale entries and decides whom to pull
-next, in ``own.extras["pull"]`` (read by :class:`~dpwa.schedules.LeaderSchedule`;
+next, in ``own.extras["pull"]`` (read by :class:`~dpwa.rules.schedules.LeaderSchedule`;
 None means a random peer, which still spreads the table).
 
 Size: the published table is capped at :data:`TABLE_BUDGET` bytes of JSON (the
@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.mixing import _check_pairs, interpolate_, mix_clock
+from dpwa.rules.mixing import check_pairs, interpolate_, mix_clock
 
 __all__ = ["TABLE_BUDGET", "LeaderRule", "UNKNOWN_LOSS", "parse_entry"]
 
@@ -270,7 +270,7 @@ class LeaderRule(Rule):
         if self._me is None:
             raise RuntimeError("leader: mix() before initial_extras(): the node's place is unknown")
         for p in peers:
-            _check_pairs(arrays, p.arrays)
+            check_pairs(arrays, p.arrays)
         self._step += 1
         self._losses.append(float(own.loss))
         bad = sum(self._merge(p.state.extras) for p in peers)

@@ -1,4 +1,4 @@
-"""In-place interpolation kernels and the scalar helpers of ALGORITHMS §1.
+"""In-place interpolation kernels and the scalar helpers every rule shares (docs/rules.md).
 
 The kernels compute ``x <- (1-f)*x + f*peer`` (== ``x + f*(peer - x)``) array
 by array, in blocks of :data:`BLOCK` elements, so that each block is read and
@@ -12,7 +12,7 @@ same correctly rounded mean in two operations per block instead of three, with
 the three-operation form for a block whose sum would overflow;
 ``f == 0`` leaves ``x`` bit-exact and ``f == 1`` copies ``peer`` exactly (both
 special-cased).  For other ``f``, ``x == peer`` may move by up to one ulp.
-float16 and bfloat16 (:data:`dpwa.bfloat16.BFLOAT16` arrays: raw bits in
+float16 and bfloat16 (:data:`dpwa.utils.bfloat16.BFLOAT16` arrays: raw bits in
 uint16) are computed in float32 (block-sized scratch) and rounded once.
 """
 
@@ -23,15 +23,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dpwa.bfloat16 import from_float32, is_bfloat16, to_float32
+from dpwa.utils.bfloat16 import from_float32, is_bfloat16, to_float32
 
 __all__ = [
     "BLOCK",
+    "Scratch",
     "apply_divergence",
+    "check_pairs",
+    "compute_dtype",
     "interpolate_",
     "interpolate_elementwise_",
+    "is_half",
     "mix_clock",
+    "narrow",
     "weighted_sum_",
+    "widen",
 ]
 
 BLOCK = 1 << 16
@@ -40,17 +46,17 @@ BLOCK = 1 << 16
 _SUPPORTED = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _is_half(dtype: np.dtype) -> bool:
+def is_half(dtype: np.dtype) -> bool:
     """float16 or bfloat16: the dtypes computed in float32 scratch and rounded back once."""
     return dtype == np.float16 or is_bfloat16(dtype)
 
 
-def _compute_dtype(dtype: np.dtype) -> np.dtype:
+def compute_dtype(dtype: np.dtype) -> np.dtype:
     """float16 and bfloat16 are computed in float32; float32/float64 in themselves."""
-    return np.dtype(np.float32) if _is_half(dtype) else dtype
+    return np.dtype(np.float32) if is_half(dtype) else dtype
 
 
-def _widen(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+def widen(src: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out <- float32(src)`` for a float16 or bfloat16 block (exact)."""
     if is_bfloat16(src.dtype):
         return to_float32(src, out)
@@ -58,7 +64,7 @@ def _widen(src: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _narrow(src: np.ndarray, out: np.ndarray, spare: np.ndarray) -> None:
+def narrow(src: np.ndarray, out: np.ndarray, spare: np.ndarray) -> None:
     """``out <- src`` rounded once (to nearest even) from float32 to ``out``'s float16 or bfloat16.
 
     ``spare`` is a float32 block no longer needed, used as the bfloat16 rounding's scratch."""
@@ -73,7 +79,7 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
-def _check_pairs(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], what: str = "peer") -> None:
+def check_pairs(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], what: str = "peer") -> None:
     """Raise unless x/peer are same-length lists of same-dtype, same-shape, C-contiguous float arrays.
 
     TypeError for non-arrays; ValueError for everything else."""
@@ -101,7 +107,7 @@ def _check_factor(f: float) -> float:
     return f
 
 
-class _Scratch:
+class Scratch:
     """Block-sized scratch buffers, allocated lazily, at most one per (dtype, slot)."""
 
     def __init__(self) -> None:
@@ -126,21 +132,21 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
     (TypeError for non-arrays).
     """
     f = _check_factor(f)
-    _check_pairs(x, peer)
+    check_pairs(x, peer)
     if f == 0.0:
         return
     if f == 1.0:
         for a, b in zip(x, peer):
             np.copyto(a, b)
         return
-    scratch = _Scratch()
+    scratch = Scratch()
     for a, b in zip(x, peer):
         if a.size == 0:
             continue
         xv, pv = _flat(a), _flat(b)
-        c = _compute_dtype(a.dtype)
+        c = compute_dtype(a.dtype)
         fc, gc = c.type(f), c.type(1.0 - f)
-        half = _is_half(a.dtype)
+        half = is_half(a.dtype)
         if f == 0.5 and not half:
             _mean_(xv, pv, scratch)
             continue
@@ -150,12 +156,12 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
             xb, pb = xv[start:stop], pv[start:stop]
             n = stop - start
             if half:
-                acc = _widen(xb, scratch.get(c, n, 0))
-                tmp = _widen(pb, scratch.get(c, n, 1))
+                acc = widen(xb, scratch.get(c, n, 0))
+                tmp = widen(pb, scratch.get(c, n, 1))
                 np.multiply(acc, gc, out=acc)
                 np.multiply(tmp, fc, out=tmp)
                 np.add(acc, tmp, out=acc)
-                _narrow(acc, xb, tmp)
+                narrow(acc, xb, tmp)
             else:
                 tmp = pb if in_place else scratch.get(c, n, 0)
                 np.multiply(pb, fc, out=tmp)
@@ -163,7 +169,7 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
                 np.add(xb, tmp, out=xb)
 
 
-def _mean_(xv: np.ndarray, pv: np.ndarray, scratch: _Scratch) -> None:
+def _mean_(xv: np.ndarray, pv: np.ndarray, scratch: Scratch) -> None:
     """``xv <- (xv + pv) / 2`` for float32/float64, two operations per block (the mix's common case, f = 0.5).
 
     ``RN(x + p) * 0.5`` is the correctly rounded mean whenever the sum does not
@@ -202,7 +208,7 @@ def interpolate_elementwise_(
     mean factor over all elements (0.0 when there are none), for
     :attr:`MixOutcome.factor`.  Uses at most two block-sized scratch buffers.
     """
-    _check_pairs(x, peer)
+    check_pairs(x, peer)
     if len(factors) != len(x):
         raise ValueError(f"x has {len(x)} arrays but factors has {len(factors)}")
     for i, (a, fa) in enumerate(zip(x, factors)):
@@ -214,37 +220,37 @@ def interpolate_elementwise_(
             raise ValueError(f"array {i}: factors are {fa.shape} (C-contiguous required) but x is {a.shape}")
         if a.size and np.may_share_memory(a, fa):
             raise ValueError(f"array {i}: x and factors overlap in memory")
-    scratch = _Scratch()
+    scratch = Scratch()
     total, count = 0.0, 0
     for a, b, fa in zip(x, peer, factors):
         if a.size == 0:
             continue
         xv, pv, fv = _flat(a), _flat(b), _flat(fa)
-        c = _compute_dtype(a.dtype)
-        half = _is_half(a.dtype)
+        c = compute_dtype(a.dtype)
+        half = is_half(a.dtype)
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             xb, pb, fb = xv[start:stop], pv[start:stop], fv[start:stop]
             n = stop - start
             tmp = scratch.get(c, n, 0)
-            acc = _widen(xb, scratch.get(c, n, 1)) if half else xb
+            acc = widen(xb, scratch.get(c, n, 1)) if half else xb
             np.multiply(fb, acc, out=tmp, dtype=c)
             np.subtract(acc, tmp, out=acc)
             if half:  # f*peer with the peer widened exactly to float32 first
-                _widen(pb, tmp)
+                widen(pb, tmp)
                 np.multiply(fb, tmp, out=tmp, dtype=c)
             else:
                 np.multiply(fb, pb, out=tmp, dtype=c)
             np.add(acc, tmp, out=acc)
             if half:
-                _narrow(acc, xb, tmp)
+                narrow(acc, xb, tmp)
             total += float(np.add.reduce(fb, dtype=np.float64))
         count += xv.size
     return total / count if count else 0.0
 
 
 def apply_divergence(f: float, loss: float, threshold: float) -> float:
-    """Divergence damping (ALGORITHMS §1): if ``loss < t`` then ``f <- f * loss / t``; ``t == 0`` is off.
+    """Divergence damping: if ``loss < t`` then ``f <- f * loss / t``; ``t == 0`` is off.
 
     A negative loss counts as 0 (``f`` becomes 0: the node is already as good
     as it gets and keeps its own model).  A NaN or infinite loss never damps.
@@ -302,17 +308,17 @@ def weighted_sum_(
         raise ValueError(f"divisor must be finite and > 0, got {divisor!r}")
     for i, t in enumerate(terms):
         if not _same_arrays(t, x):
-            _check_pairs(x, t, what=f"term {i}")
-    scratch = _Scratch()
+            check_pairs(x, t, what=f"term {i}")
+    scratch = Scratch()
     for ai, a in enumerate(x):
         if a.size == 0:
             continue
         xv = _flat(a)
         tv = [_flat(t[ai]) for t in terms]
-        c = _compute_dtype(a.dtype)
+        c = compute_dtype(a.dtype)
         wc = [c.type(w) for w in ws]
         dc = c.type(d)
-        half = _is_half(a.dtype)
+        half = is_half(a.dtype)
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             n = stop - start
@@ -320,7 +326,7 @@ def weighted_sum_(
             for i, (v, w) in enumerate(zip(tv, ws)):
                 src = v[start:stop]
                 if half:  # widen exactly to float32 first
-                    src = _widen(src, tmp)
+                    src = widen(src, tmp)
                 if i == 0:
                     if w == 1.0:
                         np.copyto(acc, src)
@@ -334,6 +340,6 @@ def weighted_sum_(
             if d != 1.0:
                 np.divide(acc, dc, out=acc)
             if half:
-                _narrow(acc, xv[start:stop], tmp)
+                narrow(acc, xv[start:stop], tmp)
             else:
                 np.copyto(xv[start:stop], acc)

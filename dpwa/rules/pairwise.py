@@ -1,4 +1,4 @@
-"""The 2017 dpwa rules (ALGORITHMS §1): one peer, one scalar factor.
+"""The 2017 dpwa rules (docs/rules.md, the pairwise rules): one peer, one scalar factor.
 
 ``x <- f*x_peer + (1-f)*x`` with ``f`` from :meth:`PairwiseRule.factor`, then
 damped by the divergence threshold, then ``clock <- f*peer_clock + (1-f)*clock``.

@@ -1,4 +1,4 @@
-"""Push-sum in pull form -- Stochastic Gradient Push / GoSGD (ALGORITHMS §3).
+"""Push-sum in pull form -- Stochastic Gradient Push / GoSGD (Assran et al. 2019; Blot et al. 2016; docs/rules.md).
 
 Every node holds a weight ``w`` (1.0 at start; the cluster's weights sum to N
 while no reply is lost).  Serving a fetch gives half of it away with the reply:
@@ -18,7 +18,7 @@ in every :class:`~dpwa.rules.base.MixOutcome`'s metrics; peers never need them.
 
 The weights' sum is exact: ``sum(w) + mass_lost == N`` whenever every lost
 reply's content is known.  The average ``sum(w*x)/N`` is exact in synchronous
-rounds (everybody serves, then everybody mixes -- dpwa.simulation).  In the
+rounds (everybody serves, then everybody mixes -- dpwa.tools.simulation).  In the
 network path a reply carries the snapshot published at ``update_send`` with
 half of the weight at serve time: a serve that lands after the server's own
 ``update_wait`` and before its next ``update_send`` would hand out mass with the
@@ -31,7 +31,7 @@ reply).  In the usual loop (send, train, wait, send) that window is short.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -117,6 +117,12 @@ class PushSumRule(Rule):
         w = valid_mass(given.get("w_given"))
         if w is not None:
             own.extras["weight"] = self.weight(own) + w
+
+    def on_reply_not_mixed(self, own: NodeState, peer_extras: Mapping[str, Any]) -> None:
+        """A reply copied outright, or skipped, by recovery: ``w <- w + w_given`` (the mass it carried stays)."""
+        given = valid_mass(peer_extras.get("w_given"), self._n_nodes)
+        if given is not None:
+            own.extras["weight"] = self.weight(own) + given
 
     def on_reply_lost(self, own: NodeState, peer_extras: dict[str, Any] | None) -> None:
         """A rejected reply's ``w_given`` adds to ``mass_lost``; a timeout (or unreadable extras) counts as unknown."""

@@ -41,7 +41,8 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 from dpwa.config import ClusterConfig, ConfigError, load_config
-from dpwa.demo import LINGER_MAX_S, atomic_write, configure_logging
+from dpwa.tools.demo import LINGER_MAX_S, configure_logging
+from dpwa.utils.atomic import write_atomically
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the example's own modules, next to this file
 from resnet import resnet18  # noqa: E402
@@ -135,7 +136,7 @@ def checkpoint_path(run_dir: Path, node: str) -> Path:
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, **extra: Any) -> None:
     """``torch.save`` model and optimizer state (plus ``extra``) to a temporary file, then rename it onto ``path``."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}
-    atomic_write(path, lambda handle: torch.save(state, handle))
+    write_atomically(path, lambda handle: torch.save(state, handle))
 
 
 # --------------------------------------------------------------------------- training

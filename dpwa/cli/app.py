@@ -1,0 +1,74 @@
+"""The ``dpwa`` command: a click group, ``dpwa validate``, and the table of the commands defined elsewhere.
+
+Commands in other modules are listed in :data:`COMMANDS` (name -> ``"module:attribute"``) and
+imported only when invoked, so ``dpwa validate`` never pays for torch or matplotlib.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import click
+import yaml
+
+from dpwa.cli.common import fail
+from dpwa.cli.lazy import LazyGroup
+from dpwa.config import ClusterConfig, ConfigError, load_config
+
+__all__ = ["COMMANDS", "LOG_LEVELS", "main", "summary", "validate"]
+
+COMMANDS: dict[str, str] = {
+    "run": "dpwa.cli.run:run",
+    "plot": "dpwa.cli.plot:plot",
+    "bench": "dpwa.cli.bench:bench",
+    "keys": "dpwa.cli.keys:keys",
+}
+"""Subcommands implemented in other modules of :mod:`dpwa.cli`; one line each."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="WARNING",
+    show_default=True,
+    help="Logging threshold; log records go to stderr.",
+)
+def main(log_level: str) -> None:
+    """dpwa: decentralized pair-wise averaging over ZeroMQ."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def summary(config: ClusterConfig) -> str:
+    """One line describing ``config``, e.g. ``4 nodes, interpolation constant (value=0.5), ...``."""
+    settings: Any = config.settings
+    items = dataclasses.asdict(settings).items()
+    params = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)
+    rule = f"{config.interpolation} ({params})" if params else config.interpolation
+    plural = "" if len(config.nodes) == 1 else "s"
+    return (
+        f"{len(config.nodes)} node{plural}, interpolation {rule}, "
+        f"fetch_probability {config.fetch_probability:g}, timeout_ms {config.timeout_ms:g}, "
+        f"divergence_threshold {config.divergence_threshold:g}{', security curve' if config.security.curve else ''}"
+    )
+
+
+@main.command()
+@click.argument("cluster", metavar="CLUSTER.yaml")
+def validate(cluster: str) -> None:
+    """Check a cluster file and print it resolved.
+
+    Prints the config with every default filled in, as YAML, then a one-line summary
+    as a YAML comment; exits 0. An invalid file prints one line
+    `error: file:line: key: reason` on stderr and exits 2.
+    """
+    try:
+        config = load_config(cluster)
+    except ConfigError as err:
+        fail(err)
+    click.echo(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), nl=False)
+    click.echo(f"# {config.source}: {summary(config)}")

@@ -1,0 +1,41 @@
+"""``dpwa plot RUN_DIR``: draw a run's metrics into one PNG (:mod:`dpwa.tools.plot`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dpwa.cli.common import fail
+from dpwa.launcher.rundir import RunDir
+from dpwa.tools.plot import DEFAULT_NAME, MISSING_MATPLOTLIB, plot_run
+
+__all__ = ["plot"]
+
+
+@click.command("plot", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(path_type=Path))
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help=f"PNG to write  [default: RUN_DIR/{DEFAULT_NAME}]",
+)
+def plot(run_dir: Path, output: Path | None) -> None:
+    """Plot a run: loss vs step per node, mixing factor over time, fetch-latency histogram (one PNG).
+
+    Needs matplotlib (pip install 'dpwa[plot]'); without it, or for a directory with no metrics,
+    prints one `error: ...` line and exits 2.
+    """
+    if not run_dir.is_dir():
+        fail(f"{run_dir}: not a directory")
+    target = output if output is not None else run_dir / DEFAULT_NAME
+    try:
+        written = plot_run(RunDir(run_dir), target)
+    except ImportError:
+        fail(MISSING_MATPLOTLIB)
+    except ValueError as err:
+        fail(err)
+    except OSError as err:
+        fail(f"{target}: {err.strerror or err}")
+    click.echo(str(written))

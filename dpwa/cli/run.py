@@ -1,0 +1,224 @@
+"""``dpwa run``: the command that turns a cluster file (or a run directory to resume) into a
+:class:`~dpwa.launcher.job.Job` and runs it (:func:`~dpwa.launcher.job.run_job`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from dpwa.cli.common import fail
+from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
+from dpwa.launcher.job import DEMO_MODULE, Job, run_job
+from dpwa.launcher.placement import select_nodes, threads_per_node
+from dpwa.launcher.progress import Progress
+from dpwa.launcher.rundir import RunDir, default_run_dir
+
+__all__ = ["run"]
+
+
+class _RunCommand(click.Command):
+    """Launcher options may stand anywhere before SCRIPT; SCRIPT and everything after it go to the script.
+
+    ``dpwa run cluster.yaml --steps 50`` and ``dpwa run --node w1 cluster.yaml train.py --lr 0.1 --node x``
+    both parse as meant: a ``--`` is inserted before the second positional argument.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        valued = {o for p in self.params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
+        return super().parse_args(ctx, _split_at_script(args, valued))
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return ["[OPTIONS]", "CLUSTER.yaml", "[SCRIPT [ARGS]...]"]
+
+
+def _split_at_script(args: Sequence[str], valued: set[str]) -> list[str]:
+    """``args`` with ``--`` before the second positional argument (SCRIPT), unless a ``--`` comes first."""
+    positional = 0
+    skip = False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if arg == "--":
+            break
+        if arg.startswith("-") and arg != "-":
+            skip = arg in valued
+            continue
+        positional += 1
+        if positional == 2:
+            return [*args[:i], "--", *args[i:]]
+    return list(args)
+
+
+@click.command("run", cls=_RunCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("cluster", metavar="CLUSTER.yaml", required=False)
+@click.argument("script", required=False)
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--steps", type=click.IntRange(min=1), help="Batches per node of the built-in demo (not with SCRIPT).")
+@click.option(
+    "--node",
+    "node_names",
+    multiple=True,
+    metavar="NAME",
+    help="Start only this node; repeatable. One `dpwa run` per host for a multi-machine cluster.",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Run directory  [default: runs/<YYYYmmdd-HHMMSS>, under SLURM runs/slurm-<job>.<step>]",
+)
+@click.option(
+    "--timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Stop everything after this many seconds and exit 1.",
+)
+@click.option("--threads", type=click.IntRange(min=1), help="Threads per node  [default: usable cores // local nodes]")
+@click.option("--keep-going", is_flag=True, help="Keep the other nodes running when one fails.")
+@click.option(
+    "--restart-failed",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Restart a node that fails (non-zero exit, or killed) up to N times; it resumes from its checkpoint.",
+)
+@click.option(
+    "--resume",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    metavar="RUN_DIR",
+    help="Resume the run in RUN_DIR (its nodes, cluster file and command) from the nodes' last checkpoints.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="No live progress (the summary is still printed).")
+def run(
+    cluster: str | None,
+    script: str | None,
+    script_args: tuple[str, ...],
+    steps: int | None,
+    node_names: tuple[str, ...],
+    run_dir: Path | None,
+    timeout_s: float | None,
+    threads: int | None,
+    keep_going: bool,
+    restart_failed: int,
+    resume: Path | None,
+    quiet: bool,
+) -> None:
+    """Start this machine's nodes of CLUSTER.yaml, each running SCRIPT with ARGS (default: the built-in demo).
+
+    A node runs here when its host is this machine (localhost, 127.x, this host's names and addresses),
+    or when named with --node. Under SLURM (SLURM_PROCID and SLURM_NTASKS set, no --node) each task
+    starts node number SLURM_PROCID, so `srun dpwa run cluster.yaml train.py` starts one node per task.
+
+    Every node process gets DPWA_NODE, DPWA_CONFIG (the resolved copy in the run directory),
+    DPWA_RUN_DIR, and OMP/MKL/OPENBLAS_NUM_THREADS and DPWA_TORCH_THREADS so the nodes share the cores.
+    Its output goes to RUN_DIR/<node>.log. Without SCRIPT each node runs `python -m dpwa.tools.demo`, and once
+    all succeeded the averaged model is compared with a single-process baseline.
+
+    `dpwa run --resume RUN_DIR` starts the same nodes with the same command again; each resumes from its
+    last checkpoint (`checkpoint_every` in the cluster file) and copies a peer's model if it is ahead
+    (DPWA_RESUME=1, DPWA_BOOTSTRAP=peer). --restart-failed N restarts a failed node the same way.
+
+    Ctrl-C or SIGTERM stops every process the run started (SIGTERM, then SIGKILL after 3 s).
+    Exit status: 0 all nodes succeeded; 1 a node failed or --timeout-s passed; 2 a bad cluster file
+    or usage; 130/143 interrupted.
+    """
+    if resume is not None:
+        if cluster is not None or node_names or run_dir is not None:
+            raise click.UsageError("--resume RUN_DIR takes the cluster file, nodes and command from RUN_DIR")
+        config, nodes, command, directory, evaluate, per_node = _resume_plan(RunDir(resume), steps, threads)
+        _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, True,
+               quiet)  # fmt: skip
+    if cluster is None:
+        raise click.UsageError("missing CLUSTER.yaml (or --resume RUN_DIR)")
+    try:
+        config = load_config(cluster)
+    except ConfigError as err:
+        fail(err)
+    if script is None:
+        if importlib.util.find_spec(DEMO_MODULE) is None:
+            fail(f"the built-in demo ({DEMO_MODULE}) is not installed; give a SCRIPT to run")
+        command = [sys.executable, "-m", DEMO_MODULE, *(["--steps", str(steps)] if steps is not None else [])]
+    else:
+        if steps is not None:
+            raise click.UsageError("--steps is for the built-in demo; pass SCRIPT its own options after its name")
+        if not os.path.isfile(script):
+            fail(f"{script}: no such file")
+        command = [sys.executable, os.path.abspath(script), *script_args]
+    try:
+        nodes, warnings = select_nodes(config, node_names)
+    except ConfigError as err:
+        fail(err)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+    directory = RunDir(run_dir if run_dir is not None else default_run_dir())
+    evaluate = script is None and len(nodes) == len(config.nodes)
+    per_node = threads if threads is not None else threads_per_node(len(nodes))
+    _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, False, quiet)
+
+
+def _start(
+    config: ClusterConfig,
+    nodes: list[NodeSpec],
+    command: list[str],
+    directory: RunDir,
+    evaluate: bool,
+    per_node: int,
+    timeout_s: float | None,
+    keep_going: bool,
+    restart_failed: int,
+    resume: bool,
+    quiet: bool,
+) -> NoReturn:
+    """Check the nodes' keys, prepare the run directory (kept as it is by ``resume``), run the job and exit."""
+    try:
+        for node in nodes if config.security.curve else ():  # every node started here needs its secret key
+            config.check_secret_key(node.name)
+    except ConfigError as err:
+        fail(err)
+    try:
+        directory.prepare([node.name for node in nodes], evaluate=evaluate, resume=resume)
+        if not resume:
+            directory.write_config(config)
+        launch = {"version": 1, "nodes": [n.name for n in nodes], "command": command, "threads": per_node}
+        directory.write_launch({**launch, "evaluate": evaluate, "demo": command[1:3] == ["-m", DEMO_MODULE]})
+    except OSError as err:
+        fail(f"{directory.path}: cannot write the run directory: {err.strerror or err}")
+    if not quiet:
+        names = ", ".join(node.name for node in nodes)
+        plural = "s" if per_node != 1 else ""
+        what = "resuming" if resume else "run dir"
+        click.echo(f"dpwa run: {names} ({per_node} thread{plural} each); {what} {directory.path}", err=True)
+    job = Job(config, nodes, command, directory, per_node, evaluate, timeout_s, keep_going, restart_failed, resume)
+    progress = None if quiet else Progress(sys.stderr)
+    sys.exit(run_job(job, progress=progress))
+
+
+def _resume_plan(
+    directory: RunDir, steps: int | None, threads: int | None
+) -> tuple[ClusterConfig, list[NodeSpec], list[str], RunDir, bool, int]:
+    """(config, nodes, command, run dir, evaluate, threads) of the run recorded in ``directory``'s launch.json."""
+    record = directory.read_launch()
+    if record is None:
+        fail(f"{directory.path}: no {directory.launch_path.name}: not a run directory of `dpwa run`")
+    try:
+        config = load_config(directory.config_path)
+    except ConfigError as err:
+        fail(err)
+    try:
+        nodes = [config.node(name) for name in record["nodes"]]
+        command = [str(arg) for arg in record["command"]]
+        evaluate, demo, per_node = bool(record["evaluate"]), bool(record["demo"]), int(record["threads"])
+    except (KeyError, TypeError, ValueError) as err:
+        fail(f"{directory.launch_path}: unreadable launch record: {err}")
+    if steps is not None:
+        if not demo:
+            raise click.UsageError("--steps is for the built-in demo; this run's SCRIPT keeps its own options")
+        command = [*command[:3], "--steps", str(steps)]
+    if config.checkpoint_every == 0:
+        click.echo(f"warning: {config.source}: checkpoint_every is 0: the nodes start over from step 0", err=True)
+    return config, nodes, command, directory, evaluate, threads if threads is not None else per_node

@@ -1,0 +1,322 @@
+"""The run directory of ``dpwa run``: its layout, the files the launcher writes, and reading metrics back.
+
+The layout is a contract with the adapter (docs/metrics.md)::
+
+    <run_dir>/cluster.yaml            resolved cluster config           (launcher)
+    <run_dir>/<node>.log              the node's stdout and stderr       (launcher)
+    <run_dir>/<node>.metrics.jsonl    one JSON object per line           (adapter)
+    <run_dir>/summary.json            per-node summary, run outcome      (launcher)
+    <run_dir>/<node>.model.npz        final parameters                   (built-in demo)
+    <run_dir>/demo.json               averaged-model and baseline accuracy (built-in demo)
+    <run_dir>/launch.json             nodes, command, threads: what `dpwa run --resume` restarts (launcher)
+    <run_dir>/checkpoints/<node>.ckpt.npz[.prev]  latest (and previous) checkpoint (adapter, dpwa/checkpoint.py)
+
+Metrics files are read tolerantly: a line that is not a JSON object (typically a torn last
+line of a node that is still writing, or was killed mid-write) is skipped, never an error.
+:class:`NodeMetrics` folds records into the numbers the progress display and summary show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import fcntl
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dpwa.checkpoint import checkpoint_path, remove_checkpoints
+from dpwa.config import ClusterConfig
+from dpwa.metrics import read_metrics
+from dpwa.utils.atomic import write_atomically
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "NodeMetrics",
+    "RunDir",
+    "default_run_dir",
+    "finite_number",
+    "tail_lines",
+]
+
+CONFIG = "cluster.yaml"
+SUMMARY = "summary.json"
+DEMO = "demo.json"
+EVALUATE_LOG = "evaluate.log"
+LAUNCH = "launch.json"
+LOG_SUFFIX = ".log"
+METRICS_SUFFIX = ".metrics.jsonl"
+MODEL_SUFFIX = ".model.npz"
+
+
+def default_run_dir(base: str | os.PathLike[str] = "runs", env: Mapping[str, str] | None = None) -> Path:
+    """``base/<YYYYmmdd-HHMMSS>`` -- or, under SLURM, ``base/slurm-<job>[.<step>]`` so that every task
+    of one job step shares a directory (on a shared file system). A taken timestamp gets ``-2``, ``-3``...
+    """
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID")
+    if job:
+        step = env.get("SLURM_STEP_ID")
+        return Path(base) / (f"slurm-{job}.{step}" if step else f"slurm-{job}")
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path(base) / stamp
+    n = 2
+    while path.exists():
+        path = Path(base) / f"{stamp}-{n}"
+        n += 1
+    return path
+
+
+class RunDir:
+    """One run directory: the paths of its files and the launcher's writes to it."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path).absolute()
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def demo_path(self) -> Path:
+        return self.path / DEMO
+
+    @property
+    def evaluate_log(self) -> Path:
+        return self.path / EVALUATE_LOG
+
+    def log_path(self, node: str) -> Path:
+        return self.path / f"{node}{LOG_SUFFIX}"
+
+    def metrics_path(self, node: str) -> Path:
+        return self.path / f"{node}{METRICS_SUFFIX}"
+
+    def model_path(self, node: str) -> Path:
+        return self.path / f"{node}{MODEL_SUFFIX}"
+
+    @property
+    def launch_path(self) -> Path:
+        return self.path / LAUNCH
+
+    def checkpoint_path(self, node: str) -> Path:
+        return checkpoint_path(self.path, node)
+
+    def metrics_nodes(self) -> list[str]:
+        """Names of the nodes that have a metrics file, sorted."""
+        return sorted(p.name[: -len(METRICS_SUFFIX)] for p in self.path.glob(f"*{METRICS_SUFFIX}"))
+
+    # ------------------------------------------------------------------ writes
+
+    def prepare(self, nodes: Iterable[str], *, evaluate: bool = False, resume: bool = False) -> None:
+        """Create the directory; remove the files a previous run left for ``nodes`` (only theirs).
+
+        A metrics file is appended to by the adapter, so a stale one would mix two runs; a stale
+        checkpoint would be resumed from by a restarted node.  ``evaluate`` also removes a stale
+        ``demo.json`` and ``evaluate.log``.  ``resume`` (``dpwa run --resume``): logs, metrics and
+        checkpoints are kept -- the run goes on -- and only final models (and the demo's results) go.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        nodes = list(nodes)
+        kinds = (self.model_path,) if resume else (self.log_path, self.metrics_path, self.model_path)
+        stale = [kind(n) for n in nodes for kind in kinds]
+        if evaluate:
+            stale += [self.demo_path, self.evaluate_log]
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                log.info("removed stale %s", path)
+        for node in nodes if not resume else ():
+            for path in remove_checkpoints(self.checkpoint_path(node)):
+                log.info("removed stale %s", path)
+
+    def write_launch(self, record: Mapping[str, Any]) -> Path:
+        """Write ``launch.json``: what ``dpwa run --resume`` needs to start the same nodes the same way."""
+        write_atomically(self.launch_path, json.dumps(dict(record), indent=2) + "\n")
+        return self.launch_path
+
+    def read_launch(self) -> dict[str, Any] | None:
+        """``launch.json`` as a dict, or None when missing or unreadable."""
+        return _read_json(self.launch_path)
+
+    def write_config(self, config: ClusterConfig) -> Path:
+        """Write the resolved config (``config.to_dict()``) as ``cluster.yaml``; return its path."""
+        text = f"# resolved from {config.source}\n" + yaml.safe_dump(config.to_dict(), sort_keys=False)
+        write_atomically(self.config_path, text)
+        return self.config_path
+
+    def write_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Write ``summary.json``, merging node entries with one already there; return what was written.
+
+        Several launchers (one per host, e.g. under SLURM) may share a run directory: each one's
+        ``nodes`` entries replace only the same names, under an exclusive lock; ``ok`` is recomputed
+        over all nodes.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = os.open(self.path, os.O_RDONLY)  # flock on the directory itself: no lock file left behind
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            old = self.read_summary() or {}
+            nodes = dict(old["nodes"]) if isinstance(old.get("nodes"), dict) else {}
+            nodes.update(summary.get("nodes", {}))
+            merged = {**summary, "nodes": nodes}
+            merged["ok"] = bool(summary.get("ok", True)) and all(
+                isinstance(n, dict) and n.get("status") == "ok" for n in nodes.values()
+            )
+            write_atomically(self.summary_path, json.dumps(merged, indent=2) + "\n")
+        finally:
+            os.close(lock)  # releases the lock
+        return merged
+
+    # ------------------------------------------------------------------ reads
+
+    def read_summary(self) -> dict[str, Any] | None:
+        """``summary.json`` as a dict, or None when missing or unreadable."""
+        return _read_json(self.summary_path)
+
+    def read_demo(self) -> dict[str, Any] | None:
+        """``demo.json`` as a dict, or None when missing or unreadable."""
+        return _read_json(self.demo_path)
+
+    def read_metrics(self, node: str) -> list[dict[str, Any]]:
+        """Every record of ``<node>.metrics.jsonl`` (``[]`` if there is none)."""
+        return read_metrics(self.metrics_path(node), missing_ok=True)
+
+
+@dataclasses.dataclass
+class NodeMetrics:
+    """Running totals of one node's metrics records (exchange lines and ``"event": "report"`` lines).
+
+    Cumulative counters (``mixes``, ``failed``, ``bytes_in``) come from the records when present,
+    else they are counted here; ``timeouts`` counts ``timeout`` outcomes in ``status``; the mean
+    fetch time is over exchanges with at least one ``ok`` outcome.
+    """
+
+    steps: int = 0
+    loss: float | None = None
+    mixes: int = 0
+    failed: int = 0
+    timeouts: int = 0
+    bytes_in: int = 0
+    fetch_ms_total: float = 0.0
+    fetches_ok: int = 0
+    first_time: float | None = None
+    last_time: float | None = None
+    report: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, records: Iterable[Mapping[str, Any]]) -> NodeMetrics:
+        out = cls()
+        out.add_all(records)
+        return out
+
+    def add_all(self, records: Iterable[Mapping[str, Any]]) -> None:
+        for record in records:
+            self.add(record)
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Fold one record in."""
+        t = finite_number(record.get("time"))
+        if t is not None:
+            self.first_time = t if self.first_time is None else min(self.first_time, t)
+            self.last_time = t if self.last_time is None else max(self.last_time, t)
+        if record.get("event") == "report":
+            self.report.update({k: v for k, v in record.items() if k not in ("event", "time", "node")})
+            return
+        if record.get("event") is not None:
+            return
+        step = finite_number(record.get("step"))
+        self.steps = max(self.steps, int(step)) if step is not None else self.steps + 1
+        loss = finite_number(record.get("loss"))
+        if loss is not None:
+            self.loss = loss
+        statuses = [s for s in str(record.get("status") or "").split(",") if s]
+        failures = sum(s != "ok" for s in statuses)
+        self.timeouts += statuses.count("timeout")
+        factor = finite_number(record.get("factor")) or 0.0
+        self.mixes = _counter(record, "mixes", self.mixes + (factor > 0))
+        self.failed = _counter(record, "failed", self.failed + failures)
+        self.bytes_in = _counter(record, "bytes_in", self.bytes_in + int(finite_number(record.get("bytes")) or 0))
+        fetch_ms = finite_number(record.get("fetch_ms"))
+        if "ok" in statuses and fetch_ms is not None:
+            self.fetch_ms_total += fetch_ms
+            self.fetches_ok += 1
+
+    @property
+    def mean_fetch_ms(self) -> float | None:
+        return self.fetch_ms_total / self.fetches_ok if self.fetches_ok else None
+
+    @property
+    def accuracy(self) -> float | None:
+        return finite_number(self.report.get("accuracy"))
+
+    @property
+    def final_loss(self) -> float | None:
+        reported = finite_number(self.report.get("final_loss"))
+        return reported if reported is not None else self.loss
+
+    def summary(self) -> dict[str, Any]:
+        """The numbers ``summary.json`` keeps per node."""
+        return {
+            "steps": self.steps,
+            "final_loss": self.final_loss,
+            "accuracy": self.accuracy,
+            "mixes": self.mixes,
+            "failed_fetches": self.failed,
+            "timeouts": self.timeouts,
+            "mean_fetch_ms": self.mean_fetch_ms,
+            "bytes_in": self.bytes_in,
+            "report": self.report,
+        }
+
+
+def tail_lines(path: str | os.PathLike[str], n: int = 20, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last ``n`` lines of a text file (``[]`` if it is missing), decoded leniently."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read()
+    except FileNotFoundError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()[-n:]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def finite_number(value: object) -> float | None:
+    """``value`` as a finite float, or None (bools, strings, NaN and missing values are None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _counter(record: Mapping[str, Any], key: str, fallback: int) -> int:
+    value = finite_number(record.get(key))
+    return int(value) if value is not None else int(fallback)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,567 @@
+"""The gossip node itself: its state, its snapshots, one exchange, and what its threads call.
+
+:class:`Node` is everything :class:`~dpwa.node.connection.DpwaConnection` is, minus the public
+facade. Around each batch the trainer's thread calls :meth:`Node.update_send` (clock += 1, publish a
+snapshot, maybe start a fetch job) and :meth:`Node.update_wait` (wait for the TX thread's verdicts
+until the job's deadline plus :data:`~dpwa.node.transport.VERDICT_SLACK_S`, run the rule, record the
+exchange). The RX thread (:class:`~dpwa.node.transport.RxServer`) calls :meth:`Node.serve`; the TX
+thread (:class:`~dpwa.node.transport.TxFetcher`) reports each fetched peer through
+:meth:`Node.on_target`. Only the trainer's thread ever writes the trainer's arrays; a rejected reply
+is counted and never reaches them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dpwa.checkpoint import DpwaState
+from dpwa.config import ClusterConfig
+from dpwa.node import recovery, wire
+from dpwa.node.peers import FlowControl
+from dpwa.node.snapshots import SnapshotPool
+from dpwa.node.stats import NodeStats, OnceLog
+from dpwa.node.transport import FetchJob, FetchTarget, Reply, RxServer, TxFetcher
+from dpwa.node.wire import ErrorCode, Header, Layout
+from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.schedules import Round, Schedule
+from dpwa.security.curve import NodeSecurity, warn_if_exposed
+
+__all__ = ["JOIN_S", "Node", "bind_endpoint"]
+
+log = logging.getLogger(__name__)
+
+JOIN_S = 1.0
+"""How long :meth:`Node.close` waits for each dpwa thread to end, and the trainer for a dead one to close."""
+
+
+def _as_loss(loss: Any) -> float:
+    value = float(loss)
+    if not math.isfinite(value):
+        raise ValueError(f"loss must be a finite number, got {value}")
+    return value
+
+
+def bind_endpoint(host: str, port: int) -> str:
+    """The tcp:// endpoint to bind for ``host``: its resolved IPv4 address."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        raise OSError(f"cannot resolve host {host!r} to bind: {exc}") from exc
+    return f"tcp://{address}:{port}"
+
+
+class Node:
+    """Everything a node is, minus the public facade; the threads hold only this object.
+
+    Which thread calls what: the trainer calls :meth:`update_send`, :meth:`update_wait`, :meth:`bootstrap`,
+    :meth:`export_state`, :meth:`restore_state` and :meth:`close`; the RX thread :meth:`serve`; the TX thread
+    :meth:`on_target`; the ZAP thread :meth:`on_auth_denied`. ``state`` and the rule change only under
+    ``state_lock``, flow control only under ``flow_lock``; only the trainer's thread writes ``params``.
+    """
+
+    def __init__(self, name: str, config: ClusterConfig, rule: Rule, schedule: Schedule, seed: int | None) -> None:
+        self.name = name
+        self.config = config
+        me = config.node(name)
+        peers = config.peers_of(name)
+        self.names = tuple(n.name for n in config.nodes)
+        self.rule = rule
+        self.schedule = schedule
+        self.rng = random.Random(seed)
+        self.stats = NodeStats()
+        self.once = OnceLog(log)
+        self.state = NodeState(name, extras=rule.initial_extras(name, self.names))
+        self.state_lock = threading.Lock()
+        self.flow = FlowControl([p.name for p in peers], self.rng)
+        self.flow_lock = threading.Lock()
+        self.layout: Layout | None = None
+        self.wire_layout: Layout | None = None
+        self.pool: SnapshotPool | None = None
+        self.params: list[np.ndarray] | None = None
+        self.receive_slots: list[tuple[np.ndarray, list[np.ndarray]]] = []
+        self.pending: FetchJob | None = None
+        self.requests = itertools.count(1)
+        self.step = 0  # update_send calls so far: the schedules' round index
+        self.alone = False
+        self.caught_up = False  # recovery: a peer was copied, or the first reply was checked for "far behind"
+        self.mixing = False
+        self.last_exchange: dict[str, Any] | None = None
+        self.closed = False
+        self.ctx = zmq.Context(io_threads=1)
+        self.security: NodeSecurity | None = None
+        try:
+            if config.security.curve:  # reads the keys and starts the ZAP handler: before the ROUTER binds
+                self.security = NodeSecurity(
+                    name, config.check_secret_key(name), config.public_key_files(), self.ctx, self.on_auth_denied
+                )
+            self.rx = RxServer(
+                self.ctx,
+                bind_endpoint(me.host, me.port),
+                self.serve,
+                self.stats.add,
+                name=f"dpwa-rx-{name}",
+                setup=self.security.server if self.security is not None else None,
+            )
+        except BaseException:  # a busy port, a missing key: stop what started, then raise
+            if self.security is not None:
+                self.security.stop()
+            self.ctx.term()
+            raise
+        warn_if_exposed(name, self.rx.endpoint, curve=self.security is not None)
+        self.tx = TxFetcher(
+            self.ctx,
+            name,
+            {p.name: p.endpoint for p in peers},
+            self.layouts,
+            self.on_target,
+            self.stats.add,
+            name=f"dpwa-tx-{name}",
+            setup=self.security.client if self.security is not None else None,
+        )
+        self.rx.start()
+        self.tx.start()
+        log.info(
+            "node %s listening on %s with %d peers, rule %s, schedule %s",
+            name,
+            self.rx.endpoint,
+            len(peers),
+            rule.name,
+            schedule.name,
+        )
+
+    # ------------------------------------------------------------ trainer thread
+
+    def exchanging(self) -> bool:
+        """True while this node's own fetch is in flight or update_wait is mixing (any thread may ask)."""
+        job = self.pending
+        return self.mixing or (job is not None and not job.done.is_set())
+
+    def layouts(self) -> tuple[Layout, Layout] | None:
+        """(wire layout, local layout) once the first update_send set them up, else None."""
+        layout, wire_layout = self.layout, self.wire_layout
+        return None if layout is None or wire_layout is None else (wire_layout, layout)
+
+    def setup_layout(self, params: Sequence[np.ndarray]) -> None:
+        layout = Layout.of(params)
+        wire_layout = layout.on_wire(self.config.wire_dtype)
+        self.pool = SnapshotPool(layout, wire=wire_layout, name=self.name, defer=self.exchanging)
+        for _ in range(max(1, self.schedule.max_fanout(len(self.names)))):
+            buffer = layout.allocate()
+            self.receive_slots.append((buffer, layout.views(buffer)))
+        self.wire_layout = wire_layout
+        self.layout = layout
+        log.info(
+            "node %s: %d arrays, %.1f MB per snapshot, %.1f MB on the wire (wire_dtype %s)",
+            self.name,
+            len(params),
+            layout.total_bytes / 1e6,
+            wire_layout.total_bytes / 1e6,
+            self.config.wire_dtype,
+        )
+
+    def check_threads(self) -> None:
+        """Raise RuntimeError, the original exception chained, when the RX or TX thread died of a bug.
+
+        The dead thread is joined first (it is only closing its sockets; at most ``JOIN_S``), so once the
+        trainer has seen the death, ``stats()`` reports the thread as ended too.
+        """
+        for role, thread, lost in (("TX", self.tx, "fetch from"), ("RX", self.rx, "serve")):
+            if thread.failure is not None:
+                thread.join(timeout=JOIN_S)
+                raise RuntimeError(
+                    f"node {self.name}: the {role} thread died of {thread.failure!r}, so the node can no longer "
+                    f"{lost} its peers (traceback in the log); close the connection"
+                ) from thread.failure
+
+    def take_params(self, params: Sequence[np.ndarray]) -> None:
+        """Set the layout up from the first ``params``, check later ones against it; keep them as the node's."""
+        if self.layout is None:
+            self.setup_layout(params)
+        elif not self.layout.matches(params):
+            raise ValueError("params changed layout (count, dtype or shape) since the first update_send")
+        self.params = list(params)
+
+    def publish(self, *, tick: bool) -> None:
+        """Publish a snapshot of ``params`` (``tick``: ``clock += 1`` first, as ``update_send`` does) and hand
+        the rule the values published."""
+        assert self.pool is not None and self.params is not None
+        with self.state_lock:
+            if tick:
+                self.state.clock += 1
+            clock, loss, extras = self.state.clock, self.state.loss, dict(self.state.extras)
+        snapshot = self.pool.publish(self.params, clock, loss, extras)
+        if snapshot is None:
+            self.stats.add("snapshots_skipped")
+            self.once.warning(
+                ("pool",), "node %s: every snapshot buffer is busy; peers get the previous one", self.name
+            )
+            published = [np.array(a, copy=True) for a in self.params]  # rare: the rule still needs x as of now
+        else:
+            published = snapshot.readonly
+        with self.state_lock:
+            self.rule.on_publish(self.state, published)
+
+    def update_send(self, params: Sequence[np.ndarray], loss: Any) -> None:
+        value = _as_loss(loss)
+        self.check_threads()
+        self.take_params(params)
+        with self.state_lock:
+            self.state.loss = value
+        self.publish(tick=True)
+        self.start_fetch()
+        self.step += 1
+
+    def start_fetch(self) -> None:
+        if self.pending is not None and not self.pending.done.is_set():
+            self.stats.add("fetches_skipped")  # update_wait was not called for the previous fetch
+            return
+        self.pending = None
+        if self.rng.random() >= self.config.fetch_probability:
+            return
+        with self.state_lock:
+            wanted = self.schedule.targets(Round(self.name, self.names, self.step, self.state))
+            request_extras = self.rule.request_extras(self.state)
+        with self.flow_lock:
+            if wanted is None:
+                chosen = self.flow.choose(self.schedule.fanout)
+            else:
+                chosen = self.flow.admit([p for p in wanted if p != self.name])
+        chosen = chosen[: len(self.receive_slots)]
+        if not chosen:
+            self.stats.add("fetches_skipped")
+            if not self.alone and len(self.names) > 1 and (wanted is None or wanted):
+                log.warning("node %s: no peer is up; training alone (factor 0) until one answers", self.name)
+            self.alone = True
+            return
+        targets = [FetchTarget(peer, buf, views) for peer, (buf, views) in zip(chosen, self.receive_slots)]
+        deadline = time.monotonic() + self.config.timeout_ms / 1000.0
+        self.pending = FetchJob(next(self.requests), targets, deadline, request_extras)
+        self.tx.submit(self.pending)
+
+    def update_wait(self, loss: Any) -> float:
+        value = _as_loss(loss)
+        self.check_threads()
+        with self.state_lock:
+            self.state.loss = value
+        self.mixing = True  # set before pending is cleared: the snapshot converter keeps deferring
+        try:
+            job, self.pending = self.pending, None
+            if self.params is None:
+                self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
+                return 0.0
+            return self.wait_and_mix(job)
+        finally:
+            self.mixing = False
+
+    def wait_and_mix(self, job: FetchJob | None) -> float:
+        """update_wait's work: wait for the TX thread's verdict (bounded), run the rule, record the exchange."""
+        assert self.params is not None
+        waited = time.perf_counter()
+        for target in job.wait() if job is not None else ():  # a busy or stalled TX thread: timed out here
+            self.on_target(job, target)
+        self.check_threads()  # the TX thread may have died while we waited
+        mixing = time.perf_counter()
+        targets = job.targets if job is not None else []
+        peers = [
+            PeerSnapshot(NodeState(t.peer, t.header.clock, t.header.loss, dict(t.header.extras)), t.views)
+            for t in targets
+            if t.status == "ok" and t.header is not None
+        ]
+        with self.state_lock:
+            clock_before = self.state.clock
+            for t in targets:
+                if t.status in ("timeout", "rejected"):
+                    self.rule.on_reply_lost(self.state, dict(t.header.extras) if t.header is not None else None)
+            outcome = self.catch_up(peers) if peers and not self.caught_up else None
+            if outcome is None:
+                outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track their motion
+        mixed = time.perf_counter()
+        if peers:
+            self.stats.add("mixes")
+        record: dict[str, Any] = {
+            "step": clock_before,
+            "factor": outcome.factor,
+            "peer": ",".join(t.peer for t in targets) or None,
+            "status": ",".join(t.status for t in targets) or None,
+            "bytes": sum(t.nbytes for t in targets),
+            "fetch_ms": max((t.ms for t in targets), default=0.0),
+            "clock_gap": (sum(p.state.clock for p in peers) / len(peers) - clock_before) if peers else None,
+            "wait_ms": (mixing - waited) * 1000.0,
+            "mix_ms": (mixed - mixing) * 1000.0,
+        }
+        record.update(outcome.metrics)
+        self.last_exchange = record
+        return outcome.factor
+
+    # ------------------------------------------------------------ trainer thread: recovery
+
+    def catch_up(self, peers: Sequence[PeerSnapshot]) -> MixOutcome | None:
+        """At the node's first successful reply (caller holds the state lock): copy the most advanced peer if
+        it is more than ``bootstrap_gap`` ahead and return the outcome (factor 1); else None (run the rule)."""
+        self.caught_up = True
+        ahead = recovery.far_ahead(peers, self.state, self.config.bootstrap_gap)
+        if ahead is None:
+            return None
+        log.warning(
+            "node %s: far behind (clock %g, peer %s at %g, more than bootstrap_gap %g ahead); copying its model",
+            self.name,
+            self.state.clock,
+            ahead.state.name,
+            ahead.state.clock,
+            self.config.bootstrap_gap,
+        )
+        for peer in peers:
+            self.rule.on_reply_not_mixed(self.state, peer.state.extras)
+        assert self.params is not None
+        self.copy_peer(self.params, ahead)
+        return MixOutcome(1.0, (ahead.state.name,), {"bootstrap": 1.0})
+
+    def copy_peer(self, params: Sequence[np.ndarray], peer: PeerSnapshot) -> None:
+        """``x <- x_peer``, ``clock <- peer clock`` (caller holds the state lock); counted in ``bootstraps``."""
+        recovery.copy_peer(self.state, self.rule, params, peer)
+        self.caught_up = True
+        self.stats.add("bootstraps")
+
+    def fetch_one(self, peer: str, deadline: float) -> PeerSnapshot | None:
+        """Fetch ``peer``'s snapshot into the first receive slot, waiting at most until ``timeout_ms`` from now
+        (or ``deadline``, if sooner) plus the verdict slack; the snapshot, or None when it did not come."""
+        buffer, views = self.receive_slots[0]
+        target = FetchTarget(peer, buffer, views)
+        job = FetchJob(next(self.requests), [target], min(deadline, time.monotonic() + self.config.timeout_ms / 1000))
+        self.tx.submit(job)
+        for late in job.wait():  # the TX thread is late: time the fetch out here, as update_wait does
+            self.on_target(job, late)
+        header = target.header
+        if target.status != "ok" or header is None:
+            return None
+        return PeerSnapshot(NodeState(peer, header.clock, header.loss, dict(header.extras)), views)
+
+    def bootstrap(self, params: Sequence[np.ndarray], timeout_s: float) -> str | None:
+        """Before the first local step: serve ``params`` as they are, then copy the first peer that answers
+        within ``timeout_s`` if its clock is ahead (factor 1); its name, or None (see :mod:`dpwa.node.recovery`)."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if self.pending is not None and not self.pending.done.is_set():
+            raise RuntimeError("bootstrap() while a fetch is in flight: call it before the first update_send")
+        self.take_params(params)
+        # Serve the current parameters (clock unchanged) while bootstrapping, so that peers bootstrapping at
+        # the same time (dpwa run --resume) get an answer instead of "not ready".
+        self.publish(tick=False)
+        peers = [n for n in self.names if n != self.name]
+        self.rng.shuffle(peers)
+        peer = recovery.ask_peers(peers, self.fetch_one, timeout_s) if peers else None
+        if peer is None:
+            if peers:
+                log.warning(
+                    "node %s: no peer answered within %.1f s; training from its own state (not bootstrapped)",
+                    self.name,
+                    timeout_s,
+                )
+            return None
+        with self.state_lock:
+            own = self.state.clock
+            self.rule.on_reply_not_mixed(self.state, peer.state.extras)
+            if not recovery.is_ahead(peer, self.state):
+                log.info(
+                    "node %s: peer %s is not ahead (clock %g, own %g); keeping its own state",
+                    self.name,
+                    peer.state.name,
+                    peer.state.clock,
+                    own,
+                )
+                return None
+            self.copy_peer(params, peer)
+        log.info("node %s: bootstrapped from %s (clock %g -> %g)", self.name, peer.state.name, own, peer.state.clock)
+        return peer.state.name
+
+    def export_state(self) -> DpwaState:
+        """The node's gossip state for a checkpoint (copies)."""
+        with self.state_lock:
+            return recovery.export_state(self.state, self.step, self.rule)
+
+    def restore_state(self, saved: DpwaState, params: Sequence[np.ndarray] | None) -> None:
+        """Take back an :meth:`export_state` (trainer thread, before training goes on)."""
+        with self.state_lock:
+            self.step = recovery.restore_state(self.state, self.rule, saved, params)
+
+    # ------------------------------------------------------------ TX thread
+
+    def on_target(self, job: FetchJob, target: FetchTarget) -> None:
+        """Count a finished fetch and feed flow control."""
+        peer = target.peer
+        self.stats.peer_outcome(peer, target.status)
+        not_ready = target.status == "refused" and target.code == wire.ErrorCode.NOT_READY.value
+        if target.status == "ok":
+            self.stats.fetch_done(target.ms, target.nbytes)
+            with self.flow_lock:
+                self.flow.success(peer)
+            if self.alone:
+                log.info("node %s: peer %s answers; mixing again", self.name, peer)
+                self.alone = False
+            return
+        if not not_ready:  # a peer still starting up is alive: no penalty, ask again next time
+            with self.flow_lock:
+                self.flow.failure(peer)
+        if target.status == "timeout" and target.late:
+            self.stats.add("fetches_timed_out")
+            self.stats.add("fetches_late")
+            self.once.warning(
+                (peer, "late"), "node %s: no verdict on %s by the deadline: the TX thread is late", self.name, peer
+            )
+        elif target.status == "timeout":
+            self.stats.add("fetches_timed_out")
+            self.once.warning((peer, "timeout"), "node %s: peer %s did not answer in time", self.name, peer)
+        elif target.status == "refused":
+            self.stats.add("fetches_refused")
+            self.once.warning(
+                (peer, target.code),
+                "node %s: peer %s refused: %s (%s)",
+                self.name,
+                peer,
+                target.code,
+                target.detail,
+                level=logging.INFO if not_ready else logging.WARNING,
+            )
+        else:
+            self.stats.reject(target.code, target.nbytes)
+            self.once.warning(
+                (peer, target.code),
+                "node %s: dropped a reply from %s (%s%s)",
+                self.name,
+                peer,
+                target.code,
+                f": {target.detail}" if target.detail else "",
+            )
+
+    # ------------------------------------------------------------ ZAP thread
+
+    def on_auth_denied(self, address: str) -> None:
+        """A connection to the RX socket refused by CURVE authentication: count it, warn once."""
+        self.stats.add("auth_denied")
+        self.once.warning(
+            ("auth_denied",),
+            "node %s: refused a connection from %s: its CURVE key is not one of the cluster's nodes",
+            self.name,
+            address,
+        )
+
+    # ------------------------------------------------------------ RX thread
+
+    def serve(self, request: Header) -> Reply:
+        """Answer a FETCH with the current snapshot, or an error naming why not."""
+        layout, pool = self.wire_layout, self.pool
+        if layout is None or pool is None:
+            return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
+        if request.fingerprint != layout.fingerprint:
+            detail = (
+                f"{self.name} has layout {layout.fingerprint} ({len(layout.shapes)} arrays, "
+                f"{layout.total_bytes} bytes), {request.node} asked for {request.fingerprint}"
+            )
+            self.once.warning(
+                (request.node, "layout"), "node %s: refusing %s: layout mismatch: %s", self.name, request.node, detail
+            )
+            return Reply(wire.encode_error(self.name, request.req, ErrorCode.LAYOUT, detail))
+        snapshot = pool.lease()
+        if snapshot is None:
+            return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
+        try:
+            with self.state_lock:
+                if request.extras:
+                    self.rule.on_request(self.state, request.extras)
+                given = self.rule.on_serve(self.state)
+            stream = request.stream and wire.can_stream(request.req)
+            header = wire.encode_state(
+                self.name,
+                request.req,
+                clock=snapshot.clock,
+                loss=snapshot.loss,
+                extras={**snapshot.extras, **given},
+                layout=layout,
+                stream=stream,
+            )
+        except BaseException:
+            pool.release(snapshot)
+            raise
+
+        def sent(tracker: Any) -> None:
+            pool.release(snapshot, tracker)
+            if tracker is None and given:  # never sent: give back what on_serve handed out
+                with self.state_lock:
+                    self.rule.on_serve_failed(self.state, given)
+
+        def prepare(index: int) -> None:
+            pool.prepare(snapshot, index)
+
+        return Reply(header, snapshot.frames, sent, prepare, stream, request.req)
+
+    # ------------------------------------------------------------ any thread
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        out = self.stats.snapshot()
+        with self.flow_lock:
+            out["scores"] = self.flow.scores()
+            out["peers_up"] = self.flow.up_peers()
+        with self.state_lock:
+            out["clock"] = self.state.clock
+            out["extras"] = dict(self.state.extras)
+        out["node"] = self.name
+        out["rule"] = self.rule.name
+        out["schedule"] = self.schedule.name
+        out["snapshot_buffers"] = len(self.pool) if self.pool is not None else 0
+        out["rx_alive"], out["tx_alive"] = self.rx.is_alive(), self.tx.is_alive()
+        out["thread_errors"] = {
+            role: repr(thread.failure) for role, thread in (("rx", self.rx), ("tx", self.tx)) if thread.failure
+        }
+        return out
+
+    def linger(self, seconds: float, idle_s: float = 1.0) -> float:
+        """Keep serving the last snapshot for up to ``seconds``, less once no peer fetched for ``idle_s``.
+
+        A node that finished training and closed at once would cost every peer still training
+        a timeout or three before flow control marks it down. Returns the seconds spent.
+        """
+        start = last = time.monotonic()
+        served = self.stats.snapshot()["served"]
+        while not self.closed:
+            now = time.monotonic()
+            if now - start >= seconds or now - last >= idle_s:
+                break
+            time.sleep(min(0.05, idle_s / 4))
+            current = self.stats.snapshot()["served"]
+            if current != served:
+                served, last = current, time.monotonic()
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        """Stop both threads (within about a second) and free the port."""
+        if self.closed:
+            return
+        self.closed = True
+        if threading.current_thread() in (self.rx, self.tx):  # pragma: no cover - misuse
+            raise RuntimeError("close() called from a dpwa thread")
+        self.rx.stop()
+        self.tx.stop()
+        if self.pool is not None:
+            self.pool.close(timeout=1.0)
+        self.rx.join(timeout=JOIN_S)
+        self.tx.join(timeout=JOIN_S)
+        self.tx.close_waker()
+        if self.rx.is_alive() or self.tx.is_alive():  # pragma: no cover - a stuck thread is a bug
+            log.error("node %s: a dpwa thread did not stop; leaving its context open", self.name)
+            return
+        if self.security is not None and not self.security.stop():  # only now: the ROUTER is closed
+            log.error("node %s: the ZAP thread did not stop; leaving its context open", self.name)  # pragma: no cover
+            return
+        self.ctx.term()
+        log.info("node %s closed", self.name)

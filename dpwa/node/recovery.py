@@ -1,0 +1,142 @@
+"""Recovering a node: its gossip state to and from a checkpoint, and catching up by copying a peer.
+
+The policy only, as functions of the node's :class:`~dpwa.rules.base.NodeState`, its rule and
+arrays; the node (:class:`dpwa.node.core.Node`) calls them on the trainer's thread, holds the
+state lock where they change state, and owns the sockets (it passes a ``fetch`` callable in).
+
+* :func:`export_state` / :func:`restore_state`: the node's :class:`~dpwa.checkpoint.DpwaState`
+  (clock, step, loss, the rule's scalar extras such as push-sum's weight, and the rule's arrays
+  through :meth:`~dpwa.rules.base.Rule.state_arrays`, e.g. GEM's momentum proxy).
+* :func:`ask_peers` -- bootstrap, before the first local step: ask one peer at a time (each
+  attempt bounded by the caller's ``fetch``) until one answers or ``timeout_s`` passes; the node
+  then copies that peer outright if :func:`is_ahead`.
+* :func:`far_ahead` -- "far behind": at the FIRST successful reply a node gets (once per process,
+  unless a bootstrap already copied a peer), a peer whose clock exceeds the node's by more than
+  ``bootstrap_gap`` (clock units = batches; 0 disables it) is copied outright instead of mixed.
+
+:func:`copy_peer` is the copy itself: ``x <- x_peer``, ``clock <- peer clock``. A reply taken
+this way (copied or not) goes to :meth:`~dpwa.rules.base.Rule.on_reply_not_mixed`, so push-sum
+absorbs the weight it carried and the cluster's total weight is conserved.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dpwa.checkpoint import CheckpointError, DpwaState, scalar_extras
+from dpwa.rules.base import NodeState, PeerSnapshot, Rule
+
+__all__ = [
+    "RETRY_PAUSE_S",
+    "ask_peers",
+    "copy_peer",
+    "export_state",
+    "far_ahead",
+    "is_ahead",
+    "restore_state",
+]
+
+log = logging.getLogger(__name__)
+
+RETRY_PAUSE_S = 0.05
+"""Pause before asking again after a quick refusal (a peer not ready yet), so a bootstrap never spins."""
+
+
+# --------------------------------------------------------------------------- checkpoint state
+
+
+def export_state(own: NodeState, step: int, rule: Rule) -> DpwaState:
+    """The node's gossip state now, as copies: clock, step, loss, the rule's scalar extras and arrays."""
+    return DpwaState(
+        clock=float(own.clock),
+        step=int(step),
+        loss=float(own.loss),
+        rule=rule.name,
+        extras=scalar_extras(own.extras),
+        arrays=rule.state_arrays(),
+    )
+
+
+def restore_state(own: NodeState, rule: Rule, saved: DpwaState, params: Sequence[np.ndarray] | None) -> int:
+    """Set ``own``'s clock and loss from ``saved`` -- the rule's numeric extras and arrays too if ``saved``
+    was taken with the same rule -- and return the step to go on from.
+
+    Only extras the rule already has as numbers are restored (push-sum's ``weight``); the rule's arrays
+    (GEM's proxy) only when ``params`` is given and they fit it (else they start afresh, with a warning).
+    CheckpointError, and nothing changed, when ``saved`` holds values the node cannot take.
+    """
+    if not (math.isfinite(saved.clock) and math.isfinite(saved.loss)) or saved.step < 0:
+        raise CheckpointError(f"bad dpwa state: clock {saved.clock}, step {saved.step}, loss {saved.loss}")
+    if saved.rule != rule.name:
+        log.warning(
+            "node %s: checkpoint was taken with rule %r, now %r: restoring clock and step only",
+            own.name,
+            saved.rule,
+            rule.name,
+        )
+    else:
+        numeric = scalar_extras(own.extras)
+        own.extras.update({key: float(value) for key, value in saved.extras.items() if key in numeric})
+        if params is not None and not rule.load_state_arrays(saved.arrays, params):
+            log.warning(
+                "node %s: the checkpoint's %s arrays do not fit the parameters; starting afresh", own.name, rule.name
+            )
+    own.clock = float(saved.clock)
+    own.loss = float(saved.loss)
+    log.info("node %s: restored clock %g, step %d", own.name, saved.clock, saved.step)
+    return int(saved.step)
+
+
+# --------------------------------------------------------------------------- catching up
+
+
+def ask_peers(
+    peers: Sequence[str], fetch: Callable[[str, float], PeerSnapshot | None], timeout_s: float
+) -> PeerSnapshot | None:
+    """``fetch(peer, deadline)`` for each of ``peers`` in turn, round and round, until one returns a snapshot
+    or ``timeout_s`` seconds pass (None then). ``fetch`` must return by ``deadline`` (time.monotonic)."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if not peers:
+        return None
+    deadline = time.monotonic() + timeout_s
+    attempt = 0
+    while time.monotonic() < deadline:
+        peer = peers[attempt % len(peers)]
+        attempt += 1
+        started = time.monotonic()
+        snapshot = fetch(peer, deadline)
+        if snapshot is not None:
+            return snapshot
+        if time.monotonic() - started < RETRY_PAUSE_S:
+            time.sleep(RETRY_PAUSE_S)  # a quick refusal (not ready yet): do not spin
+    return None
+
+
+def is_ahead(peer: PeerSnapshot, own: NodeState) -> bool:
+    """Whether a bootstrap copies ``peer``: its clock is ahead of the node's."""
+    return peer.state.clock > own.clock
+
+
+def far_ahead(peers: Sequence[PeerSnapshot], own: NodeState, gap: float) -> PeerSnapshot | None:
+    """The most advanced of ``peers`` if its clock exceeds ``own``'s by more than ``gap`` (> 0); else None."""
+    if gap <= 0 or not peers:
+        return None
+    ahead = max(peers, key=lambda p: p.state.clock)
+    if not math.isfinite(ahead.state.clock) or not ahead.state.clock - own.clock > gap:
+        return None
+    return ahead
+
+
+def copy_peer(own: NodeState, rule: Rule, params: Sequence[np.ndarray], peer: PeerSnapshot) -> None:
+    """``x <- x_peer``, ``clock <- peer clock``, and tell the rule its published snapshot no longer stands for
+    the parameters (caller holds the state lock)."""
+    for dst, src in zip(params, peer.arrays):
+        np.copyto(dst, src, casting="no")
+    own.clock = float(peer.state.clock)
+    rule.on_params_replaced(own)

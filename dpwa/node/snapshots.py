@@ -1,0 +1,235 @@
+"""Published parameter snapshots: a small pool of flat buffers shared by the trainer and the RX thread.
+
+The trainer copies its parameters into a free buffer and publishes it by
+swapping one reference. The RX thread leases the current snapshot, hands its
+frames to ZeroMQ without copying, and returns the lease with the send's
+tracker. A buffer is reused only when it is not published, not leased and
+every send that referenced it has completed, so a slow requester never sees a
+half-overwritten model and the trainer never waits for one.
+
+With a ``wire_dtype`` narrower than the parameters, every snapshot also has a
+wire buffer. ``publish`` still makes one plain copy (the trainer's cost stays
+one memcpy, and the rules keep exact views of the published values). The
+rounding into the wire buffer is done chunk by chunk, once per snapshot however
+many peers fetch it, by whichever thread gets to a chunk first:
+
+* a converter thread of the pool rounds every newly published snapshot in the
+  background, so the rounding overlaps the trainer's step (a peer that fetches
+  later finds the wire buffer ready). It yields to the node's own exchange: while
+  ``defer()`` is true (the connection says: my fetch is in flight or I am mixing)
+  it waits, so it never competes with the trainer's critical path;
+* the RX thread rounds any chunk not ready yet just before sending it
+  (:meth:`SnapshotPool.prepare`), so a fetch never waits for the whole model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from dpwa.node.wire import CHUNK_BYTES, Layout, PayloadWriter
+
+__all__ = ["DEFER_S", "POLL_S", "Snapshot", "SnapshotPool", "Tracker"]
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+"""Longest the converter thread sleeps before it looks at its stop flag."""
+DEFER_S = 0.001
+"""How often a deferred converter looks again."""
+
+
+class Tracker(Protocol):
+    """What a zero-copy send hands back: ``done`` once ZeroMQ has released the memory."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+@dataclass
+class Snapshot:
+    """One flat buffer with its array views, payload frames and the state published with it.
+
+    ``frames`` are the chunks of the wire buffer (``buffer`` itself when the wire layout is the
+    local one); ``ready`` counts the chunks already rounded into it (all of them without
+    conversion), advanced under ``convert_lock`` one chunk at a time.
+    """
+
+    buffer: np.ndarray
+    views: list[np.ndarray]
+    frames: list[memoryview]
+    readonly: list[np.ndarray]
+    wire_views: list[np.ndarray] | None = None
+    ready: int = 0
+    convert_lock: threading.Lock = field(default_factory=threading.Lock)
+    clock: float = 0.0
+    loss: float = 0.0
+    extras: dict[str, Any] = field(default_factory=dict)
+    leases: int = 0
+    trackers: list[Tracker] = field(default_factory=list)
+
+    def busy(self) -> bool:
+        """True while a lease is out or a send still references the buffer."""
+        self.trackers = [t for t in self.trackers if not t.done]
+        return self.leases > 0 or bool(self.trackers)
+
+
+class SnapshotPool:
+    """``size`` buffers allocated up front, growing to ``max_size`` only when all are busy.
+
+    ``wire``: the layout snapshots travel in, when it differs from ``layout`` (a narrower
+    ``wire_dtype``); the pool then runs a converter thread named ``dpwa-wire-<name>`` until
+    :meth:`close`, which waits between chunks while ``defer()`` returns True.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        size: int = 3,
+        max_size: int = 6,
+        chunk: int = CHUNK_BYTES,
+        wire: Layout | None = None,
+        name: str = "node",
+        defer: Callable[[], bool] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.wire = layout if wire is None else wire
+        self._bounds = self.wire.frame_bounds(chunk)
+        self._chunk = chunk
+        self._max_size = max_size
+        self._lock = threading.Lock()
+        self._all: list[Snapshot] = [self._new() for _ in range(size)]
+        self._current: Snapshot | None = None
+        self.skipped = 0
+        self._stop = threading.Event()
+        self._work = threading.Event()
+        self._defer = defer
+        self._converter: threading.Thread | None = None
+        self._rx_writer: PayloadWriter | None = None
+        if self.wire is not layout:
+            self._rx_writer = PayloadWriter(layout, self.wire)
+            self._bg_writer = PayloadWriter(layout, self.wire)
+            self._converter = threading.Thread(target=self._convert_loop, name=f"dpwa-wire-{name}", daemon=True)
+            self._converter.start()
+
+    def _new(self) -> Snapshot:
+        buffer = self.layout.allocate()
+        views = self.layout.views(buffer)
+        readonly = [v.view() for v in views]
+        for v in readonly:
+            v.flags.writeable = False
+        if self.wire is self.layout:
+            frames = [memoryview(buffer[s:e]) for s, e in self._bounds]
+            return Snapshot(buffer, views, frames, readonly, None, len(frames))
+        wire = self.wire.allocate()
+        frames = [memoryview(wire[s:e]) for s, e in self._bounds]
+        return Snapshot(buffer, views, frames, readonly, self.wire.views(wire), 0)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def publish(
+        self, arrays: Sequence[np.ndarray], clock: float, loss: float, extras: dict[str, Any]
+    ) -> Snapshot | None:
+        """Copy ``arrays`` into a free buffer and make it current; None (counted) if every buffer is busy."""
+        with self._lock:
+            free = next((s for s in self._all if s is not self._current and not s.busy()), None)
+            if free is None and len(self._all) < self._max_size:
+                free = self._new()
+                self._all.append(free)
+                log.debug("snapshot pool grew to %d buffers", len(self._all))
+            if free is None:
+                self.skipped += 1
+                return None
+            free.leases += 1  # keep it ours while copying outside the lock
+        for dst, src in zip(free.views, arrays):
+            np.copyto(dst, src, casting="no")
+        with self._lock:
+            if free.wire_views is not None:
+                free.ready = 0  # no other thread touches a buffer that is neither current nor leased
+            free.leases -= 1
+            free.clock, free.loss, free.extras = clock, loss, dict(extras)
+            self._current = free
+        if self._converter is not None:
+            self._work.set()
+        return free
+
+    def lease(self) -> Snapshot | None:
+        """The current snapshot, leased until ``release``; None before the first publish."""
+        with self._lock:
+            if self._current is not None:
+                self._current.leases += 1
+            return self._current
+
+    def prepare(self, snapshot: Snapshot, upto: int) -> None:
+        """Make wire chunks [0, upto] of a leased ``snapshot`` ready to send (RX thread only).
+
+        Rounds the chunks not rounded yet, one at a time; a no-op without conversion.
+        """
+        if self._rx_writer is not None:
+            self._round(snapshot, upto, self._rx_writer)
+
+    def _round(self, snapshot: Snapshot, upto: int, writer: PayloadWriter) -> None:
+        assert snapshot.wire_views is not None
+        upto = min(upto, len(self._bounds) - 1)
+        while snapshot.ready <= upto:
+            with snapshot.convert_lock:  # one chunk per hold: the other thread takes turns
+                index = snapshot.ready
+                if index > upto:
+                    return
+                start, end = self._bounds[index]
+                writer.write(snapshot.views, snapshot.wire_views, start, end)
+                snapshot.ready = index + 1
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds until the current snapshot's wire buffer is complete."""
+        deadline = time.monotonic() + timeout
+        while True:
+            current = self._current
+            if current is None or current.ready >= len(self._bounds):
+                return current is not None
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+
+    def _convert_loop(self) -> None:
+        """Round every newly published snapshot into its wire buffer; give up on one that is no longer current."""
+        try:
+            while not self._stop.is_set():
+                if not self._work.wait(POLL_S):
+                    continue
+                self._work.clear()
+                snapshot = self.lease()
+                if snapshot is None:
+                    continue
+                try:
+                    for index in range(len(self._bounds)):
+                        while self._defer is not None and self._defer() and not self._stop.is_set():
+                            time.sleep(DEFER_S)
+                        if self._stop.is_set() or snapshot is not self._current:
+                            break
+                        self._round(snapshot, index, self._bg_writer)
+                finally:
+                    self.release(snapshot)
+        except Exception:  # pragma: no cover - a bug: the RX thread still rounds on demand
+            log.exception("snapshot converter failed")
+
+    def release(self, snapshot: Snapshot, tracker: Tracker | None = None) -> None:
+        """End a lease; ``tracker`` keeps the buffer busy until ZeroMQ is done with it."""
+        with self._lock:
+            snapshot.leases -= 1
+            if tracker is not None and not tracker.done:
+                snapshot.trackers.append(tracker)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the converter thread (if any) within ``timeout`` seconds. Idempotent."""
+        self._stop.set()
+        self._work.set()
+        if self._converter is not None and self._converter is not threading.current_thread():
+            self._converter.join(timeout)

@@ -1,0 +1,90 @@
+"""Thread-safe counters of one node, and log-once bookkeeping for repeated network faults."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any
+
+__all__ = ["COUNTERS", "NodeStats", "OnceLog"]
+
+COUNTERS = (
+    "fetches_started",  # fetch requests sent to a peer
+    "fetches_ok",  # replies received, validated and handed to the trainer
+    "fetches_timed_out",  # no (complete) reply before the deadline
+    "fetches_late",  # of those: update_wait timed out itself, the TX thread had no verdict by deadline + 50 ms
+    "fetches_refused",  # the peer answered with an error (not ready, layout mismatch)
+    "fetches_rejected",  # a reply that failed validation: dropped, params untouched
+    "fetches_skipped",  # a batch wanted a fetch but no peer was up (or one was still in flight)
+    "stale_replies",  # messages of no fetch in flight (late replies, stray chunks, other ERRORs), discarded
+    "mixes",  # update_wait calls that mixed at least one peer in
+    "served",  # snapshots sent to requesters
+    "serve_dropped",  # replies dropped because a requester's queue was full
+    "requests_rejected",  # malformed requests received by the RX thread
+    "auth_denied",  # connections to the RX thread refused by CURVE authentication (security.curve)
+    "snapshots_skipped",  # update_send found every snapshot buffer busy and kept the previous one
+    "bytes_in",
+    "bytes_out",
+)
+
+
+class NodeStats:
+    """Counters shared by the trainer, TX and RX threads; ``snapshot()`` returns a plain dict."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter({name: 0 for name in COUNTERS})
+        self._rejected: Counter[str] = Counter()
+        self._by_peer: dict[str, Counter[str]] = {}
+        self._fetch_ms_total = 0.0
+
+    def add(self, name: str, n: int = 1) -> None:
+        """counters[name] += n"""
+        with self._lock:
+            self._counts[name] += n
+
+    def reject(self, reason: str, received_bytes: int = 0) -> None:
+        """Count a reply dropped by validation, under its reason."""
+        with self._lock:
+            self._counts["fetches_rejected"] += 1
+            self._counts["bytes_in"] += received_bytes
+            self._rejected[reason] += 1
+
+    def fetch_done(self, ms: float, nbytes: int) -> None:
+        """Count a good fetch of ``nbytes`` that took ``ms``."""
+        with self._lock:
+            self._counts["fetches_ok"] += 1
+            self._counts["bytes_in"] += nbytes
+            self._fetch_ms_total += ms
+
+    def peer_outcome(self, peer: str, outcome: str) -> None:
+        """Count a finished fetch from ``peer`` under ok / timeout / refused / rejected."""
+        with self._lock:
+            self._by_peer.setdefault(peer, Counter())[outcome] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """All counters, ``rejected_by_reason``, ``by_peer`` outcomes and ``mean_fetch_ms``."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            out["rejected_by_reason"] = dict(self._rejected)
+            out["by_peer"] = {peer: dict(c) for peer, c in self._by_peer.items()}
+            ok = self._counts["fetches_ok"]
+            out["mean_fetch_ms"] = self._fetch_ms_total / ok if ok else 0.0
+        return out
+
+
+class OnceLog:
+    """Log a message the first time a key is seen (e.g. (peer, reason)), at debug level after that."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._seen: set[tuple[Any, ...]] = set()
+        self._lock = threading.Lock()
+
+    def warning(self, key: tuple[Any, ...], msg: str, *args: Any, level: int = logging.WARNING) -> None:
+        """Log at ``level`` the first time ``key`` is seen, at DEBUG afterwards."""
+        with self._lock:
+            first = key not in self._seen
+            self._seen.add(key)
+        self._logger.log(level if first else logging.DEBUG, msg, *args)

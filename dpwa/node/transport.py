@@ -1,0 +1,623 @@
+"""ZeroMQ sockets and the two threads that own them.
+
+* :class:`RxServer` binds a ROUTER and answers every FETCH with the latest
+  snapshot, zero-copy; a slow or vanished requester only fills its own queue.
+  A requester that asks for it gets the reply streamed: the header, then one
+  message per chunk (``dpwa.node.wire``), so it can take chunk *i* while the next
+  ones are still on the wire.
+* :class:`TxFetcher` owns one DEALER per peer, runs one fetch job at a time
+  against a hard deadline, takes each payload chunk from ZeroMQ's buffer into a
+  preallocated receive buffer, copying (or widening a 16-bit wire dtype) and
+  validating it in one pass, and after a timeout -- or a broken stream -- closes
+  and reopens the peer's socket (Lazy Pirate) so a late reply is never taken
+  for the next one. Its DEALERs refuse any frame larger than a valid reply's
+  (ZMQ_MAXMSGSIZE from the layout); every message that belongs to no fetch in
+  flight is dropped and counted (``stale_replies``).
+
+Every wait here is a poll with a timeout; ``stop()`` ends a thread within
+``POLL_MS`` milliseconds. A thread that dies of a bug keeps the exception in
+``failure`` (DpwaConnection raises it in the trainer's next call).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dpwa.node import wire
+from dpwa.node.wire import CHUNK_BYTES, Header, Kind, Layout, PayloadReader, WireError
+from dpwa.utils.socket_thread import POLL_MS, SocketThread
+
+__all__ = [
+    "HEARTBEAT_MS",
+    "HEARTBEAT_TIMEOUT_MS",
+    "LATE_DETAIL",
+    "MAX_MESSAGES_PER_WAKE",
+    "MAX_REQUEST_BYTES",
+    "REPLIES_QUEUED",
+    "VERDICT_SLACK_S",
+    "FetchJob",
+    "FetchTarget",
+    "Reply",
+    "RxServer",
+    "TxFetcher",
+    "tune_data_socket",
+]
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+MAX_REQUEST_BYTES = wire.MAX_HEADER_BYTES
+REPLIES_QUEUED = 64
+"""Replies the RX ROUTER queues per requester before it drops one (its SNDHWM, in replies, not messages)."""
+
+
+def _common_options(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def tune_data_socket(sock: zmq.Socket) -> None:
+    """Options of every socket that carries payloads (RX ROUTER, TX DEALER, and the bench's raw sockets).
+
+    Deliberately none today: fixed SO_SNDBUF/SO_RCVBUF of 256 KiB to 4 MiB measured no
+    faster than Linux's buffer autotuning on loopback (``dpwa bench exchange``), and
+    setting them turns autotuning off. This is the one place to add such options, so
+    that the benchmark's raw-pyzmq reference always gets the same ones.
+    """
+
+
+def _discard_rest(sock: zmq.Socket) -> None:
+    """Drop the remaining frames of the message being received."""
+    while sock.get(zmq.RCVMORE):
+        sock.recv_into(bytearray(), flags=zmq.NOBLOCK)
+
+
+# --------------------------------------------------------------------------- RX
+
+
+@dataclass
+class Reply:
+    """What the RX thread sends back: a header frame, zero-copy payload frames, and a hook run after sending."""
+
+    header: bytes
+    payload: Sequence[memoryview] = ()
+    sent: Callable[[zmq.MessageTracker | None], None] | None = None
+    """Called once with the send's tracker (None when the reply was dropped)."""
+    prepare: Callable[[int], None] | None = None
+    """Called with a payload index before that frame is sent (fills a wire buffer chunk by chunk)."""
+    stream: bool = False
+    """Send the payload as one message per chunk, each tagged with ``req`` and its index."""
+    req: int = 0
+
+
+class RxServer(SocketThread):
+    """Serves FETCH requests on a bound ROUTER socket by calling ``serve(header) -> Reply``.
+
+    A failure (DpwaConnection raises it in the trainer's next call) means the node no longer serves."""
+
+    failure_message = "RX thread failed: this node no longer serves its peers"
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        serve: Callable[[Header], Reply],
+        on_event: Callable[[str, int], None],
+        *,
+        name: str = "dpwa-rx",
+        sndhwm: int = REPLIES_QUEUED,
+        setup: Callable[[zmq.Socket], None] | None = None,
+    ) -> None:
+        # Bind here, in the caller's thread, so that a busy port fails the constructor loudly.
+        super().__init__(ctx.socket(zmq.ROUTER), name=name)
+        self._replies_queued = sndhwm
+        self._hwm = sndhwm
+        self._serve = serve
+        self._on_event = on_event
+        _common_options(self._sock)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.SNDHWM, sndhwm)
+        self._sock.setsockopt(zmq.RCVHWM, 64)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        tune_data_socket(self._sock)
+        try:
+            if setup is not None:  # e.g. make it a CURVE server (dpwa.security.curve); must precede bind
+                setup(self._sock)
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise OSError(f"cannot bind {endpoint}: {exc}") from exc
+        self.endpoint = endpoint
+
+    def _handle_one(self, sock: zmq.Socket) -> None:
+        identity = sock.recv(zmq.NOBLOCK)
+        if not sock.get(zmq.RCVMORE):
+            self._on_event("requests_rejected", 1)
+            return
+        frame = sock.recv(zmq.NOBLOCK)
+        if sock.get(zmq.RCVMORE):
+            _discard_rest(sock)
+            self._on_event("requests_rejected", 1)
+            return
+        try:
+            header = wire.decode_header(frame)
+            if header.kind is not Kind.FETCH:
+                raise WireError("header", f"expected FETCH, got {header.kind.name}")
+        except WireError as exc:
+            log.debug("dropping bad request: %s", exc)
+            self._on_event("requests_rejected", 1)
+            return
+        try:
+            reply = self._serve(header)
+        except Exception:  # pragma: no cover - a bug in a rule's on_serve must not kill the server
+            log.exception("serving %s failed", header.node)
+            return
+        frames: list[zmq.Frame] = []
+        try:
+            if reply.payload and reply.stream:
+                self._send_stream(sock, identity, reply, frames)
+            else:
+                self._send_single(sock, identity, reply, frames)
+            if reply.payload:
+                self._on_event("served", 1)
+                self._on_event("bytes_out", sum(mv.nbytes for mv in reply.payload))
+        except zmq.Again:
+            self._on_event("serve_dropped", 1)  # requester's queue full: it will time out and retry
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._on_event("serve_dropped", 1)  # requester vanished
+        finally:
+            if reply.sent is not None:
+                reply.sent(zmq.MessageTracker(*frames) if frames else None)
+
+    def _payload_frame(self, reply: Reply, index: int, frames: list[zmq.Frame]) -> zmq.Frame:
+        if reply.prepare is not None:
+            reply.prepare(index)
+        frame = zmq.Frame(reply.payload[index], copy=False, track=True)
+        frames.append(frame)
+        return frame
+
+    def _send_single(self, sock: zmq.Socket, identity: bytes, reply: Reply, frames: list[zmq.Frame]) -> None:
+        """The header and every payload frame in one multipart message (ZeroMQ delivers it whole)."""
+        sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+        if not reply.payload:
+            sock.send(reply.header, zmq.NOBLOCK)
+            return
+        sock.send(reply.header, zmq.SNDMORE | zmq.NOBLOCK)
+        last = len(reply.payload) - 1
+        for i in range(last + 1):
+            frame = self._payload_frame(reply, i, frames)
+            sock.send(frame, (zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, copy=False)
+
+    def _send_stream(self, sock: zmq.Socket, identity: bytes, reply: Reply, frames: list[zmq.Frame]) -> None:
+        """The header alone, then one ``[tag, chunk]`` message per chunk: the requester takes each as it lands.
+
+        A full queue after the header leaves the reply cut short: the requester times out (counted as dropped).
+        """
+        hwm = self._replies_queued * (len(reply.payload) + 1)
+        if hwm > self._hwm:  # counted in messages: keep room for REPLIES_QUEUED whole replies per requester
+            sock.setsockopt(zmq.SNDHWM, hwm)
+            self._hwm = hwm
+        sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+        head = zmq.Frame(reply.header, track=True)
+        sock.send(head, zmq.NOBLOCK, copy=False)
+        frames.append(head)  # from here on the reply counts as sent: the requester holds its header
+        for i in range(len(reply.payload)):
+            frame = self._payload_frame(reply, i, frames)
+            sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(wire.encode_chunk_tag(reply.req, i), zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(frame, zmq.NOBLOCK, copy=False)
+
+
+# --------------------------------------------------------------------------- TX
+
+
+@dataclass
+class FetchTarget:
+    """One peer of a fetch job and the preallocated buffer its reply lands in (in the local layout)."""
+
+    peer: str
+    buffer: np.ndarray
+    views: list[np.ndarray]
+    status: str = "pending"  # ok | timeout | refused | rejected
+    code: str = ""  # short reason, a stats key for rejections
+    detail: str = ""
+    header: Header | None = None
+    ms: float = 0.0
+    nbytes: int = 0
+    next_chunk: int = -1
+    """In a streamed reply: the index of the chunk expected next; -1 while the header is awaited."""
+    late: bool = False
+    """update_wait timed this target out itself: the TX thread had no verdict by the deadline."""
+
+
+LATE_DETAIL = "the TX thread gave no verdict by the deadline"
+VERDICT_SLACK_S = 0.05
+"""How long a waiter (update_wait, bootstrap) waits past a fetch's deadline for the TX thread's verdict."""
+
+
+@dataclass
+class FetchJob:
+    """Fetch the latest snapshot of every target before ``deadline`` (time.monotonic seconds).
+
+    Each target gets exactly one verdict (:meth:`settle`): from the TX thread, or -- when
+    update_wait stops waiting -- a timeout from :meth:`expire`; a verdict that comes later is ignored.
+    """
+
+    req: int
+    targets: list[FetchTarget]
+    deadline: float
+    extras: dict[str, Any] = field(default_factory=dict)  # sent with the request (rule push-pull state)
+    started: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    expired: bool = False
+    """update_wait gave up on this job (:meth:`expire`): the TX thread drops it."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def settle(self, target: FetchTarget, status: str, code: str = "", detail: str = "") -> bool:
+        """Give ``target`` its verdict; False (and nothing changes) when it already has one."""
+        with self.lock:
+            if target.status != "pending":
+                return False
+            target.status, target.code, target.detail = status, code, detail
+            target.ms = (time.monotonic() - self.started) * 1000.0
+            return True
+
+    def wait(self) -> list[FetchTarget]:
+        """Block until every target has a verdict, at most until ``deadline + VERDICT_SLACK_S``; then time out
+        (:meth:`expire`) and return the targets still without one (``[]`` when the TX thread gave every verdict)."""
+        if self.done.wait(max(0.0, self.deadline - time.monotonic()) + VERDICT_SLACK_S):
+            return []
+        return self.expire()
+
+    def expire(self) -> list[FetchTarget]:
+        """Time out every target still without a verdict (``late``) and return them; the job is abandoned."""
+        with self.lock:
+            self.expired = True
+            late = [t for t in self.targets if t.status == "pending"]
+            for t in late:
+                t.status, t.code, t.detail, t.late = "timeout", "timeout", LATE_DETAIL, True
+                t.ms = (time.monotonic() - self.started) * 1000.0
+        return late
+
+
+class _Broken(Exception):
+    """A streamed reply that cannot go on: reject the target and reset the socket (its other chunks vanish)."""
+
+    def __init__(self, error: WireError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+MAX_MESSAGES_PER_WAKE = 64
+"""Messages the TX thread takes from one socket before it looks at the deadline again."""
+
+
+class TxFetcher(threading.Thread):
+    """Runs fetch jobs handed over by ``submit``; reports every finished target through ``on_target``.
+
+    ``layouts()`` returns ``(wire, local)``: the layout replies arrive in (its fingerprint is
+    what the peers must match) and the layout of the receive buffers; None before the first publish.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        node: str,
+        endpoints: dict[str, str],
+        layouts: Callable[[], tuple[Layout, Layout] | None],
+        on_target: Callable[[FetchJob, FetchTarget], None],
+        on_event: Callable[[str, int], None],
+        *,
+        name: str = "dpwa-tx",
+        chunk: int = CHUNK_BYTES,
+        setup: Callable[[zmq.Socket, str], None] | None = None,
+    ) -> None:
+        super().__init__(name=name, daemon=True)
+        self._ctx = ctx
+        self._setup = setup  # (socket, peer) before connect, e.g. make it a CURVE client (dpwa.security.curve)
+        self._node = node
+        self._endpoints = dict(endpoints)
+        self._layouts = layouts
+        self._on_target = on_target
+        self._on_event = on_event
+        self._chunk = chunk
+        self._jobs: queue.SimpleQueue[FetchJob] = queue.SimpleQueue()
+        self._stop_flag = threading.Event()
+        address = f"inproc://dpwa-tx-wake-{id(self)}"
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(address)
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(address)
+        self._wake_lock = threading.Lock()
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._reader: PayloadReader | None = None
+        self._bounds: list[tuple[int, int]] = []
+        self._maxmsgsize = max(chunk, wire.MAX_HEADER_BYTES)
+        self.failure: BaseException | None = None
+        """The exception that ended the thread, if one did (a bug, not a network fault)."""
+
+    # -- called from other threads
+    def submit(self, job: FetchJob) -> None:
+        """Queue a job and wake the thread."""
+        self._jobs.put(job)
+        self._wake()
+
+    def stop(self) -> None:
+        self._stop_flag.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if not self._wake_tx.closed:
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # already woken
+
+    def close_waker(self) -> None:
+        """Close the caller-side wake socket (after the thread has stopped)."""
+        with self._wake_lock:
+            self._wake_tx.close(linger=0)
+
+    # -- the thread
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        job: FetchJob | None = None
+        try:
+            while not self._stop_flag.is_set():
+                timeout = POLL_MS
+                if job is not None:
+                    timeout = max(0, min(POLL_MS, int((job.deadline - time.monotonic()) * 1000) + 1))
+                events = dict(poller.poll(timeout))
+                if self._wake_rx in events:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+                for peer, sock in list(self._sockets.items()):
+                    if events.get(sock, 0) & zmq.POLLIN:
+                        self._receive(poller, job, peer, sock)
+                if job is not None and time.monotonic() >= job.deadline:
+                    for target in job.targets:
+                        if target.status == "pending" or target.late:  # late: update_wait timed it out
+                            self._finish(job, target, "timeout", "timeout", "no reply before the deadline")
+                            self._reset(poller, target.peer)
+                if job is not None and all(t.status != "pending" for t in job.targets):
+                    job.done.set()
+                    job = None
+                if job is None:
+                    try:
+                        job = self._jobs.get_nowait()
+                    except queue.Empty:
+                        continue
+                    if job.expired:  # queued while this thread was busy; update_wait already gave up on it
+                        job.done.set()
+                        job = None
+                        continue
+                    self._start(poller, job)
+        except Exception as exc:  # a bug, not a network fault: DpwaConnection raises it in the trainer
+            self.failure = exc
+            log.exception("TX thread failed")
+        finally:
+            if job is not None:
+                job.done.set()
+            if self.failure is not None:  # nobody will run the queued jobs: wake whoever waits on them
+                while True:
+                    try:
+                        self._jobs.get_nowait().done.set()
+                    except queue.Empty:
+                        break
+            for sock in self._sockets.values():
+                sock.close(linger=0)
+            self._wake_rx.close(linger=0)
+
+    def _socket(self, poller: zmq.Poller, peer: str) -> zmq.Socket:
+        sock = self._sockets.get(peer)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            _common_options(sock)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
+            sock.setsockopt(zmq.SNDHWM, 4)
+            tune_data_socket(sock)
+            if self._setup is not None:
+                self._setup(sock, peer)
+            sock.connect(self._endpoints[peer])
+            poller.register(sock, zmq.POLLIN)
+            self._sockets[peer] = sock
+        return sock
+
+    def _reset(self, poller: zmq.Poller, peer: str) -> None:
+        """Lazy Pirate: close the socket so that a late reply can never be read as the next one."""
+        sock = self._sockets.pop(peer, None)
+        if sock is not None:
+            poller.unregister(sock)
+            sock.close(linger=0)
+
+    def _start(self, poller: zmq.Poller, job: FetchJob) -> None:
+        layouts = self._layouts()
+        if layouts is None:  # pragma: no cover - the connection publishes before fetching
+            for target in job.targets:
+                self._finish(job, target, "rejected", "layout", "no local layout yet")
+            return
+        wire_layout, local = layouts
+        if self._reader is None or self._reader.wire is not wire_layout or self._reader.local is not local:
+            self._reader = PayloadReader(wire_layout, local)
+            self._bounds = wire_layout.frame_bounds(self._chunk)
+            self._limit_frames(poller, wire_layout)
+        try:
+            request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, job.extras, stream=True)
+        except (TypeError, ValueError) as exc:  # a rule's extras too big or not JSON: fetch without them
+            log.warning("request extras dropped: %s", exc)
+            request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, stream=True)
+        for target in job.targets:
+            sock = self._socket(poller, target.peer)
+            try:
+                sock.send(request, zmq.NOBLOCK)
+                self._on_event("fetches_started", 1)
+            except zmq.Again:
+                self._finish(job, target, "timeout", "send-queue-full", "send queue full")
+                self._reset(poller, target.peer)
+
+    def _limit_frames(self, poller: zmq.Poller, wire_layout: Layout) -> None:
+        """ZMQ_MAXMSGSIZE of the DEALERs from the layout replies must have (libzmq applies it to every frame).
+
+        No valid reply has a frame above the larger of a header and a payload frame: the
+        layout's wire bytes up to one chunk (the 16-byte chunk tag of the streamed framing
+        is a frame of its own). A peer sending more loses its connection before ZeroMQ
+        buffers the frame. Sockets opened under an older limit are closed and reopened.
+        """
+        largest = max(end - start for start, end in wire_layout.frame_bounds(self._chunk))  # at most a chunk
+        limit = max(wire.MAX_HEADER_BYTES, largest)
+        if limit != self._maxmsgsize:
+            self._maxmsgsize = limit
+            for peer in list(self._sockets):
+                self._reset(poller, peer)
+
+    def _finish(self, job: FetchJob, target: FetchTarget, status: str, code: str = "", detail: str = "") -> None:
+        """Report ``target``'s verdict; a reply judged after update_wait timed the target out counts as stale."""
+        if job.settle(target, status, code, detail):
+            self._on_target(job, target)
+        elif status != "timeout":
+            log.debug("dropping the verdict %s on %s: update_wait stopped waiting for it", status, target.peer)
+            self._on_event("stale_replies", 1)
+
+    def _receive(self, poller: zmq.Poller, job: FetchJob | None, peer: str, sock: zmq.Socket) -> None:
+        """Take the messages waiting on ``peer``'s socket (at most MAX_MESSAGES_PER_WAKE)."""
+        for _ in range(MAX_MESSAGES_PER_WAKE):
+            target = None
+            if job is not None:
+                target = next((t for t in job.targets if t.peer == peer and t.status == "pending"), None)
+            try:
+                head = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._message(job, target, sock, head)
+            except _Broken as broken:
+                _discard_rest(sock)
+                assert job is not None and target is not None
+                self._finish(job, target, "rejected", broken.error.reason, broken.error.detail)
+                self._reset(poller, peer)
+                return
+
+    def _message(self, job: FetchJob | None, target: FetchTarget | None, sock: zmq.Socket, head: bytes) -> None:
+        """One message whose first frame is ``head``; raises _Broken when a streamed reply goes wrong."""
+        tag = wire.decode_chunk_tag(head)
+        if tag is not None:
+            if job is None or target is None or tag[0] != job.req or target.next_chunk < 0:
+                _discard_rest(sock)  # a chunk of a reply already judged (or never announced): nothing to take
+                self._on_event("stale_replies", 1)
+                return
+            self._chunk_message(target, sock, tag[1], len(head))
+            if target.next_chunk == len(self._bounds):
+                self._finish(job, target, "ok")
+            return
+        if target is None or job is None:
+            _discard_rest(sock)
+            self._on_event("stale_replies", 1)
+            return
+        if target.next_chunk >= 0:
+            raise _Broken(WireError("frames", "a message other than the next chunk inside a streamed reply"))
+        self._header_message(job, target, sock, head)
+
+    def _header_message(self, job: FetchJob, target: FetchTarget, sock: zmq.Socket, head: bytes) -> None:
+        """A reply's header, and with the single-message framing its payload frames too."""
+        layouts = self._layouts()
+        assert layouts is not None and self._reader is not None
+        wire_layout = layouts[0]
+        received = len(head)
+        alone = not sock.get(zmq.RCVMORE)  # a header without payload frames: streamed chunks may follow it
+        try:
+            header = wire.decode_header(head)
+            if header.kind is Kind.ERROR:
+                _discard_rest(sock)
+                if header.node != target.peer or header.req != job.req:  # not a refusal of this fetch
+                    log.debug("dropping an ERROR reply of %s to request %s", header.node, header.req)
+                    self._on_event("stale_replies", 1)
+                    return
+                target.header = header
+                self._finish(job, target, "refused", header.code, header.detail)
+                return
+            if header.kind is not Kind.STATE:
+                raise WireError("header", f"unexpected {header.kind.name} reply")
+            try:
+                wire.check_state_header(header, wire_layout, peer=target.peer, req=job.req, chunk=self._chunk)
+            except WireError as exc:
+                if exc.reason == "stale":
+                    _discard_rest(sock)
+                    self._on_event("stale_replies", 1)
+                    return
+                raise
+            target.header = header  # validated: kept even if the payload is rejected (push-sum mass accounting)
+            if header.stream:
+                if sock.get(zmq.RCVMORE):
+                    raise WireError("frames", "a streamed reply's header came with payload frames")
+                target.next_chunk = 0
+                target.nbytes = received
+                return
+            for start, end in self._bounds:
+                if not sock.get(zmq.RCVMORE):
+                    raise WireError("frames", "reply has fewer payload frames than announced")
+                received += self._take(sock, target, start, end)
+            if sock.get(zmq.RCVMORE):
+                raise WireError("frames", "reply has more payload frames than announced")
+        except WireError as exc:
+            target.nbytes = received
+            if alone:  # reset the socket, so that the chunks of a rejected streamed reply never arrive as strays
+                raise _Broken(exc) from None
+            _discard_rest(sock)
+            self._finish(job, target, "rejected", exc.reason, exc.detail)
+            return
+        target.nbytes = received
+        self._finish(job, target, "ok")
+
+    def _chunk_message(self, target: FetchTarget, sock: zmq.Socket, index: int, tag_bytes: int) -> None:
+        """Chunk ``index`` of the streamed reply ``target`` awaits: exactly [tag, payload], in order, finite."""
+        assert self._reader is not None
+        if index != target.next_chunk:
+            raise _Broken(WireError("frames", f"chunk {index} arrived, expected chunk {target.next_chunk}"))
+        if not sock.get(zmq.RCVMORE):
+            raise _Broken(WireError("frames", "a chunk message without its payload frame"))
+        start, end = self._bounds[index]
+        try:
+            target.nbytes += tag_bytes + self._take(sock, target, start, end)
+        except WireError as exc:
+            raise _Broken(exc) from None
+        if sock.get(zmq.RCVMORE):
+            raise _Broken(WireError("frames", "a chunk message with more than one payload frame"))
+        target.next_chunk += 1
+
+    def _take(self, sock: zmq.Socket, target: FetchTarget, start: int, end: int) -> int:
+        """Receive the next frame as wire bytes [start, end) into ``target``'s buffer, validated; its size.
+
+        Raises WireError ``size`` or ``non-finite`` (the buffer is scratch until the reply is accepted).
+        """
+        reader = self._reader
+        assert reader is not None
+        if reader.direct:  # ZeroMQ copies straight into place; then one check pass
+            n = sock.recv_into(target.buffer[start:end], flags=zmq.NOBLOCK)
+            if n != end - start:
+                raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
+            finite = reader.check(target.views, start, end)
+        else:  # widen from ZeroMQ's buffer, checking each block while it is in cache
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            n = len(frame)
+            if n != end - start:
+                raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
+            finite = reader.read(np.frombuffer(frame.buffer, np.uint8), start, target.views)
+        if not finite:
+            raise WireError("non-finite", "payload holds NaN or infinity")
+        return n

@@ -1,0 +1,115 @@
+"""CurveZMQ for one node: its keys, a ZAP handler admitting exactly the cluster's nodes, socket set-up.
+
+With ``security: {curve: true, keys: DIR}`` a node's RX ROUTER is a CURVE server (the node's
+own secret key) and each TX DEALER a CURVE client (the node's key pair plus the peer's public
+key). Every connection to the ROUTER goes through the ZAP handler here, which admits a client
+only if its public key is one of the cluster's nodes': any other client's connection is closed
+at the end of the CURVE handshake, before libzmq reads a single message from it. All traffic is
+encrypted and authenticated.
+
+The ZAP handler binds ``inproc://zeromq.zap.01`` in the node's own ``zmq.Context`` (ZAP is per
+context; every node has its own, so nodes in one process never share a handler). It must be bound
+before the ROUTER and kept until the ROUTER is closed: a CURVE server without a ZAP handler
+admits any client that knows its public key. :class:`NodeSecurity` does both in that order.
+
+Keys are read once, when the node starts; new keys need a restart.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import stat
+from collections.abc import Callable, Mapping
+
+import zmq
+from zmq.utils import z85
+
+from dpwa.security.keyfiles import read_key_file
+from dpwa.security.zap import ZAP_DOMAIN, ZapHandler
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STOP_TIMEOUT_S", "NodeSecurity", "is_loopback", "warn_if_exposed"]
+
+STOP_TIMEOUT_S = 1.0
+"""How long :meth:`NodeSecurity.stop` waits for the ZAP thread to end."""
+
+
+class NodeSecurity:
+    """CURVE keys of one node and its running ZAP handler; ``server``/``client`` set sockets up.
+
+    ``NodeSecurity(name, secret_file, public_files, ctx, on_denied)`` reads the node's key pair and
+    every node's public key (``public_files``: node name -> ``NAME.key``; KeyFileError when one is
+    missing or invalid -- the cluster file's loader has checked them already) and starts the ZAP
+    handler admitting exactly those keys; ``stop()`` stops it (call it after the ROUTER is closed,
+    before ``ctx.term()``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        secret_file: str | os.PathLike[str],
+        public_files: Mapping[str, str | os.PathLike[str]],
+        ctx: zmq.Context,
+        on_denied: Callable[[str], None],
+    ) -> None:
+        self.public, secret = read_key_file(secret_file, secret=True)
+        assert secret is not None
+        self._secret = secret
+        self.peers = {peer: read_key_file(path)[0] for peer, path in public_files.items()}
+        _warn_if_readable(secret_file)
+        self.name = name
+        self.zap = ZapHandler(
+            ctx, {z85.decode(key): peer for peer, key in self.peers.items()}, on_denied, name=f"dpwa-zap-{name}"
+        )
+        self.zap.start()
+
+    def server(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (not yet bound) a CURVE server with this node's secret key, authenticated by ZAP."""
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)
+
+    def client(self, sock: zmq.Socket, peer: str) -> None:
+        """Make ``sock`` (not yet connected) a CURVE client of ``peer`` with this node's key pair."""
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.peers[peer])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)
+
+    def stop(self) -> bool:
+        """Stop the ZAP handler; True once its thread has ended (within STOP_TIMEOUT_S)."""
+        self.zap.stop()
+        self.zap.join(timeout=STOP_TIMEOUT_S)
+        return not self.zap.is_alive()
+
+
+def _warn_if_readable(path: str | os.PathLike[str]) -> None:
+    mode = os.stat(path).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("secret key %s is readable by other users (mode %o); chmod 600 it", path, stat.S_IMODE(mode))
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True when ``tcp://ADDRESS:PORT`` binds a loopback address (127.0.0.0/8, ::1 or localhost)."""
+    host = endpoint.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(name: str, endpoint: str, curve: bool) -> bool:
+    """Log one warning when node ``name`` binds a non-loopback ``endpoint`` without CURVE; True if it did."""
+    if curve or is_loopback(endpoint):
+        return False
+    log.warning(
+        "node %s listens on %s without CURVE: anyone who can reach this port can read the model and feed it "
+        "parameters; set `security: {curve: true, keys: DIR}` (keys from `dpwa keys generate`)",
+        name,
+        endpoint,
+    )
+    return True

@@ -1,0 +1,164 @@
+"""Gossip without sockets: N nodes in one process, in synchronous rounds, running the network path's code.
+
+Each round does what every node's ``update_send`` / ``update_wait`` does, in the
+same order and through the same objects (:class:`~dpwa.rules.base.Rule`,
+:class:`~dpwa.rules.schedules.Schedule`, :class:`~dpwa.node.peers.FlowControl`), except
+that replies are handed over in memory:
+
+1. every node: ``clock += 1``, remember the loss, publish a copy of its arrays, ``rule.on_publish``;
+2. optionally a local training step changes a node's arrays (between send and wait);
+3. every node picks its peers (schedule, else flow control; down peers filtered);
+4. every fetch is served from the peer's published copy: the request's ``rule.request_extras``
+   go to the server's ``rule.on_request``, then ``rule.on_serve`` runs on the server's state
+   (so within a round everybody serves from its round-start model, then everybody mixes);
+5. every node: ``rule.mix`` with the replies that arrived (possibly none).
+
+A lost reply can be injected per (fetcher, server) pair to test mass accounting
+and staleness. Numpy only; deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from dpwa.node.peers import FlowControl
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.schedules import Round, Schedule
+
+__all__ = ["SimNode", "Simulation", "spread"]
+
+LossKind = Literal["timeout", "rejected"]
+
+
+@dataclass
+class SimNode:
+    """One simulated node: its rule, schedule, flow control, arrays and state."""
+
+    name: str
+    rule: Rule
+    schedule: Schedule
+    flow: FlowControl
+    arrays: list[np.ndarray]
+    state: NodeState
+    published: list[np.ndarray] = field(default_factory=list)
+    published_state: NodeState | None = None
+    step: int = 0
+
+    def flat(self) -> np.ndarray:
+        """All arrays as one float64 vector."""
+        return np.concatenate([a.astype(np.float64).ravel() for a in self.arrays])
+
+
+def spread(vectors: Sequence[np.ndarray]) -> float:
+    """Largest Euclidean distance of a vector to the vectors' mean."""
+    mean = np.mean(vectors, axis=0)
+    return max(float(np.linalg.norm(v - mean)) for v in vectors)
+
+
+class Simulation:
+    """N nodes named ``names`` (default w1..wN), each with its own rule and schedule from the factories."""
+
+    def __init__(
+        self,
+        arrays: Sequence[Sequence[np.ndarray]],
+        rule: Callable[[], Rule],
+        schedule: Callable[[], Schedule],
+        *,
+        names: Sequence[str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        names = list(names) if names is not None else [f"w{i + 1}" for i in range(len(arrays))]
+        if len(names) != len(arrays):
+            raise ValueError("one array list per node")
+        self.names = tuple(names)
+        self.nodes: dict[str, SimNode] = {}
+        for i, (name, arrs) in enumerate(zip(names, arrays)):
+            r = rule()
+            state = NodeState(name, extras=r.initial_extras(name, self.names))
+            flow = FlowControl([n for n in names if n != name], random.Random(seed * 7919 + i), now=lambda: 0.0)
+            self.nodes[name] = SimNode(name, r, schedule(), flow, [np.array(a, copy=True) for a in arrs], state)
+        self.rounds = 0
+
+    def __getitem__(self, name: str) -> SimNode:
+        return self.nodes[name]
+
+    def flats(self) -> list[np.ndarray]:
+        """Every node's arrays as one float64 vector, in node order."""
+        return [n.flat() for n in self.nodes.values()]
+
+    def spread(self) -> float:
+        """Largest distance of a node's parameters to the nodes' mean."""
+        return spread(self.flats())
+
+    def run_round(
+        self,
+        losses: Mapping[str, float] | float = 1.0,
+        *,
+        train: Callable[[SimNode], float | None] | None = None,
+        lose: Callable[[str, str], LossKind | None] | None = None,
+        skip: Sequence[str] = (),
+    ) -> dict[str, MixOutcome]:
+        """One synchronous round; returns each node's MixOutcome.
+
+        ``losses``: the loss every node (or each, by name) passes to update_send.
+        ``train(node)``: a local step between send and wait; its return value, if any, is the new loss.
+        ``lose(fetcher, server)``: "timeout" (reply lost in flight) or "rejected" (arrived, failed
+        validation) drops that reply; None delivers it. ``skip``: nodes that sit this round out.
+        """
+        active = [n for n in self.nodes.values() if n.name not in skip]
+        for node in active:  # 1. update_send
+            loss = losses[node.name] if isinstance(losses, Mapping) else float(losses)
+            node.state.clock += 1
+            node.state.loss = loss
+            node.published = [np.array(a, copy=True) for a in node.arrays]
+            for a in node.published:
+                a.flags.writeable = False
+            node.published_state = NodeState(node.name, node.state.clock, loss, dict(node.state.extras))
+            node.rule.on_publish(node.state, node.published)
+        for node in active:  # 2. local training
+            if train is not None:
+                new_loss = train(node)
+                if new_loss is not None:
+                    node.state.loss = float(new_loss)
+        plan: dict[str, list[str]] = {}
+        for node in active:  # 3. choose peers
+            rnd = Round(node.name, self.names, node.step, node.state)
+            wanted = node.schedule.targets(rnd)
+            if wanted is None:
+                plan[node.name] = node.flow.choose(node.schedule.fanout)
+            else:
+                plan[node.name] = node.flow.admit([p for p in wanted if p != node.name])
+        replies: dict[str, list[PeerSnapshot]] = {n.name: [] for n in active}
+        live = {n.name for n in active}
+        for node in active:  # 4. serve from round-start copies
+            for peer in plan[node.name]:
+                server = self.nodes[peer]
+                if peer not in live or server.published_state is None:
+                    node.flow.failure(peer)
+                    node.rule.on_reply_lost(node.state, None)
+                    continue
+                request = node.rule.request_extras(node.state)
+                if request:
+                    server.rule.on_request(server.state, request)
+                given = server.rule.on_serve(server.state)
+                extras = {**server.published_state.extras, **given}
+                kind = lose(node.name, peer) if lose is not None else None
+                if kind is not None:
+                    node.flow.failure(peer)
+                    node.rule.on_reply_lost(node.state, extras if kind == "rejected" else None)
+                    continue
+                node.flow.success(peer)
+                st = server.published_state
+                arrays = [np.array(a, copy=True) for a in server.published]
+                replies[node.name].append(PeerSnapshot(NodeState(peer, st.clock, st.loss, extras), arrays))
+        outcomes = {}
+        for node in active:  # 5. update_wait
+            outcomes[node.name] = node.rule.mix(node.state, node.arrays, replies[node.name])
+            node.step += 1
+        self.rounds += 1
+        return outcomes

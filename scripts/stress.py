@@ -1,0 +1,79 @@
+"""Repeat tests to find flaky ones: ``scripts/test.sh --stress N [PYTEST ARGS]`` runs this.
+
+Runs pytest N times, each in a fresh process, on the tests marked ``timing`` (those whose pass
+depends on deadlines, thread hand-offs or process start-up) -- or, when PYTEST ARGS are given, on
+those instead (``--stress 30 tests/test_security.py::test_x`` repeats one test alone). Prints one
+line per run as it ends and, at the end, every test that failed at least once with its count,
+then ``N passed, M failed`` over all test runs. Exit status 0 when nothing failed, 1 otherwise.
+
+Each run writes a JUnit XML report into a temporary directory; the per-test counts come from
+those reports, so a test that errors in set-up or hangs into pytest-timeout counts as a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+__all__ = ["main", "outcomes"]
+
+DEFAULT_SELECTION = ["-m", "timing"]
+
+
+def outcomes(report: Path) -> dict[str, bool]:
+    """``{test id: passed}`` of one JUnit XML report (skipped tests left out)."""
+    results: dict[str, bool] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        if case.find("skipped") is not None:
+            continue
+        module = case.get("classname", "").replace(".", "/")
+        test_id = f"{module}.py::{case.get('name')}" if module else str(case.get("name"))
+        failed = case.find("failure") is not None or case.find("error") is not None
+        results[test_id] = results.get(test_id, True) and not failed
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/test.sh --stress", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", type=int, help="how many times to run the selection")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="tests to repeat (default: -m timing)")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("runs must be >= 1")
+    selection = args.pytest_args or DEFAULT_SELECTION
+    failures: collections.Counter[str] = collections.Counter()
+    executed: collections.Counter[str] = collections.Counter()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dpwa-stress-") as tmp:
+        for run in range(1, args.runs + 1):
+            report = Path(tmp) / f"run-{run}.xml"
+            command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+            t0 = time.monotonic()
+            code = subprocess.run([*command, *selection], stdout=subprocess.DEVNULL, check=False).returncode
+            if not report.exists():
+                print(f"run {run}/{args.runs}: pytest exited {code} without a report", flush=True)
+                failures["(no report)"] += 1
+                continue
+            results = outcomes(report)
+            executed.update(results)
+            failed = sorted(t for t, ok in results.items() if not ok)
+            failures.update(failed)
+            note = f"; failed: {', '.join(failed)}" if failed else ""
+            print(f"run {run}/{args.runs}: {len(results)} tests, {time.monotonic() - t0:.0f} s{note}", flush=True)
+    total = sum(executed.values())
+    failed_total = sum(failures.values())
+    print(f"\n{args.runs} runs of {' '.join(selection)} in {time.monotonic() - started:.0f} s")
+    for test_id, count in failures.most_common():
+        print(f"  {count}/{executed.get(test_id, args.runs)} failed: {test_id}")
+    print(f"{total - sum(n for t, n in failures.items() if t in executed)} passed, {failed_total} failed")
+    return 1 if failed_total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
