@@ -88,18 +88,33 @@ def fetch_request(arrays: list[np.ndarray], req: int = 7) -> bytes:
 
 class Client:
     """A raw DEALER in its own context, with a monitor: CURVE with ``keys`` (public, secret) and
-    ``server_key``, or plain (NULL mechanism) when ``keys`` is None."""
+    ``server_key``, or plain (NULL mechanism) when ``keys`` is None.
+
+    Sends block at most SEND_TIMEOUT_MS: a DEALER whose only connection the node has already refused has
+    no pipe to queue a message on, and a send without a timeout would then block forever."""
+
+    SEND_TIMEOUT_MS = 5000
 
     def __init__(self, endpoint: str, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, self.SEND_TIMEOUT_MS)
         if keys is not None:
             self.sock.curve_publickey, self.sock.curve_secretkey = keys
             self.sock.curve_serverkey = server_key
         self.monitor = self.sock.get_monitor_socket()
         self.events: list[int] = []
         self.sock.connect(endpoint)
+
+    def offer(self, frames: list[bytes]) -> bool:
+        """Queue ``frames`` as one message; False when the socket had no connection left to queue it on
+        within SEND_TIMEOUT_MS (the node closed it during the handshake: nothing can reach the node then)."""
+        try:
+            self.sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
     def saw(self, *wanted: int) -> bool:
         """Take the monitor events that arrived; True once any of ``wanted`` was among them."""
@@ -425,12 +440,12 @@ def test_clients_without_a_listed_key_get_no_byte_back(server: Any, client_facto
     server_key = read_key_file(keys / "w2.key")[0]
 
     stranger = client_factory(node.endpoint, zmq.curve_keypair(), server_key)
-    stranger.sock.send(request)
+    stranger.offer([request])
     wait_until(lambda: stranger.saw(zmq.EVENT_HANDSHAKE_FAILED_AUTH), 10, message="ZAP refused the random key")
     wait_until(lambda: node.stats()["auth_denied"] > before["auth_denied"], 5)
 
     plain = client_factory(node.endpoint)  # no CURVE at all (NULL mechanism)
-    plain.sock.send(request)
+    plain.offer([request])
     failed = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED)
     wait_until(lambda: plain.saw(*failed), 10, message="the plain client's handshake failed")
 
@@ -443,7 +458,7 @@ def test_clients_without_a_listed_key_get_no_byte_back(server: Any, client_facto
     # Control: the same request with w1's listed key pair is answered with w2's parameters.
     listed = read_key_file(keys / "w1.key_secret", secret=True)
     friend = client_factory(node.endpoint, listed, server_key)
-    friend.sock.send(request)
+    assert friend.offer([request])
     assert friend.sock.poll(10_000), "a listed client got no reply"
     frames = friend.sock.recv_multipart()
     assert wire.decode_header(frames[0]).kind is Kind.STATE
@@ -579,7 +594,7 @@ def test_an_unauthenticated_many_frame_request_costs_no_memory(tmp_path: Path, n
     stranger = client_factory(node.ready["ready"], zmq.curve_keypair(), server_key)
     plain = client_factory(node.ready["ready"])
     for client in (stranger, plain):
-        client.sock.send_multipart([frame] * 2000, copy=False)
+        client.offer([frame] * 2000)  # queued, or refused with the connection: either way the node gets nothing
     wait_until(lambda: node.call("stats")["auth_denied"] >= 1, 30, message="the node refused the stranger")
     wait_until(lambda: plain.saw(zmq.EVENT_DISCONNECTED), 10, message="the plain client was disconnected")
     grown = rss_mib(node.proc.pid)["VmHWM"] - base["VmHWM"]

@@ -190,6 +190,37 @@ def test_tx_thread_death_raises_in_the_trainer(rig, monkeypatch, caplog, method:
     assert all((x == 4.0).all() for x in p)
 
 
+class SlowToClose(dict):
+    """The TX thread's socket table, but closing the sockets (the thread's last act) takes CLOSE_S."""
+
+    CLOSE_S = 0.3
+
+    def values(self):  # type: ignore[override] - only the thread's clean-up iterates the values
+        time.sleep(self.CLOSE_S)
+        return super().values()
+
+
+def test_the_trainer_sees_the_dead_tx_thread_ended(rig, monkeypatch):
+    """The race behind a flake: the job's waiter is woken before the dying thread has closed its sockets.
+    Once update_wait has raised, stats() must already say the thread ended (it is joined, bounded)."""
+    node, peer = rig
+    p = model(0.0)
+    assert exchange(node, p)[0] == 0.5
+    tx = node._node.tx
+    monkeypatch.setattr(tx, "_sockets", SlowToClose(tx._sockets))
+
+    def boom(*args: object) -> None:
+        raise Injected("injected into the TX thread")
+
+    monkeypatch.setattr(tx, "_start", boom)
+    node.update_send(p, 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="TX thread died"):
+        node.update_wait(1.0)
+    assert time.monotonic() - t0 <= BOUND_S
+    assert not node.stats()["tx_alive"] and not tx.is_alive()
+
+
 def test_rx_thread_death_is_logged_shown_and_raised(tmp_path: Path, monkeypatch, caplog):
     port = free_ports(1)[0]
     cfg = write_cluster(tmp_path / "c.yaml", [port], timeout_ms=TIMEOUT_MS)
