@@ -524,6 +524,7 @@ def train_alone(seed: int, data: int, steps: int) -> dict[str, list[float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_two_processes_converge(cluster: Path):
     steps = 300
     procs: list[AdapterProcess] = []

@@ -11,7 +11,7 @@ import pytest
 from conftest import free_ports, port_is_free, wait_until, write_cluster
 from test_connection import FakePeer, state_reply
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 
 def spread(vectors: list[np.ndarray]) -> float:

@@ -19,7 +19,7 @@ from dpwa import ConfigError, DpwaConnection, load_config
 from dpwa.node import wire
 from dpwa.node.wire import Layout
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 
 class FakePeer(fakes.FakePeer):

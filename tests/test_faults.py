@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from conftest import NodeProcess, free_ports, write_cluster
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 HERE = Path(__file__).resolve().parent
 FAULT_WORKER = HERE / "fault_worker.py"

@@ -933,6 +933,7 @@ def tx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TxRig]:
 
 @settings(SETTINGS, max_examples=600)
 @given(recipe=REPLIES)
+@pytest.mark.timing
 def test_hostile_replies_never_reach_params_and_are_counted(tx: TxRig, recipe: Recipe) -> None:
     tx.exchange(recipe)
 
@@ -974,6 +975,7 @@ if STREAMING:
 
 
 @pytest.mark.parametrize("recipe", EVERY_OUTCOME, ids=lambda r: r.label)
+@pytest.mark.timing
 def test_every_outcome_once(tx: TxRig, recipe: Recipe) -> None:
     """One reply of every outcome and reason, whatever the random examples above happened to cover."""
     tx.exchange(recipe)

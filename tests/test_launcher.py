@@ -373,6 +373,7 @@ def test_run_a_script_end_to_end(tmp_path: Path, node_script: Path) -> None:
 
 
 @pytest.mark.parametrize("keep_going", [False, True])
+@pytest.mark.timing
 def test_a_failing_node_fails_the_run_and_shows_its_error(tmp_path: Path, node_script: Path, keep_going: bool) -> None:
     ports = free_ports(2)
     path = cluster(tmp_path / "c.yaml", ports)
@@ -391,6 +392,7 @@ def test_a_failing_node_fails_the_run_and_shows_its_error(tmp_path: Path, node_s
     assert not alive(summary["nodes"]["w1"]["pid"])
 
 
+@pytest.mark.timing
 def test_timeout_stops_the_run(tmp_path: Path, node_script: Path) -> None:
     path = cluster(tmp_path / "c.yaml", free_ports(1))
     proc = launch(tmp_path, "--timeout-s", "1", "-q", "--run-dir", "run", str(path), str(node_script), "--steps", "0")
@@ -414,6 +416,7 @@ def test_under_slurm_a_task_starts_the_node_of_its_rank(tmp_path: Path, node_scr
     [(signal.SIGINT, "w1", 5.0), (signal.SIGTERM, "", STOP_GRACE_S)],
     ids=["sigint-node-ignores-sigterm", "sigterm"],
 )
+@pytest.mark.timing
 def test_a_signal_stops_every_process_it_started_and_nothing_else(
     tmp_path: Path, node_script: Path, reaper: list[int], sig: signal.Signals, stubborn: str, limit_s: float
 ) -> None:
@@ -461,6 +464,7 @@ def test_a_signal_stops_every_process_it_started_and_nothing_else(
     assert f"interrupted by {sig.name}" in (tmp_path / "launcher.err").read_text()
 
 
+@pytest.mark.timing
 def test_nodes_do_not_outlive_a_killed_launcher(tmp_path: Path, node_script: Path, reaper: list[int]) -> None:
     """SIGKILL cannot be trapped: the nodes are asked (PR_SET_PDEATHSIG) to get SIGTERM when the launcher dies."""
     if not sys.platform.startswith("linux"):

@@ -46,6 +46,7 @@ def arrays(seed: int) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("rule", ["constant", "pushsum"])
+@pytest.mark.timing
 def test_bootstrap_copies_a_peer_that_is_ahead_before_the_first_step(tmp_path: Path, rule: str) -> None:
     cfg = write_cluster(tmp_path / "c.yaml", free_ports(2), fetch_probability=0.0, interpolation=rule)
     with DpwaConnection("w1", cfg, seed=1) as ahead, DpwaConnection("w2", cfg, seed=2) as late:
@@ -69,6 +70,7 @@ def test_bootstrap_copies_a_peer_that_is_ahead_before_the_first_step(tmp_path: P
         assert late.clock == 4.0
 
 
+@pytest.mark.timing
 def test_bootstrap_keeps_its_own_state_when_the_peer_is_not_ahead(tmp_path: Path) -> None:
     cfg = write_cluster(tmp_path / "c.yaml", free_ports(2), fetch_probability=0.0)
     with DpwaConnection("w1", cfg, seed=1) as peer, DpwaConnection("w2", cfg, seed=2) as node:
@@ -82,6 +84,7 @@ def test_bootstrap_keeps_its_own_state_when_the_peer_is_not_ahead(tmp_path: Path
         assert all(np.array_equal(m, b) for m, b in zip(mine, before)) and node.clock == 5.0
 
 
+@pytest.mark.timing
 def test_bootstrap_with_no_peer_up_goes_on_after_the_timeout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = write_cluster(tmp_path / "c.yaml", free_ports(3), timeout_ms=200)  # w2 and w3 never start
     with DpwaConnection("w1", cfg, seed=1) as node:
@@ -98,6 +101,7 @@ def test_bootstrap_with_no_peer_up_goes_on_after_the_timeout(tmp_path: Path, cap
 
 
 @pytest.mark.parametrize("gap", [50.0, 0.0], ids=["gap-50", "gap-off"])
+@pytest.mark.timing
 def test_a_node_far_behind_copies_its_first_peer(tmp_path: Path, gap: float) -> None:
     cfg = write_cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=2000, bootstrap_gap=gap)
     with DpwaConnection("w1", cfg, seed=1) as ahead, DpwaConnection("w2", cfg, seed=2) as node:
@@ -116,6 +120,7 @@ def test_a_node_far_behind_copies_its_first_peer(tmp_path: Path, gap: float) -> 
         assert node.update_wait(1.0) == 0.5  # only the first reply is checked: then the rule mixes
 
 
+@pytest.mark.timing
 def test_push_sum_mass_never_travels_with_the_model_a_catch_up_copy_replaced(tmp_path: Path) -> None:
     cfg = write_cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=2000, bootstrap_gap=50, interpolation="pushsum")
     with DpwaConnection("w1", cfg, seed=1) as ahead, DpwaConnection("w2", cfg, seed=2) as node:
@@ -167,6 +172,7 @@ def node_script(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("restart", [True, False], ids=["restart-failed-1", "no-flag"])
+@pytest.mark.timing
 def test_a_node_killed_mid_run_is_restarted_only_with_the_flag(
     tmp_path: Path, node_script: Path, reaper: list[int], restart: bool
 ) -> None:

@@ -386,6 +386,7 @@ class TcpTap:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("curve", [True, False])
+@pytest.mark.timing
 def test_two_curve_nodes_gossip_and_the_wire_shows_no_parameters(tmp_path: Path, curve: bool) -> None:
     """w1 reaches w2 through a tap. With CURVE the nodes mix exactly as without, and the tapped bytes hold
     neither w2's parameters nor any header text; without CURVE (the control) they hold both."""
@@ -433,6 +434,7 @@ def server(tmp_path: Path) -> Iterator[tuple[DpwaConnection, list[np.ndarray], P
 
 
 @pytest.mark.integration
+@pytest.mark.timing
 def test_clients_without_a_listed_key_get_no_byte_back(server: Any, client_factory: Any) -> None:
     node, x, keys = server
     before = node.stats()
@@ -467,6 +469,7 @@ def test_clients_without_a_listed_key_get_no_byte_back(server: Any, client_facto
 
 
 @pytest.mark.integration
+@pytest.mark.timing
 def test_a_dpwa_node_whose_key_is_not_listed_is_refused(tmp_path: Path) -> None:
     """w3 (its own cluster file: w2 and w3, w2's real public key) fetches from w2, whose cluster is w1, w2.
     Both run in this process: each node's ZAP handler lives in its own context and admits only its own list."""
@@ -491,6 +494,7 @@ def test_a_dpwa_node_whose_key_is_not_listed_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.timing
 def test_a_node_with_the_wrong_server_key_cannot_fetch(tmp_path: Path) -> None:
     """w1 holds its real key pair but a wrong w2.key: the handshake fails, the fetch times out. The same w1
     with the right w2.key mixes (the control)."""
@@ -561,6 +565,7 @@ def dpwa_threads() -> set[threading.Thread]:
 
 
 @pytest.mark.integration
+@pytest.mark.timing
 def test_no_thread_or_port_is_left_after_close(tmp_path: Path, client_factory: Any) -> None:
     ports = free_ports(2)
     path = secure_cluster(tmp_path / "c.yaml", ports)
@@ -581,6 +586,7 @@ def test_no_thread_or_port_is_left_after_close(tmp_path: Path, client_factory: A
 
 
 @pytest.mark.integration
+@pytest.mark.timing
 def test_an_unauthenticated_many_frame_request_costs_no_memory(tmp_path: Path, nodes: Any, client_factory: Any) -> None:
     """The request of test_hostile's xfail (2,000 x 64,000 bytes, ~128 MB) from clients without a listed key:
     the node's peak RSS does not move, and the request never reaches the RX thread."""

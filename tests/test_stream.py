@@ -22,7 +22,7 @@ from dpwa import DpwaConnection
 from dpwa.node import wire
 from dpwa.node.wire import CHUNK_BYTES, Layout
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 N = CHUNK_BYTES // 4 + 1000  # float32 elements: a little over one chunk, so two chunks
 

@@ -29,7 +29,7 @@ from dpwa import DpwaConnection
 from dpwa.node import wire
 from dpwa.node.wire import Layout
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 TIMEOUT_MS = 500
 BOUND_S = TIMEOUT_MS / 1000 + 0.25

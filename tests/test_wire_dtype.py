@@ -156,6 +156,7 @@ def cluster(tmp_path: Path, wire_dtype: str, **settings: object) -> Path:
 
 
 @pytest.mark.parametrize("wire_dtype", ["auto", "bfloat16"])
+@pytest.mark.timing
 def test_wait_published_says_when_the_snapshot_is_whole_on_the_wire(tmp_path: Path, wire_dtype: str):
     cfg = cluster(tmp_path, wire_dtype, fetch_probability=0.0)
     with DpwaConnection("w1", cfg, seed=1) as node:
@@ -275,6 +276,7 @@ def test_no_model_sized_allocation_after_warm_up(tmp_path: Path, wire_dtype: str
 
 
 @pytest.mark.integration
+@pytest.mark.timing
 def test_close_stops_the_converter_thread_too(tmp_path: Path):
     ports = free_ports(2)
     cfg = write_cluster(tmp_path / "c.yaml", ports, wire_dtype="bfloat16")
