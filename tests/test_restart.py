@@ -132,6 +132,7 @@ def test_push_sum_mass_never_travels_with_the_model_a_catch_up_copy_replaced(tmp
         node.update_send(mine, 1.0)  # publishes its own (soon replaced) model
         assert node.update_wait(1.0) == 1.0 and node.last_exchange["bootstrap"] == 1.0
         weight_after_copy = node.dpwa_state().extras["weight"]
+        assert node.last_exchange["weight"] == weight_after_copy  # the rule's state is in the record of a copy too
         ahead.update_send(theirs, 1.0)  # fetches w2 before w2 publishes again: its snapshot is the old model
         assert ahead.update_wait(1.0) == 0.0
         assert ahead.last_exchange["empty_replies"] == 1.0  # served "no mass", not half of w2's weight

@@ -325,7 +325,7 @@ class Node:
             self.rule.on_reply_not_mixed(self.state, peer.state.extras)
         assert self.params is not None
         self.copy_peer(self.params, ahead)
-        return MixOutcome(1.0, (ahead.state.name,), {"bootstrap": 1.0})
+        return MixOutcome(1.0, (ahead.state.name,), {**self.rule.state_metrics(self.state), "bootstrap": 1.0})
 
     def copy_peer(self, params: Sequence[np.ndarray], peer: PeerSnapshot) -> None:
         """``x <- x_peer``, ``clock <- peer clock`` (caller holds the state lock); counted in ``bootstraps``."""

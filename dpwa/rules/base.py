@@ -154,6 +154,12 @@ class Rule(ABC):
         catch-up) or looked at and not copied.  Keep what it carried that must not be lost (push-sum adds the
         weight it carried).  Default no-op."""
 
+    def state_metrics(self, own: NodeState) -> dict[str, float]:
+        """Figures of the rule's own state (push-sum's weight and mass counters) that the metrics file shows at
+        every step, whether or not :meth:`mix` ran (a catch-up copy replaces it); default ``{}``.  A rule
+        puts them into each :meth:`mix` outcome's metrics too."""
+        return {}
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Model-sized state the rule keeps (GEM's momentum proxy) as copies, keyed by name, for a
         checkpoint; default ``{}``."""

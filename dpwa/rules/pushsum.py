@@ -132,8 +132,8 @@ class PushSumRule(Rule):
         else:
             self.mass_lost += w
 
-    def metrics(self, own: NodeState) -> dict[str, float]:
-        """What the metrics file shows every step."""
+    def state_metrics(self, own: NodeState) -> dict[str, float]:
+        """What the metrics file shows every step: the weight and the mass counters."""
         return {
             "weight": self.weight(own),
             "mass_lost": self.mass_lost,
@@ -172,4 +172,4 @@ class PushSumRule(Rule):
         if mixed:
             self._mixed_since_publish = True
         factor = 1.0 - keep if mixed else 0.0
-        return MixOutcome(factor, tuple(mixed), self.metrics(own))
+        return MixOutcome(factor, tuple(mixed), self.state_metrics(own))
