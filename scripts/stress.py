@@ -6,14 +6,18 @@ those instead (``--stress 30 tests/test_security.py::test_x`` repeats one test a
 line per run as it ends and, at the end, every test that failed at least once with its count,
 then ``N passed, M failed`` over all test runs. Exit status 0 when nothing failed, 1 otherwise.
 
-Each run writes a JUnit XML report into a temporary directory; the per-test counts come from
-those reports, so a test that errors in set-up or hangs into pytest-timeout counts as a failure.
+Each run writes a JUnit XML report; the per-test counts come from those reports, so a test that
+errors in set-up or hangs into pytest-timeout counts as a failure. The report of every run with a
+failure is kept in ``runs/stress-<time>/`` (the failure's first line is printed too), so the cause
+can be read afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +25,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-__all__ = ["main", "outcomes"]
+__all__ = ["failure_lines", "main", "outcomes"]
 
 DEFAULT_SELECTION = ["-m", "timing"]
 
@@ -39,6 +43,20 @@ def outcomes(report: Path) -> dict[str, bool]:
     return results
 
 
+def failure_lines(report: Path) -> dict[str, str]:
+    """``{test id: first line of its failure or error message}`` of one JUnit XML report."""
+    out = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
+            message = (problem.get("message") or problem.text or "").strip().splitlines()
+            module = case.get("classname", "").replace(".", "/")
+            out[f"{module}.py::{case.get('name')}"] = (message[0] if message else "")[:300]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/test.sh --stress", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", type=int, help="how many times to run the selection")
@@ -50,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: collections.Counter[str] = collections.Counter()
     executed: collections.Counter[str] = collections.Counter()
     started = time.monotonic()
+    keep = Path("runs") / f"stress-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     with tempfile.TemporaryDirectory(prefix="dpwa-stress-") as tmp:
         for run in range(1, args.runs + 1):
             report = Path(tmp) / f"run-{run}.xml"
@@ -66,9 +85,16 @@ def main(argv: list[str] | None = None) -> int:
             failures.update(failed)
             note = f"; failed: {', '.join(failed)}" if failed else ""
             print(f"run {run}/{args.runs}: {len(results)} tests, {time.monotonic() - t0:.0f} s{note}", flush=True)
+            if failed:
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(report, keep / report.name)
+                for test_id, line in failure_lines(report).items():
+                    print(f"    {test_id}: {line}", flush=True)
     total = sum(executed.values())
     failed_total = sum(failures.values())
     print(f"\n{args.runs} runs of {' '.join(selection)} in {time.monotonic() - started:.0f} s")
+    if keep.exists():
+        print(f"reports of the runs with failures: {keep}")
     for test_id, count in failures.most_common():
         print(f"  {count}/{executed.get(test_id, args.runs)} failed: {test_id}")
     print(f"{total - sum(n for t, n in failures.items() if t in executed)} passed, {failed_total} failed")
