@@ -30,16 +30,26 @@ __all__ = ["failure_lines", "main", "outcomes"]
 DEFAULT_SELECTION = ["-m", "timing"]
 
 
+def _test_id(case: ET.Element) -> str:
+    """``tests/test_x.py::test_y`` of one JUnit ``testcase`` element."""
+    module = case.get("classname", "").replace(".", "/")
+    return f"{module}.py::{case.get('name')}" if module else str(case.get("name"))
+
+
+def _problem(case: ET.Element) -> ET.Element | None:
+    """The ``failure`` or ``error`` element of one ``testcase``, None when it passed or was skipped."""
+    failure = case.find("failure")
+    return failure if failure is not None else case.find("error")
+
+
 def outcomes(report: Path) -> dict[str, bool]:
     """``{test id: passed}`` of one JUnit XML report (skipped tests left out)."""
     results: dict[str, bool] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         if case.find("skipped") is not None:
             continue
-        module = case.get("classname", "").replace(".", "/")
-        test_id = f"{module}.py::{case.get('name')}" if module else str(case.get("name"))
-        failed = case.find("failure") is not None or case.find("error") is not None
-        results[test_id] = results.get(test_id, True) and not failed
+        test_id = _test_id(case)
+        results[test_id] = results.get(test_id, True) and _problem(case) is None
     return results
 
 
@@ -47,13 +57,10 @@ def failure_lines(report: Path) -> dict[str, str]:
     """``{test id: first line of its failure or error message}`` of one JUnit XML report."""
     out = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        problem = case.find("failure")
-        if problem is None:
-            problem = case.find("error")
+        problem = _problem(case)
         if problem is not None:
             message = (problem.get("message") or problem.text or "").strip().splitlines()
-            module = case.get("classname", "").replace(".", "/")
-            out[f"{module}.py::{case.get('name')}"] = (message[0] if message else "")[:300]
+            out[_test_id(case)] = (message[0] if message else "")[:300]
     return out
 
 

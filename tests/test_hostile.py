@@ -221,7 +221,6 @@ class Ctx:
     previous: list[bytes] | None  # a valid reply of this peer to an earlier request
     mixed: list[np.ndarray] | None = None  # set by an "ok" recipe: the arrays the node must mix in
     oversized: bool = False  # a frame above the TX DEALER's ZMQ_MAXMSGSIZE: ZeroMQ drops it (and the connection)
-    marker: bool = False  # END_MARKER was sent after the recipe's messages
 
     @property
     def layout(self) -> Layout:
@@ -287,6 +286,11 @@ class Recipe:
 
     def __repr__(self) -> str:
         return f"Recipe({self.label!r} -> {self.status} {self.reason})".strip()
+
+    @property
+    def marked(self) -> bool:
+        """An "ok" reply with a stray chunk, which may come after the verdict: the rig sends END_MARKER after it."""
+        return bool(self.stray) and self.status == "ok"
 
 
 def prefix_reason(frame: bytes) -> str:
@@ -802,8 +806,7 @@ class TxRig:
         messages = recipe.build(ctx)
         ctx.oversized = any(len(frame) > tx_maxmsgsize(self._echo) for message in messages for frame in message)
         assert not ctx.oversized or len(messages) == 1, f"{recipe}: an oversized frame among several messages"
-        if recipe.stray and recipe.status == "ok":  # the stray may come after the verdict: mark where the reply ends
-            ctx.marker = True
+        if recipe.marked:
             messages = [*messages, END_MARKER]
         return messages
 
@@ -890,8 +893,8 @@ class TxRig:
         elif want_status == "ok|rejected":  # either is documented behaviour
             want_status = status if status in ("ok", "rejected") else "ok"
         # stale replies the node must count: with END_MARKER, every message after the recipe's reply
-        least = recipe.stale + recipe.stray + 1 if ctx.marker else recipe.stale
-        most = recipe.stale + recipe.stray + int(ctx.marker)
+        most = recipe.stale + recipe.stray + int(recipe.marked)
+        least = most if recipe.marked else recipe.stale
         if least:
             wait_until(
                 lambda: self.conn.stats()["stale_replies"] >= stats0["stale_replies"] + least,
