@@ -34,6 +34,8 @@ from dpwa.security.keyfiles import KeyFileError, name_problem, public_path, read
 
 __all__ = [
     "RULE_SETTINGS",
+    "AdpsgdSettings",
+    "DpsgdSettings",
     "SecurityConfig",
     "ClockSettings",
     "ClusterConfig",
@@ -258,23 +260,41 @@ class LossSettings(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class GemSettings(Settings):
-    """GEM in gossip form: ``d = base*(x_peer - x)``, ``m = momentum*m + delta``,
+    """GEM in gossip form: ``d = base*(x_peer - x_sent)``, ``m = momentum*m + delta``,
     ``pi = clamp((kappa*|m| - |delta|) / (|d| + eps), 0, 1/base)``, ``x <- x + pi*d`` (element-wise)."""
 
     base: float = setting(0.5, lo=0, hi=1, lo_open=True)
     momentum: float = setting(0.9, lo=0, hi=1, hi_open=True)
     kappa: float = setting(1.0, lo=0, lo_open=True)
     eps: float = setting(1e-12, lo=0, lo_open=True)
-    #: ``now``: ``d = base*(x_peer - x)`` (the step relative to the current model);
-    #: ``sent``: ``d = base*(x_peer - x_at_update_send)``, which keeps the node's own local step
-    #: (``now`` stalls progress once the nodes agree).
-    reference: str = choice("now", ("now", "sent"))
+    #: ``sent`` (default): ``d = base*(x_peer - x_at_update_send)``, which keeps the node's own local step;
+    #: ``now``: ``d = base*(x_peer - x)``, the literal form, kept to reproduce older runs: it undoes the
+    #: local step once the nodes agree, so nothing trains.
+    reference: str = choice("sent", ("sent", "now"))
 
 
 @dataclasses.dataclass(frozen=True)
 class PushSumSettings(Settings):
-    """Push-sum in pull form: the server halves its weight ``w`` and hands the half over;
-    ``f = w_given / (w + w_given)``, ``w <- w + w_given``; no settings."""
+    """SGP push-sum: each step keep ``w/(k+1)`` and push ``(x, w/(k+1))`` to each of ``k`` out-neighbours;
+    fold every message in: ``f = w_j / (w + w_j)``, ``w <- w + w_j``. ``overlap`` (OSGP's tau): how many
+    pushes may still await their ACK when ``update_wait`` returns (0 = SGP)."""
+
+    overlap: int = setting(0, lo=0, integer=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdpsgdSettings(Settings):
+    """AD-PSGD: a fetch carries the fetcher's snapshot; both ends move ``x <- x + (x_peer - x_sent)/2``;
+    no settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DpsgdSettings(Settings):
+    """D-PSGD: ``x <- (x + sum of neighbours) / (d + 1)`` on a ``ring`` or ``exponential`` graph; a neighbour
+    more than ``max_staleness`` steps behind is left out."""
+
+    graph: str = choice("ring", ("ring", "exponential"))
+    max_staleness: float = setting(10.0, lo=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +331,8 @@ RULE_SETTINGS: dict[str, type] = {
     "pushsum": PushSumSettings,
     "leader": LeaderSettings,
     "group": GroupSettings,
+    "adpsgd": AdpsgdSettings,
+    "dpsgd": DpsgdSettings,
 }
 
 _PAIRWISE_SCHEDULES = ("random", "exponential", "ring")
@@ -325,9 +347,11 @@ RULE_SCHEDULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pushsum": ("exponential", _PAIRWISE_SCHEDULES),
     "leader": ("leader", ("leader",)),
     "group": ("groups", ("groups",)),
+    "adpsgd": ("random", _PAIRWISE_SCHEDULES),
+    "dpsgd": ("neighbours", ("neighbours",)),
 }
 #: Values of the ``peers`` key: ``auto`` (the rule's default) or a schedule of ``dpwa.rules.schedules``.
-PEER_SCHEDULES = ("auto", "random", "exponential", "ring", "leader", "groups")
+PEER_SCHEDULES = ("auto", "random", "exponential", "ring", "leader", "groups", "neighbours")
 #: Values of the ``wire_dtype`` key: ``auto`` (every array travels in its own dtype) or the dtype that
 #: arrays wider than it travel in (rounded to nearest even when published, widened exactly when received).
 WIRE_DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -466,6 +490,10 @@ class ClusterConfig:
     )
     #: "Far behind": a first reply whose clock is more than this ahead is copied outright (0 = never).
     bootstrap_gap: float = dataclasses.field(default=100.0, metadata={_SPEC: _Number(lo=0), _OMIT_DEFAULT: True})
+    #: Push rules (pushsum, adpsgd): how many pushes a node's inbox holds unmixed (one model-sized buffer each).
+    inbox_slots: int = dataclasses.field(
+        default=4, metadata={_SPEC: _Number(lo=1, hi=64, integer=True), _OMIT_DEFAULT: True}
+    )
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     source: str = dataclasses.field(default=MEMORY, compare=False)
     #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.

@@ -87,6 +87,6 @@ def test_validate_as_a_real_process_on_a_bad_file() -> None:
         "error: tests/data/configs/bad/unknown_top_level_key.yaml:8: timeout: unknown key"
         " (did you mean 'timeout_ms'?); allowed: nodes, fetch_probability, timeout_ms, interpolation,"
         " divergence_threshold, peers, wire_dtype, security, checkpoint_every, bootstrap, bootstrap_timeout_s,"
-        " bootstrap_gap, constant, clock, loss, gem, pushsum, leader, group"
+        " bootstrap_gap, inbox_slots, constant, clock, loss, gem, pushsum, leader, group, adpsgd, dpsgd"
     )
     assert proc.stderr.splitlines() == [expected]

@@ -66,7 +66,7 @@ def reference(x_now, sent, m_prev, x_peer, base=0.5, mu=0.9, kappa=1.0, eps=1e-1
 
 def test_hand_computed_each_branch():
     """Elements: pi clipped at 0, clipped at 1/f0, in between (0.9), and d = 0 (nothing to move)."""
-    rule, own = GemRule(), NodeState("a", clock=1.0, loss=1.0)
+    rule, own = GemRule(reference="now"), NodeState("a", clock=1.0, loss=1.0)
     x = [np.array([-1.0, 10.0, 2.0, 3.0])]
     # batch 1: x_sent = 0, no peer arrives -> m = delta = x, x unchanged
     rule.on_publish(own, [np.zeros(4)])
@@ -97,7 +97,7 @@ def test_hand_computed_each_branch():
     ],
 )
 def test_kappa_and_divergence_damping(kappa, t, loss, expect):
-    rule, own = GemRule(kappa=kappa, divergence_threshold=t), NodeState("a", loss=loss)
+    rule, own = GemRule(reference="now", kappa=kappa, divergence_threshold=t), NodeState("a", loss=loss)
     x = [np.array([-1.0, 10.0, 2.0, 3.0])]
     rule.on_publish(own, [np.zeros(4)])
     rule.mix(own, x, [])
@@ -111,7 +111,7 @@ def test_kappa_and_divergence_damping(kappa, t, loss, expect):
 
 
 def test_proxy_moves_at_every_update_wait_even_without_a_peer():
-    rule, own = GemRule(momentum=0.5), NodeState("a", clock=4.0)
+    rule, own = GemRule(reference="now", momentum=0.5), NodeState("a", clock=4.0)
     x = [np.array([1.0, -2.0])]
     for k, local in enumerate([[1.0, 1.0], [2.0, -4.0], [0.0, 0.0]]):
         expect_x = x[0] + np.array(local)
@@ -125,7 +125,7 @@ def test_proxy_moves_at_every_update_wait_even_without_a_peer():
 
 def test_identical_peer_moves_nothing():
     """x_now == x_peer: whatever pi is, x stays bit-exact (g = 1 copies an equal value, g = 0 keeps it)."""
-    rule, own = GemRule(), NodeState("a")
+    rule, own = GemRule(reference="now"), NodeState("a")
     rng = np.random.default_rng(1)
     x = [rng.standard_normal(1000).astype(np.float32)]
     step(rule, own, x, [rng.standard_normal(1000)])  # m != 0
@@ -161,7 +161,7 @@ def test_identical_cluster_never_moves():
 def test_energy_bound_and_factor_range(seed, n, base, kappa, dtype, history):
     """Where pi > 0: |delta + pi*d| <= kappa*|m|; pi in [0, 1/f0] (x_new between x_now and x_peer)."""
     rng = np.random.default_rng(seed)
-    rule, own = GemRule(base=base, kappa=kappa), NodeState("a")
+    rule, own = GemRule(reference="now", base=base, kappa=kappa), NodeState("a")
     x = [(rng.standard_normal(n) * 3).astype(dtype)]
     for _ in range(history):
         step(rule, own, x, [rng.standard_normal(n) * rng.uniform(0, 2)])
@@ -195,7 +195,7 @@ def test_every_dtype_matches_float64_reference_over_blocks(dtype):
     """f16/bf16 computed in float32 and rounded once, proxy float32 (float64 for float64 arrays)."""
     rng = np.random.default_rng(7)
     n = MULTI_BLOCK
-    rule, own = GemRule(), NodeState("a", clock=2.0)
+    rule, own = GemRule(reference="now"), NodeState("a", clock=2.0)
     x = [make(rng.standard_normal(n), dtype), make(rng.standard_normal((3, 5)), dtype)]
     m_ref = [np.zeros(n), np.zeros((3, 5))]
     for k in range(3):
@@ -228,7 +228,7 @@ def test_every_dtype_matches_float64_reference_over_blocks(dtype):
 
 
 def test_errors_change_nothing():
-    rule, own = GemRule(), NodeState("a")
+    rule, own = GemRule(reference="now"), NodeState("a")
     x = [np.array([1.0, 2.0])]
     with pytest.raises(RuntimeError, match="on_publish"):
         rule.mix(own, x, [])
@@ -258,7 +258,7 @@ def test_registered_and_built_from_settings():
     assert isinstance(rule, GemRule)
     assert (rule.base, rule.momentum, rule.kappa, rule.eps, rule.divergence_threshold) == (0.5, 0.9, 1.0, 1e-12, 0.25)
     assert repr(rule) == (
-        "GemRule(base=0.5, momentum=0.9, kappa=1.0, eps=1e-12, reference='now', divergence_threshold=0.25)"
+        "GemRule(base=0.5, momentum=0.9, kappa=1.0, eps=1e-12, reference='sent', divergence_threshold=0.25)"
     )
 
 
@@ -273,7 +273,7 @@ def test_no_model_sized_allocation_after_the_first_mix(dtype):
     x = [make(rng.standard_normal(N_BIG), dtype)]
     sent = [x[0].copy()]
     p = [make(rng.standard_normal(N_BIG), dtype)]
-    rule, own = GemRule(), NodeState("a")
+    rule, own = GemRule(reference="now"), NodeState("a")
     rule.on_publish(own, sent)
     first = traced_peak(lambda: rule.mix(own, x, [peer("p", p)]))
     assert first >= rule.proxy[0].nbytes  # control: the probe sees the proxy allocated at first use
@@ -341,6 +341,6 @@ def test_reference_sent_hand_computed():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reference_sent_keeps_making_progress_where_now_stalls(seed):
     """Noise-free momentum SGD: the literal rule stalls near consensus; measuring d from x_sent does not."""
-    _, literal = _momentum_cluster(GemRule, seed, noise=0.0)
+    _, literal = _momentum_cluster(lambda: GemRule(reference="now"), seed, noise=0.0)
     _, sent = _momentum_cluster(lambda: GemRule(reference="sent"), seed, noise=0.0)
     assert sent[-1] < literal[-1] / 10

@@ -1,4 +1,4 @@
-"""Push-sum in pull form: mass conservation, exact averaging, lost-mass accounting."""
+"""Push-sum (SGP) in push form: the rule's shares and folds, and mass conservation in the simulator."""
 
 from __future__ import annotations
 
@@ -48,27 +48,31 @@ def noise(seed: int):
 
 def test_registry_and_factory():
     assert RULES["pushsum"] is PushSumRule and PushSumRule.name == "pushsum"
+    assert PushSumRule.transfer == "push"
     rule = make_rule("pushsum", PushSumSettings(), 0.25)
-    assert isinstance(rule, PushSumRule) and rule.divergence_threshold == 0.25
-    assert repr(rule) == "PushSumRule(divergence_threshold=0.25)"
+    assert isinstance(rule, PushSumRule) and rule.divergence_threshold == 0.25 and rule.overlap == 0
+    assert repr(rule) == "PushSumRule(overlap=0, divergence_threshold=0.25)"
+    assert make_rule("pushsum", PushSumSettings(overlap=3), 0.0).overlap == 3
+    with pytest.raises(ValueError, match="overlap"):
+        PushSumRule(overlap=-1)
 
 
-def test_serve_halves_and_failed_serve_gives_back():
+def test_push_shares_split_the_weight_evenly():
     rule = PushSumRule()
     own = node(rule)
     assert own.extras == {"weight": 1.0}
-    given = [rule.on_serve(own) for _ in range(3)]
-    assert given == [{"w_given": 0.5}, {"w_given": 0.25}, {"w_given": 0.125}]
-    assert own.extras["weight"] == 0.125
-    rule.on_serve_failed(own, given[1])  # that reply was never sent
-    assert own.extras["weight"] == 0.375
-    assert own.extras["weight"] + given[0]["w_given"] + given[2]["w_given"] == 1.0  # nothing created or lost
+    assert rule.push_shares(own, 1) == [{"w_given": 0.5}]
+    assert own.extras["weight"] == 0.5
+    shares = rule.push_shares(own, 3)  # keep a quarter, give a quarter to each of three
+    assert shares == [{"w_given": 0.125}] * 3 and own.extras["weight"] == 0.125
+    assert rule.push_shares(own, 0) == [] and own.extras["weight"] == 0.125
+    assert own.extras["weight"] + 0.5 + 3 * 0.125 == 1.0  # nothing created or lost
 
 
 def test_mix_hand_computed():
     rule = PushSumRule()
     own = node(rule, clock=4.0)
-    rule.on_serve(own)  # w = 0.5
+    rule.push_shares(own, 1)  # w = 0.5
     x = [np.array([3.0, 0.0, -3.0]), np.array([[6.0]])]
     peer = [np.array([0.0, 3.0, 3.0]), np.array([[0.0]])]
     out = rule.mix(own, x, [snap(peer, clock=1.0, w_given=0.25)])
@@ -78,13 +82,20 @@ def test_mix_hand_computed():
     np.testing.assert_allclose(x[1], [[4.0]], rtol=1e-15)
     assert own.extras["weight"] == 0.75
     assert own.clock == pytest.approx(3.0, abs=1e-15)  # (2/3)*4 + (1/3)*1
-    assert out.metrics == {
-        "weight": 0.75,
-        "mass_lost": 0.0,
-        "replies_lost_unknown": 0.0,
-        "bad_replies": 0.0,
-        "empty_replies": 0.0,
-    }
+    assert out.metrics == {"weight": 0.75, "pushes_returned": 0.0, "messages_received": 1.0, "bad_messages": 0.0}
+
+
+def test_a_returned_push_folds_the_mass_back_and_leaves_the_clock():
+    """A refused push comes back as a message named like the node: the same fold, no clock mixing."""
+    rule = PushSumRule(divergence_threshold=10.0)  # damping never applies to one's own mass
+    own = node(rule, name="a", clock=5.0, loss=1.0)
+    sent = [np.array([2.0, 2.0])]
+    given = rule.push_shares(own, 1)[0]
+    x = [np.array([4.0, 0.0])]  # trained since
+    out = rule.mix(own, x, [PeerSnapshot(NodeState("a", 4.0, 1.0, dict(given)), sent)])
+    np.testing.assert_allclose(x[0], [3.0, 1.0], rtol=1e-15)  # (0.5*x + 0.5*sent) / 1
+    assert own.extras["weight"] == 1.0 and own.clock == 5.0
+    assert (out.factor, out.peers) == (0.0, ()) and rule.returned == 1
 
 
 def test_no_peer_changes_nothing_and_still_reports():
@@ -93,12 +104,12 @@ def test_no_peer_changes_nothing_and_still_reports():
     x = [np.array([1.0, 2.0])]
     out = rule.mix(own, x, [])
     assert (out.factor, out.peers) == (0.0, ())
-    assert {"weight", "mass_lost", "replies_lost_unknown"} <= set(out.metrics)
+    assert {"weight", "pushes_returned", "bad_messages"} <= set(out.metrics)
     np.testing.assert_array_equal(x[0], [1.0, 2.0])
     assert own.clock == 2.0 and own.extras["weight"] == 1.0
 
 
-@pytest.mark.parametrize("w_given", [None, math.nan, math.inf, -math.inf, -0.5, "0.5", True, False, [0.5], 5.0])
+@pytest.mark.parametrize("w_given", [None, math.nan, math.inf, -math.inf, -0.5, 0.0, "0.5", True, False, [0.5], 5.0])
 def test_hostile_w_given_changes_nothing(w_given):
     rule = PushSumRule()
     own = node(rule, n=4, clock=3.0)  # total mass 4: 5.0 is impossible for an honest peer
@@ -109,45 +120,7 @@ def test_hostile_w_given_changes_nothing(w_given):
     assert (out.factor, out.peers) == (0.0, ())
     np.testing.assert_array_equal(x[0], before)
     assert own.clock == 3.0 and own.extras["weight"] == 1.0
-    assert rule.bad_replies == 1 and out.metrics["bad_replies"] == 1.0
-    assert rule.mass_lost == 0.0
-
-
-@pytest.mark.parametrize("w_given", [0.0, -0.0, 0])
-def test_a_reply_with_no_mass_is_skipped_not_counted_as_bad(w_given):
-    rule = PushSumRule()
-    own = node(rule, n=4, clock=3.0)
-    x = [np.array([1.0, -2.0, 0.5])]
-    before = x[0].copy()
-    out = rule.mix(own, x, [snap([np.array([9.0, 9.0, 9.0])], clock=50.0, w_given=w_given)])
-    assert (out.factor, out.peers) == (0.0, ())
-    np.testing.assert_array_equal(x[0], before)
-    assert own.extras["weight"] == 1.0 and rule.bad_replies == 0 and rule.empty_replies == 1
-
-
-def test_a_node_that_mixed_since_publishing_serves_no_mass():
-    """Between its update_wait (mix) and its next update_send the published model is pre-mix: no mass goes with it."""
-    rule = PushSumRule()
-    own = node(rule, n=4)
-    x = [np.zeros(3)]
-    rule.on_publish(own, [x[0].copy()])
-    assert rule.on_serve(own) == {"w_given": 0.5}  # serving the fresh snapshot halves the weight
-    rule.mix(own, x, [snap([np.ones(3)], w_given=0.5)])
-    assert own.extras["weight"] == 1.0
-    assert rule.on_serve(own) == {"w_given": 0.0}  # mixed since publishing
-    assert own.extras["weight"] == 1.0  # nothing handed out
-    rule.on_publish(own, [x[0].copy()])
-    assert rule.on_serve(own) == {"w_given": 0.5}
-
-
-def test_a_node_whose_params_were_replaced_serves_no_mass_until_it_publishes():
-    rule = PushSumRule()
-    own = node(rule, n=4)
-    rule.on_publish(own, [np.zeros(3)])
-    rule.on_params_replaced(own)  # e.g. a bootstrap copy of a peer
-    assert rule.on_serve(own) == {"w_given": 0.0} and own.extras["weight"] == 1.0
-    rule.on_publish(own, [np.zeros(3)])
-    assert rule.on_serve(own) == {"w_given": 0.5}
+    assert rule.bad_messages == 1 and out.metrics["bad_messages"] == 1.0
 
 
 def test_valid_mass():
@@ -180,19 +153,6 @@ def test_divergence_damps_the_factor_but_not_the_mass():
     assert own.extras["weight"] == 2.0
 
 
-def test_lost_replies_are_counted():
-    rule = PushSumRule()
-    own = node(rule)
-    rule.on_reply_lost(own, {"w_given": 0.25, "weight": 0.25})
-    rule.on_reply_lost(own, {"w_given": 0.125})
-    rule.on_reply_lost(own, None)
-    rule.on_reply_lost(own, {"weight": 1.0})  # a rejected reply without a readable w_given: unknown
-    assert rule.mass_lost == 0.375 and rule.replies_lost_unknown == 2
-    assert own.extras["weight"] == 1.0  # a lost reply brings nothing
-    m = rule.mix(own, [np.zeros(1)], []).metrics
-    assert (m["mass_lost"], m["replies_lost_unknown"]) == (0.375, 2.0)
-
-
 def test_mix_allocates_no_model_sized_temporaries():
     rule = PushSumRule()
     own = node(rule)
@@ -215,17 +175,17 @@ def test_fault_free_weights_always_sum_to_n(schedule, train):
     step = noise(4) if train else None
     saw_uneven = False
     for _ in range(40):
-        out = sim.run_round(train=step)
+        sim.run_round(train=step)
         w = weights(sim)
         assert math.fsum(w) == pytest.approx(n, abs=1e-9)
-        assert all(o.metrics["mass_lost"] == 0.0 and o.metrics["replies_lost_unknown"] == 0.0 for o in out.values())
         saw_uneven |= max(w) - min(w) > 0.1
-    # random peer choice serves some nodes several times a round: the weights really move
+    # random peer choice pushes to some nodes several times a round: the weights really move
     assert saw_uneven or schedule is not RandomSchedule
 
 
 @pytest.mark.parametrize("n", [8, 16])
 def test_exponential_graph_reaches_the_exact_average_in_log2_n_rounds(n):
+    """The push form on SGP's graph: after log2 N synchronous rounds every node holds the exact average."""
     sim = cluster(n, ExponentialSchedule, seed=n, size=10)
     mean = np.mean(sim.flats(), axis=0)
     rounds = int(math.log2(n))
@@ -234,46 +194,28 @@ def test_exponential_graph_reaches_the_exact_average_in_log2_n_rounds(n):
         err = max(float(np.abs(f - mean).max()) for f in sim.flats())
         if r < rounds - 1:
             assert err > 0.01  # not there before the last round
-    assert err < 1e-6
-    assert weights(sim) == [1.0] * n  # each node served exactly once a round: w = 1/2 + 1/2
+    assert err < 1e-12
+    assert weights(sim) == [1.0] * n  # each node received exactly one push a round: w = 1/2 + 1/2
 
 
-def test_rejected_reply_is_counted_as_lost_mass():
+def test_a_refused_push_returns_its_mass_and_the_average_stays_exact():
+    """Refused pushes (the network's busy / never-arrived) bring their share back: sum(w) stays N, and the
+    weighted average sum(w*x)/N is still the initial mean."""
     n = 8
     sim = cluster(n, ExponentialSchedule, seed=1)
-    # round 0: w1 fetches w2, whose weight is 1.0 -> the reply carries w_given = 0.5; it arrives but is rejected
-    lose = lambda fetcher, server: "rejected" if (fetcher, server) == ("w1", "w2") else None
-    out = sim.run_round(lose=lose)
-    assert sim["w1"].rule.mass_lost == 0.5 and out["w1"].metrics["mass_lost"] == 0.5
-    assert out["w1"].factor == 0.0 and out["w1"].peers == ()
-    assert sim["w1"].state.extras["weight"] == 0.5  # served w8, got nothing
-    assert sim["w2"].state.extras["weight"] == 1.0  # gave 0.5 (lost on the way to w1), got 0.5 from w3
-    assert all(sim[name].rule.mass_lost == 0.0 for name in sim.names if name != "w1")
-    total = lambda: math.fsum(weights(sim)) + sum(sim[name].rule.mass_lost for name in sim.names)
-    assert math.fsum(weights(sim)) == pytest.approx(n - 0.5, abs=1e-12)
-    assert total() == pytest.approx(n, abs=1e-9)
-    for k in range(20):  # more losses later, of whatever mass the reply carried
-        flaky = lambda f, s, k=k: "rejected" if (k + sum(map(ord, f + s))) % 5 == 0 else None
-        sim.run_round(lose=flaky, train=noise(k))
-        assert total() == pytest.approx(n, abs=1e-9)
-    assert sum(sim[name].rule.mass_lost for name in sim.names) > 1.0
-
-
-def test_timeout_counts_unknown_loss():
-    n = 4
-    sim = cluster(n, RingSchedule)
-    out = sim.run_round(lose=lambda f, s: "timeout" if f == "w3" else None)
-    rule = sim["w3"].rule
-    assert rule.replies_lost_unknown == 1 and rule.mass_lost == 0.0
-    assert out["w3"].metrics["replies_lost_unknown"] == 1.0
-    assert math.fsum(weights(sim)) == pytest.approx(n - 0.5, abs=1e-12)  # really gone, amount unknown to w3
-
-
-def test_lost_mass_only_biases_but_still_converges():
-    """With mass lost the nodes still agree (push-sum's de-biased x), though not on the exact initial mean."""
-    sim = cluster(8, ExponentialSchedule, seed=9)
-    spread0 = sim.spread()
-    sim.run_round(lose=lambda f, s: "rejected" if (f, s) == ("w5", "w6") else None)
-    for _ in range(60):
+    mean = np.mean(sim.flats(), axis=0)
+    out = sim.run_round(lose=lambda sender, peer: "rejected" if (sender, peer) == ("w1", "w2") else None)
+    assert sim["w1"].rule.returned == 1 and out["w1"].metrics["pushes_returned"] == 1.0
+    assert sim["w1"].state.extras["weight"] == 1.5  # kept 0.5, its 0.5 came back, w8 pushed 0.5 to it
+    assert sim["w2"].state.extras["weight"] == 0.5  # kept 0.5, w1's push to it never arrived
+    for k in range(30):
+        flaky = lambda s, p, k=k: "rejected" if (k + sum(map(ord, s + p))) % 3 == 0 else None
+        sim.run_round(lose=flaky)
+        assert math.fsum(weights(sim)) == pytest.approx(n, abs=1e-9)
+    weighted = sum(node.state.extras["weight"] * node.flat() for node in sim.nodes.values()) / n
+    np.testing.assert_allclose(weighted, mean, atol=1e-12)
+    assert sum(sim[name].rule.returned for name in sim.names) > 20
+    for _ in range(400):  # uneven weights: geometric, not log2 N, convergence
         sim.run_round()
-    assert sim.spread() < 1e-6 * spread0
+    assert sim.spread() < 1e-9
+    np.testing.assert_allclose(sim.flats()[0], mean, atol=1e-9)  # consensus on the exact initial mean

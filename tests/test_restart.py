@@ -62,9 +62,9 @@ def test_bootstrap_copies_a_peer_that_is_ahead_before_the_first_step(tmp_path: P
         assert all(np.array_equal(m, p) and m.dtype == p.dtype for m, p in zip(mine, published))
         assert late.clock == ahead.clock == 3.0
         assert late.stats()["bootstraps"] == 1
-        if rule == "pushsum":  # the copy took the half weight the reply carried: the total is still N
+        if rule == "pushsum":  # serving gives no mass (push-sum pushes it): the copy takes none either
             weights = [c.dpwa_state().extras["weight"] for c in (ahead, late)]
-            assert weights == [0.5, 1.5]
+            assert weights == [1.0, 1.0]
         late.update_send(mine, 1.0)  # then it trains normally
         late.update_wait(1.0)
         assert late.clock == 4.0
@@ -121,22 +121,25 @@ def test_a_node_far_behind_copies_its_first_peer(tmp_path: Path, gap: float) -> 
 
 
 @pytest.mark.timing
-def test_push_sum_mass_never_travels_with_the_model_a_catch_up_copy_replaced(tmp_path: Path) -> None:
+def test_push_sum_mass_is_kept_when_a_catch_up_copy_replaces_the_model(tmp_path: Path) -> None:
+    """A far-behind node's first message comes from a node far ahead: it copies that model outright and keeps
+    the mass the push carried, so the weights still sum to N."""
     cfg = write_cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=2000, bootstrap_gap=50, interpolation="pushsum")
     with DpwaConnection("w1", cfg, seed=1) as ahead, DpwaConnection("w2", cfg, seed=2) as node:
         ahead.restore_state(DpwaState(clock=200.0, step=200, rule="pushsum", extras={"weight": 1.0}))
-        theirs = arrays(1)
-        ahead.update_send(theirs, 1.0)  # its fetch of w2 finds nothing published yet
+        mine, theirs = arrays(2), arrays(1)
+        node.update_send(mine, 1.0)  # w1 has published nothing: the push is refused and its mass comes back
+        node.update_wait(1.0)
+        assert node.last_exchange["returned"] == 1 and node.dpwa_state().extras["weight"] == 1.0
+        ahead.update_send(theirs, 1.0)  # pushes (x, 0.5) to w2 and waits for the ACK
         ahead.update_wait(1.0)
-        mine = arrays(2)
-        node.update_send(mine, 1.0)  # publishes its own (soon replaced) model
+        assert ahead.stats()["pushes_delivered"] == 1
+        node.update_send(mine, 1.0)  # keeps 0.5, pushes 0.5 to w1
         assert node.update_wait(1.0) == 1.0 and node.last_exchange["bootstrap"] == 1.0
-        weight_after_copy = node.dpwa_state().extras["weight"]
-        assert node.last_exchange["weight"] == weight_after_copy  # the rule's state is in the record of a copy too
-        ahead.update_send(theirs, 1.0)  # fetches w2 before w2 publishes again: its snapshot is the old model
-        assert ahead.update_wait(1.0) == 0.0
-        assert ahead.last_exchange["empty_replies"] == 1.0  # served "no mass", not half of w2's weight
-        assert node.dpwa_state().extras["weight"] == weight_after_copy
+        assert all(np.array_equal(m, t) for m, t in zip(mine, theirs))
+        assert node.clock == 201.0
+        assert node.last_exchange["weight"] == node.dpwa_state().extras["weight"] == 1.0  # 0.5 kept + 0.5 carried
+        ahead.update_wait(1.0)  # folds w2's push in
         weights = [c.dpwa_state().extras["weight"] for c in (ahead, node)]
         assert math.isclose(sum(weights), 2.0, abs_tol=1e-12), weights
 

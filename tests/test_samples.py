@@ -24,7 +24,7 @@ from dpwa.tools.simulation import SimNode, Simulation
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples"
 ALL_SAMPLES = sorted(SAMPLES.glob("*.yaml"))
-RULE_SAMPLES = ("gem", "pushsum", "leader", "group")  # one samples/<rule>.yaml each
+RULE_SAMPLES = ("gem", "pushsum", "leader", "group", "adpsgd", "dpsgd")  # one samples/<rule>.yaml each
 
 
 def test_the_samples_directory_holds_a_sample_per_new_rule() -> None:

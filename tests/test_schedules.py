@@ -7,13 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from dpwa.config import GroupSettings, PushSumSettings
+from dpwa.config import DpsgdSettings, GroupSettings, PushSumSettings
 from dpwa.rules import NodeState
 from dpwa.rules.schedules import (
     SCHEDULES,
     ExponentialSchedule,
     GroupsSchedule,
     LeaderSchedule,
+    NeighboursSchedule,
     RandomSchedule,
     RingSchedule,
     Round,
@@ -157,13 +158,16 @@ def test_groups_validation():
 
 
 def test_make_schedule():
-    assert set(SCHEDULES) == {"random", "exponential", "ring", "leader", "groups"}
+    assert set(SCHEDULES) == {"random", "exponential", "ring", "leader", "groups", "neighbours"}
     for name, cls in SCHEDULES.items():
         assert cls.name == name
     assert isinstance(make_schedule("exponential"), ExponentialSchedule)
     assert isinstance(make_schedule("ring", PushSumSettings()), RingSchedule)
     g = make_schedule("groups", GroupSettings(group_size=3, sync_every=7))
     assert isinstance(g, GroupsSchedule) and (g.group_size, g.sync_every) == (3, 7)
+    nb = make_schedule("neighbours", DpsgdSettings(graph="exponential"))
+    assert isinstance(nb, NeighboursSchedule) and nb.graph == "exponential"
+    assert make_schedule("neighbours").graph == "ring"
 
 
 def test_make_schedule_errors():

@@ -12,6 +12,7 @@ is counted and never reaches them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -28,10 +29,12 @@ import zmq
 from dpwa.checkpoint import DpwaState
 from dpwa.config import ClusterConfig
 from dpwa.node import recovery, wire
+from dpwa.node.inbox import InboxSlot, PushReceiver
 from dpwa.node.peers import FlowControl
-from dpwa.node.snapshots import SnapshotPool
+from dpwa.node.pushes import Push, PushLedger
+from dpwa.node.snapshots import Snapshot, SnapshotPool
 from dpwa.node.stats import NodeStats, OnceLog
-from dpwa.node.transport import FetchJob, FetchTarget, Reply, RxServer, TxFetcher
+from dpwa.node.transport import VERDICT_SLACK_S, FetchJob, FetchTarget, Reply, RxServer, TxFetcher
 from dpwa.node.wire import ErrorCode, Header, Layout
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.schedules import Round, Schedule
@@ -98,6 +101,22 @@ class Node:
         self.mixing = False
         self.last_exchange: dict[str, Any] | None = None
         self.closed = False
+        self.transfer = rule.transfer
+        self.ledger = PushLedger() if rule.transfer == "push" else None
+        self.inbox: PushReceiver | None = None
+        if rule.transfer in ("push", "exchange"):
+            self.inbox = PushReceiver(
+                name,
+                self.names,
+                self.layouts,
+                config.inbox_slots,
+                config.timeout_ms / 1000.0,
+                self.stats.add,
+                self.stats.reject_push,
+                self.release_snapshot,
+                check_identity=config.security.curve,
+            )
+        self.pushed_this_step = 0
         self.ctx = zmq.Context(io_threads=1)
         self.security: NodeSecurity | None = None
         try:
@@ -112,6 +131,8 @@ class Node:
                 self.stats.add,
                 name=f"dpwa-rx-{name}",
                 setup=self.security.server if self.security is not None else None,
+                pushes=self.inbox,
+                node=name,
             )
         except BaseException:  # a busy port, a missing key: stop what started, then raise
             if self.security is not None:
@@ -128,6 +149,9 @@ class Node:
             self.stats.add,
             name=f"dpwa-tx-{name}",
             setup=self.security.client if self.security is not None else None,
+            on_push=self.on_push if self.inbox is not None else None,
+            on_push_unknown=self.on_push_unknown,
+            retry_s=config.timeout_ms / 1000.0,
         )
         self.rx.start()
         self.tx.start()
@@ -155,10 +179,16 @@ class Node:
     def setup_layout(self, params: Sequence[np.ndarray]) -> None:
         layout = Layout.of(params)
         wire_layout = layout.on_wire(self.config.wire_dtype)
-        self.pool = SnapshotPool(layout, wire=wire_layout, name=self.name, defer=self.exchanging)
-        for _ in range(max(1, self.schedule.max_fanout(len(self.names)))):
+        held = 0  # snapshots a push rule keeps leased: one per unsettled push, one per exchange in the inbox
+        if self.inbox is not None:
+            held = self.config.inbox_slots + max(1, self.schedule.max_fanout(len(self.names))) * (self.rule.overlap + 2)
+        self.pool = SnapshotPool(layout, max_size=6 + held, wire=wire_layout, name=self.name, defer=self.exchanging)
+        fetched = 1 if self.transfer == "push" else self.schedule.max_fanout(len(self.names))  # push: bootstrap only
+        for _ in range(max(1, fetched)):
             buffer = layout.allocate()
             self.receive_slots.append((buffer, layout.views(buffer)))
+        if self.inbox is not None:
+            self.inbox.allocate(layout)
         self.wire_layout = wire_layout
         self.layout = layout
         log.info(
@@ -192,9 +222,9 @@ class Node:
             raise ValueError("params changed layout (count, dtype or shape) since the first update_send")
         self.params = list(params)
 
-    def publish(self, *, tick: bool) -> None:
+    def publish(self, *, tick: bool) -> Snapshot | None:
         """Publish a snapshot of ``params`` (``tick``: ``clock += 1`` first, as ``update_send`` does) and hand
-        the rule the values published."""
+        the rule the values published; the snapshot, or None when every buffer was busy."""
         assert self.pool is not None and self.params is not None
         with self.state_lock:
             if tick:
@@ -211,6 +241,7 @@ class Node:
             published = snapshot.readonly
         with self.state_lock:
             self.rule.on_publish(self.state, published)
+        return snapshot
 
     def update_send(self, params: Sequence[np.ndarray], loss: Any) -> None:
         value = _as_loss(loss)
@@ -218,11 +249,52 @@ class Node:
         self.take_params(params)
         with self.state_lock:
             self.state.loss = value
-        self.publish(tick=True)
-        self.start_fetch()
+        snapshot = self.publish(tick=True)
+        if self.transfer == "push":
+            self.start_push(snapshot)
+        else:
+            self.start_fetch(snapshot)
         self.step += 1
 
-    def start_fetch(self) -> None:
+    def choose_peers(self) -> tuple[list[str], bool]:
+        """This round's peers (schedule, else flow control; down peers left out), and whether any was wanted."""
+        with self.state_lock:
+            wanted = self.schedule.targets(Round(self.name, self.names, self.step, self.state))
+        with self.flow_lock:
+            if wanted is None:
+                chosen = self.flow.choose(self.schedule.fanout)
+            else:
+                chosen = self.flow.admit([p for p in wanted if p != self.name])
+        return chosen, wanted is None or bool(wanted)
+
+    def release_snapshot(self, snapshot: Snapshot, tracker: Any = None) -> None:
+        """End a lease on ``snapshot`` (``tracker``: ZeroMQ may still be sending from it)."""
+        assert self.pool is not None
+        self.pool.release(snapshot, tracker)
+
+    def start_push(self, snapshot: Snapshot | None) -> None:
+        """Push the snapshot just published to this round's peers (``push`` rules), giving each its share."""
+        assert self.ledger is not None and self.pool is not None
+        self.pushed_this_step = 0
+        if self.rng.random() >= self.config.fetch_probability:
+            return
+        chosen, _ = self.choose_peers()
+        ready = [p for p in chosen if not self.ledger.busy(p) and p not in self.ledger.unsupported]
+        if snapshot is None or not ready:
+            self.stats.add("pushes_skipped")
+            return
+        with self.state_lock:
+            shares = self.rule.push_shares(self.state, len(ready))
+        deadline = time.monotonic() + self.config.timeout_ms / 1000.0
+        prepare = functools.partial(self.pool.prepare_push, snapshot)
+        for peer, given in zip(ready, shares):
+            self.pool.retain(snapshot)
+            push = Push(peer, next(self.requests), given, snapshot, deadline, prepare=prepare)
+            self.ledger.open(push)
+            self.tx.submit_push(push)
+        self.pushed_this_step = len(ready)
+
+    def start_fetch(self, snapshot: Snapshot | None = None) -> None:
         if self.pending is not None and not self.pending.done.is_set():
             self.stats.add("fetches_skipped")  # update_wait was not called for the previous fetch
             return
@@ -230,23 +302,36 @@ class Node:
         if self.rng.random() >= self.config.fetch_probability:
             return
         with self.state_lock:
-            wanted = self.schedule.targets(Round(self.name, self.names, self.step, self.state))
             request_extras = self.rule.request_extras(self.state)
-        with self.flow_lock:
-            if wanted is None:
-                chosen = self.flow.choose(self.schedule.fanout)
-            else:
-                chosen = self.flow.admit([p for p in wanted if p != self.name])
+        chosen, wanted = self.choose_peers()
         chosen = chosen[: len(self.receive_slots)]
         if not chosen:
             self.stats.add("fetches_skipped")
-            if not self.alone and len(self.names) > 1 and (wanted is None or wanted):
+            if not self.alone and len(self.names) > 1 and wanted:
                 log.warning("node %s: no peer is up; training alone (factor 0) until one answers", self.name)
             self.alone = True
             return
         targets = [FetchTarget(peer, buf, views) for peer, (buf, views) in zip(chosen, self.receive_slots)]
         deadline = time.monotonic() + self.config.timeout_ms / 1000.0
-        self.pending = FetchJob(next(self.requests), targets, deadline, request_extras)
+        req = next(self.requests)
+        push = None
+        if self.transfer == "exchange":  # AD-PSGD: the fetch carries this node's snapshot to the one peer
+            if snapshot is None:
+                self.stats.add("fetches_skipped")
+                return
+            assert self.pool is not None
+            targets = targets[:1]
+            self.pool.retain(snapshot)
+            push = Push(
+                targets[0].peer,
+                req,
+                {},
+                snapshot,
+                deadline,
+                prepare=functools.partial(self.pool.prepare_push, snapshot),
+                release=functools.partial(self.release_snapshot, snapshot),
+            )
+        self.pending = FetchJob(req, targets, deadline, request_extras, push=push)
         self.tx.submit(self.pending)
 
     def update_wait(self, loss: Any) -> float:
@@ -272,37 +357,86 @@ class Node:
             self.on_target(job, target)
         self.check_threads()  # the TX thread may have died while we waited
         mixing = time.perf_counter()
+        returned = self.wait_pushes()
         targets = job.targets if job is not None else []
         peers = [
             PeerSnapshot(NodeState(t.peer, t.header.clock, t.header.loss, dict(t.header.extras)), t.views)
             for t in targets
             if t.status == "ok" and t.header is not None
         ]
-        with self.state_lock:
-            clock_before = self.state.clock
-            for t in targets:
-                if t.status in ("timeout", "rejected"):
-                    self.rule.on_reply_lost(self.state, dict(t.header.extras) if t.header is not None else None)
-            outcome = self.catch_up(peers) if peers and not self.caught_up else None
-            if outcome is None:
-                outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track their motion
+        slots = self.inbox.drain() if self.inbox is not None else []
+        try:
+            received = [self.slot_message(s) for s in slots]
+            peers += received
+            peers += [
+                PeerSnapshot(
+                    NodeState(self.name, p.snapshot.clock, p.snapshot.loss, dict(p.given)), p.snapshot.readonly
+                )
+                for p in returned
+            ]
+            with self.state_lock:
+                clock_before = self.state.clock
+                for t in targets:
+                    if t.status in ("timeout", "rejected"):
+                        self.rule.on_reply_lost(self.state, dict(t.header.extras) if t.header is not None else None)
+                others = [p for p in peers if p.state.name != self.name]  # a returned push is not a peer
+                outcome = self.catch_up(peers) if others and not self.caught_up else None
+                if outcome is None:
+                    outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track motion
+        finally:
+            if self.inbox is not None:
+                self.inbox.release(slots)
+            for p in returned:
+                self.release_snapshot(p.snapshot, p.tracker)
         mixed = time.perf_counter()
-        if peers:
+        if len(peers) > len(returned):
             self.stats.add("mixes")
+        names = [t.peer for t in targets] + [m.state.name for m in received]
         record: dict[str, Any] = {
             "step": clock_before,
             "factor": outcome.factor,
-            "peer": ",".join(t.peer for t in targets) or None,
-            "status": ",".join(t.status for t in targets) or None,
+            "peer": ",".join(names) or None,
+            "status": ",".join([t.status for t in targets] + ["pushed"] * len(received)) or None,
             "bytes": sum(t.nbytes for t in targets),
             "fetch_ms": max((t.ms for t in targets), default=0.0),
             "clock_gap": (sum(p.state.clock for p in peers) / len(peers) - clock_before) if peers else None,
             "wait_ms": (mixing - waited) * 1000.0,
             "mix_ms": (mixed - mixing) * 1000.0,
         }
+        if self.inbox is not None:
+            record["received"] = len(received)
+        if self.ledger is not None:
+            record["pushed"] = self.pushed_this_step
+            record["returned"] = len(returned)
+            record["unacked"] = len(self.ledger.unresolved())
         record.update(outcome.metrics)
         self.last_exchange = record
         return outcome.factor
+
+    def wait_pushes(self) -> list[Push]:
+        """``push`` rules: wait (bounded by the pushes' deadlines) until at most ``rule.overlap`` pushes await an
+        answer; release the delivered ones' snapshots and return the refused ones (their mass comes back)."""
+        if self.ledger is None:
+            return []
+        self.ledger.wait_until(self.rule.overlap, VERDICT_SLACK_S)
+        returned = []
+        for push in self.ledger.collect():
+            if push.status == "delivered":
+                self.stats.add("pushes_delivered")
+                self.release_snapshot(push.snapshot, push.tracker)
+            else:
+                self.stats.add("pushes_returned")
+                returned.append(push)
+        return returned
+
+    def slot_message(self, slot: InboxSlot) -> PeerSnapshot:
+        """What an inbox slot holds, as a peer for the rule (an exchange with the snapshot served as reference)."""
+        header = slot.header
+        assert header is not None
+        reference = slot.served.readonly if slot.served is not None else None
+        return PeerSnapshot(
+            NodeState(slot.sender, header.clock, header.loss, dict(header.extras)), slot.views, reference
+        )
 
     # ------------------------------------------------------------ trainer thread: recovery
 
@@ -401,7 +535,8 @@ class Node:
         """Count a finished fetch and feed flow control."""
         peer = target.peer
         self.stats.peer_outcome(peer, target.status)
-        not_ready = target.status == "refused" and target.code == wire.ErrorCode.NOT_READY.value
+        # a peer starting up, or whose inbox is full, is alive: no penalty, ask again next time
+        not_ready = target.status == "refused" and target.code in (ErrorCode.NOT_READY.value, ErrorCode.BUSY.value)
         if target.status == "ok":
             self.stats.fetch_done(target.ms, target.nbytes)
             with self.flow_lock:
@@ -410,7 +545,7 @@ class Node:
                 log.info("node %s: peer %s answers; mixing again", self.name, peer)
                 self.alone = False
             return
-        if not not_ready:  # a peer still starting up is alive: no penalty, ask again next time
+        if not not_ready:
             with self.flow_lock:
                 self.flow.failure(peer)
         if target.status == "timeout" and target.late:
@@ -444,6 +579,34 @@ class Node:
                 f": {target.detail}" if target.detail else "",
             )
 
+    def on_push(self, push: Push, status: str, code: str) -> None:
+        """The TX thread settled ``push``: delivered (ACK) or refused (ERROR); a peer that takes no pushes is
+        never pushed to again in this session."""
+        if self.ledger is None:  # pragma: no cover - only push rules open pushes
+            return
+        if status == "refused" and code == ErrorCode.UNSUPPORTED.value and push.peer not in self.ledger.unsupported:
+            self.ledger.unsupported.add(push.peer)
+            log.warning(
+                "node %s: peer %s takes no pushes (its rule is pull-only); not pushing to it again",
+                self.name,
+                push.peer,
+            )
+        elif status == "refused":
+            self.once.warning(
+                (push.peer, "push", code),
+                "node %s: peer %s refused a push: %s",
+                self.name,
+                push.peer,
+                code,
+                level=logging.INFO if code == ErrorCode.BUSY.value else logging.WARNING,
+            )
+        self.ledger.settle(push, status, code)
+
+    def on_push_unknown(self, push: Push) -> None:
+        """A push is past its deadline without an answer: the ledger marks it unknown (a SETTLE query follows)."""
+        if self.ledger is not None:
+            self.ledger.mark_unknown(push, time.monotonic(), self.config.timeout_ms / 1000.0)
+
     # ------------------------------------------------------------ ZAP thread
 
     def on_auth_denied(self, address: str) -> None:
@@ -475,6 +638,19 @@ class Node:
         snapshot = pool.lease()
         if snapshot is None:
             return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
+        if request.exchange >= 0:  # AD-PSGD: the push that came just before keeps this snapshot as its pair
+            if self.inbox is None:
+                pool.release(snapshot)
+                return Reply(wire.encode_error(self.name, request.req, ErrorCode.UNSUPPORTED, "no exchanges here"))
+            pool.retain(snapshot)
+            if not self.inbox.serve_exchange(request.node, request.exchange, snapshot):
+                pool.release(snapshot)
+                pool.release(snapshot)
+                return Reply(
+                    wire.encode_error(
+                        self.name, request.req, ErrorCode.NOT_DELIVERED, "the exchange's push is not here"
+                    )
+                )
         try:
             with self.state_lock:
                 if request.extras:
@@ -519,6 +695,12 @@ class Node:
         out["rule"] = self.rule.name
         out["schedule"] = self.schedule.name
         out["snapshot_buffers"] = len(self.pool) if self.pool is not None else 0
+        if self.ledger is not None:
+            out["push_in_flight"] = self.ledger.in_flight("w_given")
+            out["pushes_unsettled"] = len(self.ledger.unresolved())
+        if self.inbox is not None:
+            out["inbox_mass"] = self.inbox.pending_mass("w_given")
+            out["inbox_occupied"] = self.inbox.occupied()
         out["rx_alive"], out["tx_alive"] = self.rx.is_alive(), self.tx.is_alive()
         out["thread_errors"] = {
             role: repr(thread.failure) for role, thread in (("rx", self.rx), ("tx", self.tx)) if thread.failure

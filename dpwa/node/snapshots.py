@@ -112,8 +112,10 @@ class SnapshotPool:
         self._defer = defer
         self._converter: threading.Thread | None = None
         self._rx_writer: PayloadWriter | None = None
+        self._tx_writer: PayloadWriter | None = None
         if self.wire is not layout:
             self._rx_writer = PayloadWriter(layout, self.wire)
+            self._tx_writer = PayloadWriter(layout, self.wire)
             self._bg_writer = PayloadWriter(layout, self.wire)
             self._converter = threading.Thread(target=self._convert_loop, name=f"dpwa-wire-{name}", daemon=True)
             self._converter.start()
@@ -174,6 +176,16 @@ class SnapshotPool:
         """
         if self._rx_writer is not None:
             self._round(snapshot, upto, self._rx_writer)
+
+    def prepare_push(self, snapshot: Snapshot, upto: int) -> None:
+        """:meth:`prepare` for the TX thread, which pushes a leased snapshot (its own scratch)."""
+        if self._tx_writer is not None:
+            self._round(snapshot, upto, self._tx_writer)
+
+    def retain(self, snapshot: Snapshot) -> None:
+        """One more lease on ``snapshot`` (already leased or published by the caller); ``release`` ends it."""
+        with self._lock:
+            snapshot.leases += 1
 
     def _round(self, snapshot: Snapshot, upto: int, writer: PayloadWriter) -> None:
         assert snapshot.wire_views is not None

@@ -26,6 +26,28 @@ COUNTERS = (
     "snapshots_skipped",  # update_send found every snapshot buffer busy and kept the previous one
     "bytes_in",
     "bytes_out",
+    # push rules (pushsum, adpsgd): the sending end
+    "pushes_sent",  # pushes streamed to a peer
+    "pushes_delivered",  # pushes the receiver acknowledged (ACK)
+    "pushes_returned",  # pushes refused (busy, invalid, never arrived): their mass came back
+    "pushes_unknown",  # pushes past their deadline without an answer: settled by a SETTLE query
+    "push_queries",  # SETTLE queries sent about such pushes
+    "pushes_skipped",  # steps whose push was skipped: the target still had one unsettled, or no target
+    "push_send_queue_full",  # pushes (or part of one) the peer's send queue had no room for
+    "settles_dropped",  # SETTLEs the send queue had no room for (a query is asked again)
+    "acks_unmatched",  # ACKs of no push in flight (a commit's ACK, a repeat)
+    # push rules: the receiving end
+    "pushes_received",  # pushes taken whole into the inbox and acknowledged
+    "pushes_busy",  # pushes refused with ERROR busy (inbox full, or the sender's last one unmixed)
+    "pushes_stale",  # PUSH headers repeating a sequence number already settled
+    "push_stale_chunks",  # chunk messages of no push being received, discarded
+    "pushes_expired",  # pushes that did not arrive whole within timeout_ms: slot freed
+    "pushes_rejected",  # pushes refused by validation (by reason in push_rejected_by_reason)
+    "pushes_unsupported",  # pushes or settles sent to this node although its rule takes none
+    "answers_dropped",  # ACK / ERROR answers the requester's queue had no room for
+    "exchanges_committed",  # AD-PSGD exchanges confirmed by the fetcher: mixed at the next update_wait
+    "exchanges_aborted",  # exchanges the fetcher withdrew (its reply was lost or rejected)
+    "exchanges_expired",  # exchanges neither committed nor aborted in time: dropped, not mixed
 )
 
 
@@ -36,6 +58,7 @@ class NodeStats:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._rejected: Counter[str] = Counter()
+        self._push_rejected: Counter[str] = Counter()
         self._by_peer: dict[str, Counter[str]] = {}
         self._fetch_ms_total = 0.0
 
@@ -51,6 +74,12 @@ class NodeStats:
             self._counts["bytes_in"] += received_bytes
             self._rejected[reason] += 1
 
+    def reject_push(self, reason: str) -> None:
+        """Count a push refused by validation, under its reason."""
+        with self._lock:
+            self._counts["pushes_rejected"] += 1
+            self._push_rejected[reason] += 1
+
     def fetch_done(self, ms: float, nbytes: int) -> None:
         """Count a good fetch of ``nbytes`` that took ``ms``."""
         with self._lock:
@@ -64,10 +93,11 @@ class NodeStats:
             self._by_peer.setdefault(peer, Counter())[outcome] += 1
 
     def snapshot(self) -> dict[str, Any]:
-        """All counters, ``rejected_by_reason``, ``by_peer`` outcomes and ``mean_fetch_ms``."""
+        """All counters, ``rejected_by_reason``, ``push_rejected_by_reason``, ``by_peer``, ``mean_fetch_ms``."""
         with self._lock:
             out: dict[str, Any] = dict(self._counts)
             out["rejected_by_reason"] = dict(self._rejected)
+            out["push_rejected_by_reason"] = dict(self._push_rejected)
             out["by_peer"] = {peer: dict(c) for peer, c in self._by_peer.items()}
             ok = self._counts["fetches_ok"]
             out["mean_fetch_ms"] = self._fetch_ms_total / ok if ok else 0.0

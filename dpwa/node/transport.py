@@ -33,7 +33,9 @@ import numpy as np
 import zmq
 
 from dpwa.node import wire
-from dpwa.node.wire import CHUNK_BYTES, Header, Kind, Layout, PayloadReader, WireError
+from dpwa.node.inbox import PushReceiver
+from dpwa.node.pushes import Push
+from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Kind, Layout, PayloadReader, WireError
 from dpwa.utils.socket_thread import POLL_MS, SocketThread
 
 __all__ = [
@@ -105,7 +107,10 @@ class Reply:
 class RxServer(SocketThread):
     """Serves FETCH requests on a bound ROUTER socket by calling ``serve(header) -> Reply``.
 
-    A failure (DpwaConnection raises it in the trainer's next call) means the node no longer serves."""
+    With ``pushes`` it also takes PUSH messages (header, then tagged chunks) and SETTLEs into that
+    inbox and answers them (ACK / ERROR); without, it answers both with ERROR ``unsupported``, and
+    its frames stay limited to a request's size. A failure (DpwaConnection raises it in the
+    trainer's next call) means the node no longer serves."""
 
     failure_message = "RX thread failed: this node no longer serves its peers"
 
@@ -119,6 +124,9 @@ class RxServer(SocketThread):
         name: str = "dpwa-rx",
         sndhwm: int = REPLIES_QUEUED,
         setup: Callable[[zmq.Socket], None] | None = None,
+        pushes: PushReceiver | None = None,
+        chunk: int = CHUNK_BYTES,
+        node: str = "-",
     ) -> None:
         # Bind here, in the caller's thread, so that a busy port fails the constructor loudly.
         super().__init__(ctx.socket(zmq.ROUTER), name=name)
@@ -126,11 +134,15 @@ class RxServer(SocketThread):
         self._hwm = sndhwm
         self._serve = serve
         self._on_event = on_event
+        self._pushes = pushes
+        self._node = node
+        self._next_tick = 0.0
         _common_options(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, sndhwm)
         self._sock.setsockopt(zmq.RCVHWM, 64)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        # A push's chunk frames are up to a chunk; a node that takes no pushes keeps a request's limit.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_REQUEST_BYTES, chunk) if pushes else MAX_REQUEST_BYTES)
         tune_data_socket(self._sock)
         try:
             if setup is not None:  # e.g. make it a CURVE server (dpwa.security.curve); must precede bind
@@ -141,23 +153,58 @@ class RxServer(SocketThread):
             raise OSError(f"cannot bind {endpoint}: {exc}") from exc
         self.endpoint = endpoint
 
+    def _poll_ms(self) -> int:
+        return 10 if self._pushes is not None else POLL_MS
+
+    def _tick(self) -> None:
+        """Expire pushes that stalled and send ACKs a test hook held back (every 10 ms at most)."""
+        if self._pushes is None:
+            return
+        now = time.monotonic()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + 0.01
+        self._pushes.expire(now)
+        for identity, frame in self._pushes.take_delayed(now):
+            self._answer(self._sock, identity, frame)
+
+    def _answer(self, sock: zmq.Socket, identity: bytes, frame: bytes | None) -> None:
+        """Send a small answer (ACK / ERROR) to ``identity``; a full or vanished queue drops it (counted)."""
+        if frame is None:
+            return
+        try:
+            sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            self._on_event("answers_dropped", 1)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._on_event("answers_dropped", 1)
+
     def _handle_one(self, sock: zmq.Socket) -> None:
         identity = sock.recv(zmq.NOBLOCK)
         if not sock.get(zmq.RCVMORE):
             self._on_event("requests_rejected", 1)
             return
-        frame = sock.recv(zmq.NOBLOCK)
+        head = sock.recv(zmq.NOBLOCK, copy=False)
         if sock.get(zmq.RCVMORE):
+            tag = wire.decode_chunk_tag(head.buffer)
+            if tag is not None and self._pushes is not None:
+                self._answer(sock, identity, self._pushes.chunk(identity, tag[0], tag[1], sock))
+                return
             _discard_rest(sock)
-            self._on_event("requests_rejected", 1)
+            self._on_event("push_stale_chunks" if tag is not None else "requests_rejected", 1)
             return
         try:
-            header = wire.decode_header(frame)
-            if header.kind is not Kind.FETCH:
-                raise WireError("header", f"expected FETCH, got {header.kind.name}")
+            header = wire.decode_header(head.buffer)
+            if header.kind not in (Kind.FETCH, Kind.PUSH, Kind.SETTLE):
+                raise WireError("header", f"expected FETCH, PUSH or SETTLE, got {header.kind.name}")
         except WireError as exc:
             log.debug("dropping bad request: %s", exc)
             self._on_event("requests_rejected", 1)
+            return
+        if header.kind is not Kind.FETCH:
+            self._push_message(sock, identity, header, head)
             return
         try:
             reply = self._serve(header)
@@ -182,6 +229,24 @@ class RxServer(SocketThread):
         finally:
             if reply.sent is not None:
                 reply.sent(zmq.MessageTracker(*frames) if frames else None)
+
+    def _push_message(self, sock: zmq.Socket, identity: bytes, header: Header, head: zmq.Frame) -> None:
+        """A PUSH header or a SETTLE: hand it to the inbox and send its answer."""
+        if self._pushes is None:
+            self._on_event("pushes_unsupported", 1)
+            answer = wire.encode_error(
+                self._node, header.req, ErrorCode.UNSUPPORTED, "this node's rule takes no pushes"
+            )
+            self._answer(sock, identity, answer)
+            return
+        try:
+            user: str | None = head.get("User-Id")  # the CURVE identity ZAP gave the connection
+        except zmq.ZMQError:
+            user = None
+        if header.kind is Kind.PUSH:
+            self._answer(sock, identity, self._pushes.begin(identity, header, user))
+        else:
+            self._answer(sock, identity, self._pushes.settle(identity, header, user))
 
     def _payload_frame(self, reply: Reply, index: int, frames: list[zmq.Frame]) -> zmq.Frame:
         if reply.prepare is not None:
@@ -261,6 +326,8 @@ class FetchJob:
     targets: list[FetchTarget]
     deadline: float
     extras: dict[str, Any] = field(default_factory=dict)  # sent with the request (rule push-pull state)
+    push: Push | None = None
+    """An exchange: this push (of the fetcher's own snapshot) goes to its peer just before the FETCH."""
     started: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     expired: bool = False
@@ -325,6 +392,9 @@ class TxFetcher(threading.Thread):
         name: str = "dpwa-tx",
         chunk: int = CHUNK_BYTES,
         setup: Callable[[zmq.Socket, str], None] | None = None,
+        on_push: Callable[[Push, str, str], None] | None = None,
+        on_push_unknown: Callable[[Push], None] | None = None,
+        retry_s: float = 1.0,
     ) -> None:
         super().__init__(name=name, daemon=True)
         self._ctx = ctx
@@ -336,6 +406,15 @@ class TxFetcher(threading.Thread):
         self._on_event = on_event
         self._chunk = chunk
         self._jobs: queue.SimpleQueue[FetchJob] = queue.SimpleQueue()
+        self._push_queue: queue.SimpleQueue[Push] = queue.SimpleQueue()
+        self._pushes: dict[tuple[str, int], Push] = {}
+        """Pushes sent and not settled yet, by (peer, sequence number)."""
+        self._settles: list[tuple[str, int, str]] = []
+        """SETTLEs to send at the end of this wake: (peer, sequence number, op)."""
+        self._on_push = on_push
+        self._on_push_unknown = on_push_unknown
+        self._retry_s = retry_s
+        self._sndhwm = 4
         self._stop_flag = threading.Event()
         address = f"inproc://dpwa-tx-wake-{id(self)}"
         self._wake_rx = ctx.socket(zmq.PAIR)
@@ -354,6 +433,11 @@ class TxFetcher(threading.Thread):
     def submit(self, job: FetchJob) -> None:
         """Queue a job and wake the thread."""
         self._jobs.put(job)
+        self._wake()
+
+    def submit_push(self, push: Push) -> None:
+        """Queue a push (already in the node's ledger) and wake the thread."""
+        self._push_queue.put(push)
         self._wake()
 
     def stop(self) -> None:
@@ -380,10 +464,7 @@ class TxFetcher(threading.Thread):
         job: FetchJob | None = None
         try:
             while not self._stop_flag.is_set():
-                timeout = POLL_MS
-                if job is not None:
-                    timeout = max(0, min(POLL_MS, int((job.deadline - time.monotonic()) * 1000) + 1))
-                events = dict(poller.poll(timeout))
+                events = dict(poller.poll(self._poll_timeout(job)))
                 if self._wake_rx in events:
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
@@ -396,33 +477,154 @@ class TxFetcher(threading.Thread):
                             self._finish(job, target, "timeout", "timeout", "no reply before the deadline")
                             self._reset(poller, target.peer)
                 if job is not None and all(t.status != "pending" for t in job.targets):
-                    job.done.set()
+                    self._job_done(job)
                     job = None
+                self._push_work(poller)
                 if job is None:
                     try:
                         job = self._jobs.get_nowait()
                     except queue.Empty:
+                        self._send_settles(poller)
                         continue
                     if job.expired:  # queued while this thread was busy; update_wait already gave up on it
-                        job.done.set()
+                        self._job_done(job)
                         job = None
                         continue
                     self._start(poller, job)
+                self._send_settles(poller)
         except Exception as exc:  # a bug, not a network fault: DpwaConnection raises it in the trainer
             self.failure = exc
             log.exception("TX thread failed")
         finally:
             if job is not None:
-                job.done.set()
+                self._job_done(job)
             if self.failure is not None:  # nobody will run the queued jobs: wake whoever waits on them
                 while True:
                     try:
-                        self._jobs.get_nowait().done.set()
+                        self._job_done(self._jobs.get_nowait())
                     except queue.Empty:
                         break
             for sock in self._sockets.values():
                 sock.close(linger=0)
             self._wake_rx.close(linger=0)
+
+    def _poll_timeout(self, job: FetchJob | None) -> int:
+        """Milliseconds until the next deadline of the fetch job or of a push (at most POLL_MS)."""
+        due = [job.deadline] if job is not None else []
+        for push in self._pushes.values():
+            due.append(push.deadline if push.status == "sending" else push.next_query)
+        if not due:
+            return POLL_MS
+        return max(0, min(POLL_MS, int((min(due) - time.monotonic()) * 1000) + 1))
+
+    def _job_done(self, job: FetchJob) -> None:
+        """Wake the job's waiter; an exchange's push gives its snapshot back once ZeroMQ is done with it."""
+        push = job.push
+        if push is not None and push.status != "done":
+            push.status = "done"
+            if push.release is not None:
+                push.release(push.tracker)
+        job.done.set()
+
+    def _push_work(self, poller: zmq.Poller) -> None:
+        """Send new pushes; ask about pushes past their deadline (a SETTLE query, again every ``retry_s``)."""
+        while True:
+            try:
+                push = self._push_queue.get_nowait()
+            except queue.Empty:
+                break
+            self._send_push(poller, push)
+        now = time.monotonic()
+        for push in list(self._pushes.values()):
+            if push.status == "sending" and now >= push.deadline:
+                self._on_event("pushes_unknown", 1)
+                if self._on_push_unknown is not None:
+                    self._on_push_unknown(push)  # the ledger marks it unknown and sets next_query
+                push.status, push.next_query = "unknown", now
+            if push.status == "unknown" and now >= push.next_query:
+                push.next_query = now + self._retry_s
+                self._settles.append((push.peer, push.seq, "query"))
+                self._on_event("push_queries", 1)
+
+    def _send_settles(self, poller: zmq.Poller) -> None:
+        for peer, seq, op in self._settles:
+            try:
+                self._socket(poller, peer).send(wire.encode_settle(self._node, seq, op), zmq.NOBLOCK)
+            except zmq.Again:
+                self._on_event("settles_dropped", 1)  # a query is asked again; an unsent abort expires there
+        self._settles.clear()
+
+    def _push_frames(self, sock: zmq.Socket, push: Push, wire_layout: Layout, *, hold: bool) -> bool:
+        """Send push ``push``: its header, then one tagged message per chunk, zero-copy from its snapshot.
+
+        False when not even the header could be queued (nothing went out). A queue that fills after the
+        header leaves the push cut short: the receiver drops it, and a SETTLE settles it."""
+        snap = push.snapshot
+        header = wire.encode_push(
+            self._node,
+            push.seq,
+            clock=snap.clock,
+            loss=snap.loss,
+            extras={**snap.extras, **push.given},
+            layout=wire_layout,
+            chunk=self._chunk,
+            hold=hold,
+        )
+        frames: list[zmq.Frame] = []
+        started = False
+        try:
+            sock.send(header, zmq.NOBLOCK)
+            started = True
+            for index, memory in enumerate(snap.frames):
+                if push.prepare is not None:
+                    push.prepare(index)
+                frame = zmq.Frame(memory, copy=False, track=True)
+                sock.send(wire.encode_chunk_tag(push.seq, index), zmq.SNDMORE | zmq.NOBLOCK)
+                sock.send(frame, zmq.NOBLOCK, copy=False)
+                frames.append(frame)
+            self._on_event("pushes_sent", 1)
+            self._on_event("bytes_out", sum(memory.nbytes for memory in snap.frames))
+            return True
+        except zmq.Again:
+            self._on_event("push_send_queue_full", 1)
+            return started
+        finally:
+            if frames:
+                push.tracker = zmq.MessageTracker(*frames)
+
+    def _send_push(self, poller: zmq.Poller, push: Push) -> None:
+        layouts = self._ensure_layout(poller)
+        if layouts is None:  # pragma: no cover - the node publishes before it pushes
+            self._settle_push(push, "refused", "layout")
+            return
+        sock = self._socket(poller, push.peer)
+        self._pushes[(push.peer, push.seq)] = push
+        if not self._push_frames(sock, push, layouts[0], hold=False):
+            self._settle_push(push, "refused", "send-queue-full")  # nothing left: the mass comes back
+
+    def _settle_push(self, push: Push, status: str, code: str) -> None:
+        self._pushes.pop((push.peer, push.seq), None)
+        if self._on_push is not None:
+            self._on_push(push, status, code)
+
+    def _push_answer(self, peer: str, header: Header) -> bool:
+        """An ACK or ERROR from ``peer``: settle the push it names; True when it named one."""
+        push = self._pushes.get((peer, header.req))
+        if push is None or header.node != peer:
+            return False
+        self._settle_push(push, "delivered" if header.kind is Kind.ACK else "refused", header.code)
+        return True
+
+    def _ensure_layout(self, poller: zmq.Poller) -> tuple[Layout, Layout] | None:
+        layouts = self._layouts()
+        if layouts is None:
+            return None
+        wire_layout, local = layouts
+        if self._reader is None or self._reader.wire is not wire_layout or self._reader.local is not local:
+            self._reader = PayloadReader(wire_layout, local)
+            self._bounds = wire_layout.frame_bounds(self._chunk)
+            self._limit_frames(poller, wire_layout)
+        return layouts
 
     def _socket(self, poller: zmq.Poller, peer: str) -> zmq.Socket:
         sock = self._sockets.get(peer)
@@ -430,7 +632,7 @@ class TxFetcher(threading.Thread):
             sock = self._ctx.socket(zmq.DEALER)
             _common_options(sock)
             sock.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
-            sock.setsockopt(zmq.SNDHWM, 4)
+            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             tune_data_socket(sock)
             if self._setup is not None:
                 self._setup(sock, peer)
@@ -447,23 +649,28 @@ class TxFetcher(threading.Thread):
             sock.close(linger=0)
 
     def _start(self, poller: zmq.Poller, job: FetchJob) -> None:
-        layouts = self._layouts()
+        layouts = self._ensure_layout(poller)
         if layouts is None:  # pragma: no cover - the connection publishes before fetching
             for target in job.targets:
                 self._finish(job, target, "rejected", "layout", "no local layout yet")
             return
-        wire_layout, local = layouts
-        if self._reader is None or self._reader.wire is not wire_layout or self._reader.local is not local:
-            self._reader = PayloadReader(wire_layout, local)
-            self._bounds = wire_layout.frame_bounds(self._chunk)
-            self._limit_frames(poller, wire_layout)
+        wire_layout = layouts[0]
+        exchange = job.push.seq if job.push is not None else -1
         try:
-            request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, job.extras, stream=True)
+            request = wire.encode_fetch(
+                self._node, job.req, wire_layout.fingerprint, job.extras, stream=True, exchange=exchange
+            )
         except (TypeError, ValueError) as exc:  # a rule's extras too big or not JSON: fetch without them
             log.warning("request extras dropped: %s", exc)
-            request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, stream=True)
+            request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, stream=True, exchange=exchange)
         for target in job.targets:
             sock = self._socket(poller, target.peer)
+            if job.push is not None and target.peer == job.push.peer:  # the exchange's push goes first
+                job.push.status = "sending"
+                if not self._push_frames(sock, job.push, wire_layout, hold=True):
+                    self._finish(job, target, "timeout", "send-queue-full", "send queue full")
+                    self._reset(poller, target.peer)
+                    continue
             try:
                 sock.send(request, zmq.NOBLOCK)
                 self._on_event("fetches_started", 1)
@@ -479,16 +686,21 @@ class TxFetcher(threading.Thread):
         is a frame of its own). A peer sending more loses its connection before ZeroMQ
         buffers the frame. Sockets opened under an older limit are closed and reopened.
         """
-        largest = max(end - start for start, end in wire_layout.frame_bounds(self._chunk))  # at most a chunk
+        bounds = wire_layout.frame_bounds(self._chunk)
+        largest = max(end - start for start, end in bounds)  # at most a chunk
         limit = max(wire.MAX_HEADER_BYTES, largest)
-        if limit != self._maxmsgsize:
+        hwm = 4 + (len(bounds) + 1 if self._on_push is not None else 0)  # room for a whole push and a request
+        if limit != self._maxmsgsize or hwm != self._sndhwm:
             self._maxmsgsize = limit
+            self._sndhwm = hwm
             for peer in list(self._sockets):
                 self._reset(poller, peer)
 
     def _finish(self, job: FetchJob, target: FetchTarget, status: str, code: str = "", detail: str = "") -> None:
         """Report ``target``'s verdict; a reply judged after update_wait timed the target out counts as stale."""
         if job.settle(target, status, code, detail):
+            if job.push is not None and target.peer == job.push.peer:  # the exchange stands or falls with the reply
+                self._settles.append((target.peer, job.push.seq, "commit" if status == "ok" else "abort"))
             self._on_target(job, target)
         elif status != "timeout":
             log.debug("dropping the verdict %s on %s: update_wait stopped waiting for it", status, target.peer)
@@ -505,7 +717,7 @@ class TxFetcher(threading.Thread):
             except zmq.Again:
                 return
             try:
-                self._message(job, target, sock, head)
+                self._message(job, target, sock, head, peer)
             except _Broken as broken:
                 _discard_rest(sock)
                 assert job is not None and target is not None
@@ -513,8 +725,20 @@ class TxFetcher(threading.Thread):
                 self._reset(poller, peer)
                 return
 
-    def _message(self, job: FetchJob | None, target: FetchTarget | None, sock: zmq.Socket, head: bytes) -> None:
+    def _message(
+        self, job: FetchJob | None, target: FetchTarget | None, sock: zmq.Socket, head: bytes, peer: str
+    ) -> None:
         """One message whose first frame is ``head``; raises _Broken when a streamed reply goes wrong."""
+        if not sock.get(zmq.RCVMORE) and len(head) <= wire.MAX_HEADER_BYTES and head[:4] == wire.MAGIC:
+            try:
+                header: Header | None = wire.decode_header(head)
+            except WireError:
+                header = None
+            if header is not None and header.kind in (Kind.ACK, Kind.ERROR) and self._push_answer(peer, header):
+                return
+            if header is not None and header.kind is Kind.ACK:  # a commit's ACK, or one for a push settled already
+                self._on_event("acks_unmatched", 1)
+                return
         tag = wire.decode_chunk_tag(head)
         if tag is not None:
             if job is None or target is None or tag[0] != job.req or target.next_chunk < 0:

@@ -4,7 +4,7 @@ A message is a ZeroMQ multipart message. Frame 0 is a header::
 
     b"DPWA" | version: u16 little-endian | kind: u8 | JSON object (UTF-8)
 
-A STATE reply carries the flat parameter buffer (in the *wire layout*: each
+A STATE reply (and a PUSH, the same payload sent unasked) carries the flat parameter buffer (in the *wire layout*: each
 array in its ``wire_dtype``) split into chunks of ``chunk`` bytes (the last one
 shorter), in one of two framings:
 
@@ -16,6 +16,12 @@ shorter), in one of two framings:
   ZeroMQ hands over a multipart message only once all of it has arrived; one
   message per chunk lets the receiver copy and validate chunk *i* while the
   later chunks are still on the wire.
+
+A PUSH is always streamed: its header alone, then ``[chunk tag, chunk bytes]`` messages whose tag
+carries the push's sequence number. The receiver answers ACK (the push is in its inbox) or
+ERROR (``busy``: no free inbox slot; the sender keeps what it tried to give). A SETTLE asks
+about (``query``), confirms (``commit``) or withdraws (``abort``) an earlier push by its
+sequence number.
 
 Nothing here touches a socket and nothing is ever unpickled: JSON for a few
 scalars, raw bytes for the arrays.
@@ -65,9 +71,14 @@ __all__ = [
     "decode_header",
     "dtype_code",
     "encode_chunk_tag",
+    "check_push_header",
+    "encode_ack",
     "encode_error",
     "encode_fetch",
+    "encode_push",
+    "encode_settle",
     "encode_state",
+    "SETTLE_OPS",
     "wire_code",
 ]
 
@@ -94,11 +105,18 @@ BLOCK = 1 << 17
 
 
 class Kind(enum.IntEnum):
-    """What a message is: a fetch request, a state reply or an error reply."""
+    """What a message is: a fetch request, a state reply, an error reply, a push, its ack, or a settle."""
 
     FETCH = 1
     STATE = 2
     ERROR = 3
+    PUSH = 4
+    ACK = 5
+    SETTLE = 6
+
+
+SETTLE_OPS = ("query", "commit", "abort")
+"""What a SETTLE asks of push ``req``: its verdict, to keep it (an exchange), or to drop it."""
 
 
 class ErrorCode(str, enum.Enum):
@@ -107,6 +125,12 @@ class ErrorCode(str, enum.Enum):
     NOT_READY = "not-ready"
     LAYOUT = "layout-mismatch"
     BAD_REQUEST = "bad-request"
+    BUSY = "busy"
+    """A push refused: no free inbox slot, or the sender's previous push is still unmixed."""
+    UNSUPPORTED = "unsupported"
+    """A push (or settle) sent to a node whose rule takes none."""
+    NOT_DELIVERED = "not-delivered"
+    """A push that did not arrive whole and never will: the answer to a SETTLE about it."""
 
 
 class WireError(Exception):
@@ -262,6 +286,12 @@ class Header:
     detail: str = ""
     stream: bool = False
     """FETCH: the requester takes a streamed reply; STATE: the chunks follow as messages of their own."""
+    hold: bool = False
+    """PUSH: part of an exchange; the receiver keeps it until the sender's SETTLE commit (or abort)."""
+    exchange: int = -1
+    """FETCH: the sequence number of the PUSH this fetch answers (an exchange), -1 for a plain fetch."""
+    op: str = ""
+    """SETTLE: one of :data:`SETTLE_OPS`."""
 
 
 def _encode(kind: Kind, body: dict[str, Any]) -> bytes:
@@ -272,17 +302,69 @@ def _encode(kind: Kind, body: dict[str, Any]) -> bytes:
 
 
 def encode_fetch(
-    node: str, req: int, fingerprint: str, extras: dict[str, Any] | None = None, *, stream: bool = False
+    node: str,
+    req: int,
+    fingerprint: str,
+    extras: dict[str, Any] | None = None,
+    *,
+    stream: bool = False,
+    exchange: int = -1,
 ) -> bytes:
     """A request for the peer's latest snapshot, optionally carrying the requester's rule extras.
 
-    ``stream``: the requester takes the streamed framing (one message per chunk)."""
+    ``stream``: the requester takes the streamed framing (one message per chunk); ``exchange``: the
+    sequence number of the PUSH (sent just before on the same connection) this fetch completes."""
     body: dict[str, Any] = {"node": node, "req": req, "fp": fingerprint}
     if extras:
         body["extras"] = extras
     if stream:
         body["stream"] = True
+    if exchange >= 0:
+        body["exchange"] = exchange
     return _encode(Kind.FETCH, body)
+
+
+def encode_push(
+    node: str,
+    seq: int,
+    *,
+    clock: float,
+    loss: float,
+    extras: dict[str, Any],
+    layout: Layout,
+    chunk: int = CHUNK_BYTES,
+    hold: bool = False,
+) -> bytes:
+    """The header of push ``seq`` of a snapshot of (wire) ``layout``; its chunks follow as tagged messages.
+
+    ``hold``: an exchange's push, kept by the receiver until a SETTLE commit."""
+    body: dict[str, Any] = {
+        "node": node,
+        "req": seq,
+        "fp": layout.fingerprint,
+        "clock": clock,
+        "loss": loss,
+        "extras": extras,
+        "total": layout.total_bytes,
+        "chunk": chunk,
+        "nframes": len(layout.frame_bounds(chunk)),
+        "stream": True,
+    }
+    if hold:
+        body["hold"] = True
+    return _encode(Kind.PUSH, body)
+
+
+def encode_ack(node: str, seq: int) -> bytes:
+    """Push ``seq`` is in ``node``'s inbox (or, answering a commit, kept for good)."""
+    return _encode(Kind.ACK, {"node": node, "req": seq})
+
+
+def encode_settle(node: str, seq: int, op: str) -> bytes:
+    """Ask about (``query``), keep (``commit``) or drop (``abort``) push ``seq``; see :data:`SETTLE_OPS`."""
+    if op not in SETTLE_OPS:
+        raise ValueError(f"unknown settle op {op!r}")
+    return _encode(Kind.SETTLE, {"node": node, "req": seq, "op": op})
 
 
 def encode_state(
@@ -375,9 +457,21 @@ def decode_header(frame: bytes | memoryview) -> Header:
         extras = body.get("extras", {})
         if not isinstance(extras, dict):
             raise WireError("header", "field 'extras' of the wrong type")
-        return Header(kind, node, req, fingerprint=_field(body, "fp", str), extras=extras, stream=_stream(body))
+        exchange = body.get("exchange", -1)
+        if isinstance(exchange, bool) or not isinstance(exchange, int):
+            raise WireError("header", "field 'exchange' of the wrong type")
+        return Header(
+            kind, node, req, fingerprint=_field(body, "fp", str), extras=extras, stream=_stream(body), exchange=exchange
+        )
     if kind is Kind.ERROR:
         return Header(kind, node, req, code=_field(body, "code", str), detail=str(body.get("detail", ""))[:1000])
+    if kind is Kind.ACK:
+        return Header(kind, node, req)
+    if kind is Kind.SETTLE:
+        op = _field(body, "op", str)
+        if op not in SETTLE_OPS:
+            raise WireError("header", f"unknown settle op {op[:40]!r}")
+        return Header(kind, node, req, op=op)
     try:
         clock = float(_field(body, "clock", (int, float)))
         loss = float(_field(body, "loss", (int, float)))
@@ -398,7 +492,15 @@ def decode_header(frame: bytes | memoryview) -> Header:
         chunk=_field(body, "chunk", int),
         nframes=_field(body, "nframes", int),
         stream=_stream(body),
+        hold=_flag(body, "hold") if kind is Kind.PUSH else False,
     )
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise WireError("header", f"field {key!r} of the wrong type")
+    return value
 
 
 def _stream(body: dict[str, Any]) -> bool:
@@ -420,6 +522,20 @@ def check_state_header(header: Header, layout: Layout, *, peer: str, req: int, c
         raise WireError("size", f"payload of {header.total} bytes in {header.chunk}-byte chunks")
     if header.nframes != len(layout.frame_bounds(chunk)):
         raise WireError("frames", f"{header.nframes} payload frames announced")
+
+
+def check_push_header(header: Header, layout: Layout, *, chunk: int = CHUNK_BYTES) -> None:
+    """Reject a PUSH header that does not announce exactly ``layout`` in streamed ``chunk``-byte chunks."""
+    if header.fingerprint != layout.fingerprint:
+        raise WireError("layout", f"layout {header.fingerprint} differs from ours {layout.fingerprint}")
+    if header.total != layout.total_bytes or header.chunk != chunk:
+        raise WireError("size", f"payload of {header.total} bytes in {header.chunk}-byte chunks")
+    if header.nframes != len(layout.frame_bounds(chunk)):
+        raise WireError("frames", f"{header.nframes} payload frames announced")
+    if not header.stream:
+        raise WireError("frames", "a push must be streamed")
+    if not can_stream(header.req):
+        raise WireError("header", f"push sequence number {header.req} does not fit a chunk tag")
 
 
 # --------------------------------------------------------------------------- payload

@@ -12,7 +12,9 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from dpwa.rules.adpsgd import AdpsgdRule
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.dpsgd import DpsgdRule
 from dpwa.rules.gem import GemRule
 from dpwa.rules.group import GroupRule
 from dpwa.rules.leader import LeaderRule
@@ -21,8 +23,10 @@ from dpwa.rules.pushsum import PushSumRule
 
 __all__ = [
     "RULES",
+    "AdpsgdRule",
     "ClockRule",
     "ConstantRule",
+    "DpsgdRule",
     "LossRule",
     "MixOutcome",
     "NodeState",
@@ -40,6 +44,8 @@ RULES: dict[str, type[Rule]] = {
     "leader": LeaderRule,
     "pushsum": PushSumRule,
     "group": GroupRule,
+    "adpsgd": AdpsgdRule,
+    "dpsgd": DpsgdRule,
 }
 
 

@@ -7,12 +7,16 @@ they only read :class:`NodeState` / :class:`PeerSnapshot` and mutate the
 trainer's arrays and state in place.
 
 Whom to fetch is not a rule's business but a schedule's (:mod:`dpwa.rules.schedules`).
+How models travel is the rule's :attr:`Rule.transfer`: ``pull`` (fetch the peers' snapshots),
+``push`` (send one's own snapshot with :meth:`Rule.push_shares`; mix what arrives in the inbox)
+or ``exchange`` (a fetch that carries one's own snapshot: both ends of the pair mix).
 
 Which thread calls what (the connection and the simulator guarantee it):
 
 * :meth:`Rule.initial_extras` -- once, when the node starts;
 * :meth:`Rule.on_publish` -- trainer thread, at ``update_send``, after the snapshot is published;
 * :meth:`Rule.request_extras` -- trainer thread, when a fetch starts (sent with the request);
+* :meth:`Rule.push_shares` -- trainer thread, under the state lock, when pushes start (``push`` rules);
 * :meth:`Rule.on_request` -- RX thread, under the node's state lock, per request that carried extras;
 * :meth:`Rule.on_serve` -- RX thread, under the node's state lock, per reply;
 * :meth:`Rule.on_serve_failed` -- RX thread, under the state lock, when that reply could not be sent;
@@ -20,6 +24,8 @@ Which thread calls what (the connection and the simulator guarantee it):
   the peer may have served it (a timeout, or a reply that arrived and was rejected);
 * :meth:`Rule.mix` -- trainer thread, under the state lock, at EVERY ``update_wait``
   (``peers`` may be empty: a rule that tracks its own motion, like GEM, still sees the step);
+  for ``push`` and ``exchange`` rules ``peers`` also holds what the inbox received, and a
+  refused push comes back as a peer named like the node itself, carrying what it gave;
 * :meth:`Rule.on_reply_not_mixed` -- trainer thread, under the state lock, for a valid reply that
   recovery took instead of :meth:`Rule.mix` (a bootstrap or a far-behind catch-up);
 * :meth:`Rule.on_params_replaced` -- trainer thread, under the state lock, after such a copy;
@@ -64,6 +70,9 @@ class PeerSnapshot:
 
     state: NodeState
     arrays: Sequence[np.ndarray]
+    reference: Sequence[np.ndarray] | None = None
+    """An exchange (AD-PSGD) received in the inbox: this node's own snapshot that the peer got in return,
+    the model the difference is taken against. None for a fetched reply or a push."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,10 @@ class Rule(ABC):
     """
 
     name: ClassVar[str]
+    transfer: ClassVar[str] = "pull"
+    """``pull``, ``push`` or ``exchange``: how this rule's models travel (module doc-string)."""
+    overlap: int = 0
+    """``push`` rules: how many pushes may still await their ACK when ``update_wait`` returns (OSGP's tau)."""
 
     def __init__(self, divergence_threshold: float = 0.0) -> None:
         t = float(divergence_threshold)
@@ -122,6 +135,11 @@ class Rule(ABC):
         learns what the puller knows without fetching it.
         """
         return {}
+
+    def push_shares(self, own: NodeState, targets: int) -> list[dict[str, Any]]:
+        """``push`` rules, at ``update_send``: what each of ``targets`` pushes carries (JSON-safe extras), taken
+        from ``own`` now (push-sum gives each ``w/(targets+1)``). Default: nothing (``{}`` each)."""
+        return [{} for _ in range(targets)]
 
     def on_request(self, own: NodeState, extras: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """RX thread, under the state lock, before :meth:`on_serve`: a request's (untrusted) extras."""

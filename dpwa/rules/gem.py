@@ -1,7 +1,8 @@
 """GEM -- Gradient Energy Matching in gossip form (Hermans & Louppe 2018; docs/rules.md).
 
 Per batch a node moves by its local step ``delta = x_now - x_at_update_send``
-and by the mixing step ``d = f0*(x_peer - x_now)`` (``f0 = base``).  A momentum
+and by the mixing step ``d = f0*(x_peer - x_at_update_send)`` (``f0 = base``; the
+default ``reference="sent"``, below).  A momentum
 proxy ``m <- mu*m + delta`` (updated at EVERY ``update_wait``, peer or not)
 bounds the motion element-wise:
 
@@ -27,18 +28,20 @@ Divergence damping (``divergence_threshold = t``): every ``g`` is multiplied by
 ``s = diverge(f0, loss) / f0`` (``s = loss/t`` when ``loss < t``, else 1), the
 same damping the pairwise rules apply to their single factor.
 
-A property to know (seen in ``dpwa.tools.simulation``): a peer's snapshot predates
-this node's local step, so once the nodes agree ``x_peer ~ x_at_update_send``
-and ``d ~ -f0*delta``; the proxy then allows ``pi = 1/f0`` and the mix undoes the
-local step (``delta + pi*d ~ 0``).  The energy bound holds -- it limits motion,
-not progress -- but noise-free momentum SGD stalls near consensus (8 nodes on a
-quadratic: loss 0.53 from ~120, where constant 0.5 averaging reaches 0).
+The default, ``reference="sent"``, measures the mixing step from the model this node
+published at ``update_send``: ``d = f0*(x_peer - x_at_update_send)`` and ``x <- x_now + pi*d``
+with the same ``pi`` formula. The node's own local step ``delta`` is kept whole and only the
+pull toward the peer is energy-matched (``g = 1`` gives ``x_peer + delta``): this is the
+reading of the paper's worker step in which the committed update is rescaled and the
+worker's own progress is not.
 
-``reference="sent"`` (not in the paper; a dpwa setting) measures the mixing step
-from the published model instead: ``d = f0*(x_peer - x_at_update_send)`` and
-``x <- x_now + pi*d`` with the same ``pi`` formula, i.e. the node averages the
-two published models and keeps its own local step on top (``g = 1`` gives
-``x_peer + delta``).  The energy bound holds the same way; progress does not stall.
+``reference="now"`` takes ``d = f0*(x_peer - x_now)``, the literal transcription of the
+mixing step against the current model. Kept for one documented reason: to reproduce runs
+made with dpwa before it was the default and to show why it is not. A peer's snapshot
+predates this node's local step, so once the nodes agree ``x_peer ~ x_at_update_send`` and
+``d ~ -f0*delta``; the proxy then allows ``pi = 1/f0`` and the mix undoes the local step
+(``delta + pi*d ~ 0``): nothing trains (the demo stays at its initial loss). The energy
+bound holds in both forms -- it limits motion, not progress.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ PROXY_KEY = "gem_m"
 
 
 class GemRule(Rule):
-    """``pi = clamp((kappa*|m| - |delta|) / (|d| + eps), 0, 1/base)``, ``x <- x + pi*d``, ``d = base*(x_peer - x)``.
+    """``pi = clamp((kappa*|m| - |delta|)/(|d| + eps), 0, 1/base)``, ``x <- x + pi*d``, ``d = base*(x_peer - x_sent)``.
 
     ``m = momentum*m + delta`` with ``delta = x - x_at_update_send``, every step.
     The outcome's factor is the mean effective factor ``base*pi`` (after
@@ -75,7 +78,7 @@ class GemRule(Rule):
         momentum: float = 0.9,
         kappa: float = 1.0,
         eps: float = 1e-12,
-        reference: str = "now",
+        reference: str = "sent",
         divergence_threshold: float = 0.0,
     ) -> None:
         super().__init__(divergence_threshold)

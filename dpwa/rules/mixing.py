@@ -28,6 +28,7 @@ from dpwa.utils.bfloat16 import from_float32, is_bfloat16, to_float32
 __all__ = [
     "BLOCK",
     "Scratch",
+    "add_difference_",
     "apply_divergence",
     "check_pairs",
     "compute_dtype",
@@ -167,6 +168,44 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
                 np.multiply(pb, fc, out=tmp)
                 np.multiply(xb, gc, out=xb)
                 np.add(xb, tmp, out=xb)
+
+
+def add_difference_(
+    x: Sequence[np.ndarray], peer: Sequence[np.ndarray], reference: Sequence[np.ndarray], a: float
+) -> None:
+    """In place: ``x <- x + a*(peer - reference)`` (AD-PSGD's half step toward the pair's average).
+
+    Block by block with block-sized scratch; float16/bfloat16 computed in float32 and rounded once.
+    ``a == 0`` leaves ``x`` untouched. All arrays are validated before any is written.
+    """
+    a = _check_factor(a)
+    check_pairs(x, peer)
+    check_pairs(x, reference, "reference")
+    if a == 0.0:
+        return
+    scratch = Scratch()
+    for xa, pa, ra in zip(x, peer, reference):
+        if xa.size == 0:
+            continue
+        xv, pv, rv = _flat(xa), _flat(pa), _flat(ra)
+        c = compute_dtype(xa.dtype)
+        ac = c.type(a)
+        half = is_half(xa.dtype)
+        for start in range(0, xv.size, BLOCK):
+            stop = min(start + BLOCK, xv.size)
+            n = stop - start
+            if half:
+                diff = widen(pv[start:stop], scratch.get(c, n, 0))
+                np.subtract(diff, widen(rv[start:stop], scratch.get(c, n, 1)), out=diff)
+                acc = widen(xv[start:stop], scratch.get(c, n, 1))
+                np.multiply(diff, ac, out=diff)
+                np.add(acc, diff, out=acc)
+                narrow(acc, xv[start:stop], diff)
+            else:
+                diff = scratch.get(c, n, 0)
+                np.subtract(pv[start:stop], rv[start:stop], out=diff)
+                np.multiply(diff, ac, out=diff)
+                np.add(xv[start:stop], diff, out=xv[start:stop])
 
 
 def _mean_(xv: np.ndarray, pv: np.ndarray, scratch: Scratch) -> None:

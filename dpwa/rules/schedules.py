@@ -14,6 +14,7 @@ due), so a dead peer in a fixed schedule costs a skipped round, not a timeout.
 | ``leader`` | the node the leader rule wants to pull from (``extras["pull"]``), else one random peer |
 | ``groups`` | WAGMA's rotating groups of ``S``: even steps ``j // S == i // S``, odd steps |
 |            | ``j mod ceil(N/S) == i mod ceil(N/S)``; every ``sync_every``-th step everyone |
+| ``neighbours`` | every graph neighbour, every step: ring ``i +- 1``, exponential ``i +- 2^k`` (D-PSGD) |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dpwa.rules.base import NodeState
+from dpwa.rules.dpsgd import neighbours
 from dpwa.rules.group import is_sync_step
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "ExponentialSchedule",
     "GroupsSchedule",
     "LeaderSchedule",
+    "NeighboursSchedule",
     "RandomSchedule",
     "RingSchedule",
     "Round",
@@ -156,17 +159,37 @@ class GroupsSchedule(Schedule):
         return [rnd.names[j] for j in self.group(rank, len(rnd.names), rnd.index) if j != rank]
 
 
+class NeighboursSchedule(Schedule):
+    """Every neighbour of an undirected regular graph, every step (:func:`dpwa.rules.dpsgd.neighbours`)."""
+
+    name = "neighbours"
+
+    def __init__(self, graph: str = "ring") -> None:
+        neighbours(0, 2, graph)  # validates the name
+        self.graph = graph
+
+    def max_fanout(self, n_nodes: int) -> int:
+        return len(neighbours(0, n_nodes, self.graph))
+
+    def targets(self, rnd: Round) -> list[str]:
+        return [rnd.names[j] for j in neighbours(rnd.rank, len(rnd.names), self.graph)]
+
+
 SCHEDULES: dict[str, type[Schedule]] = {
-    cls.name: cls for cls in (RandomSchedule, ExponentialSchedule, RingSchedule, LeaderSchedule, GroupsSchedule)
+    cls.name: cls
+    for cls in (RandomSchedule, ExponentialSchedule, RingSchedule, LeaderSchedule, GroupsSchedule, NeighboursSchedule)
 }
 
 
 def make_schedule(name: str, settings: Any = None) -> Schedule:
-    """The schedule ``name``; ``groups`` takes ``group_size`` and ``sync_every`` from the rule's ``settings``."""
+    """The schedule ``name``; ``groups`` takes ``group_size`` and ``sync_every`` from the rule's ``settings``,
+    ``neighbours`` its ``graph`` (default ring)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown peer schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
     if name == "groups":
         if settings is None or not hasattr(settings, "group_size"):
             raise ValueError("the groups schedule needs group_size (and sync_every) from the group rule's settings")
         return GroupsSchedule(int(settings.group_size), int(getattr(settings, "sync_every", 0)))
+    if name == "neighbours":
+        return NeighboursSchedule(str(getattr(settings, "graph", "ring")))
     return SCHEDULES[name]()

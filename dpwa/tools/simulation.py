@@ -11,10 +11,14 @@ that replies are handed over in memory:
 4. every fetch is served from the peer's published copy: the request's ``rule.request_extras``
    go to the server's ``rule.on_request``, then ``rule.on_serve`` runs on the server's state
    (so within a round everybody serves from its round-start model, then everybody mixes);
-5. every node: ``rule.mix`` with the replies that arrived (possibly none).
+   a ``push`` rule instead takes its shares (``rule.push_shares``) and each push lands in the
+   target's inbox; an ``exchange`` rule's fetch also leaves the fetcher's published copy in the
+   server's inbox, with the server's published copy as its reference;
+5. every node: ``rule.mix`` with the replies and inbox messages that arrived (possibly none).
 
-A lost reply can be injected per (fetcher, server) pair to test mass accounting
-and staleness. Numpy only; deterministic for a given seed.
+A lost reply (or a refused push, which comes back to its sender as the node does on the
+network) can be injected per (fetcher or sender, peer) pair to test mass accounting and
+staleness. Numpy only; deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -135,7 +139,10 @@ class Simulation:
                 plan[node.name] = node.flow.admit([p for p in wanted if p != node.name])
         replies: dict[str, list[PeerSnapshot]] = {n.name: [] for n in active}
         live = {n.name for n in active}
-        for node in active:  # 4. serve from round-start copies
+        for node in active:  # 4. serve from round-start copies (or push, or exchange)
+            if node.rule.transfer == "push":
+                self._push(node, plan[node.name], live, replies, lose)
+                continue
             for peer in plan[node.name]:
                 server = self.nodes[peer]
                 if peer not in live or server.published_state is None:
@@ -156,9 +163,46 @@ class Simulation:
                 st = server.published_state
                 arrays = [np.array(a, copy=True) for a in server.published]
                 replies[node.name].append(PeerSnapshot(NodeState(peer, st.clock, st.loss, extras), arrays))
+                if node.rule.transfer == "exchange" and node.published_state is not None:
+                    mine = node.published_state
+                    replies[peer].append(
+                        PeerSnapshot(
+                            NodeState(node.name, mine.clock, mine.loss, dict(mine.extras)),
+                            [np.array(a, copy=True) for a in node.published],
+                            reference=server.published,
+                        )
+                    )
         outcomes = {}
+        for name in list(replies):  # the inbox is mixed in arrival order; keep it deterministic
+            replies[name].sort(key=lambda p: (p.state.name != name, self.names.index(p.state.name)))
         for node in active:  # 5. update_wait
             outcomes[node.name] = node.rule.mix(node.state, node.arrays, replies[node.name])
             node.step += 1
         self.rounds += 1
         return outcomes
+
+    def _push(
+        self,
+        node: SimNode,
+        targets: Sequence[str],
+        live: set[str],
+        inboxes: dict[str, list[PeerSnapshot]],
+        lose: Callable[[str, str], LossKind | None] | None,
+    ) -> None:
+        """Step 4 for a ``push`` rule: each target gets ``(x_published, share)`` in its inbox; a refused push
+        (target down, or ``lose`` says so) comes back to the sender, named like it, as on the network."""
+        if not targets or node.published_state is None:
+            return
+        shares = node.rule.push_shares(node.state, len(targets))
+        st = node.published_state
+        for peer, given in zip(targets, shares):
+            arrays = [np.array(a, copy=True) for a in node.published]
+            down = peer not in live
+            if down or (lose is not None and lose(node.name, peer) is not None):
+                if down:  # a refused push (busy) comes from a live peer: no flow-control penalty
+                    node.flow.failure(peer)
+                inboxes[node.name].append(PeerSnapshot(NodeState(node.name, st.clock, st.loss, dict(given)), arrays))
+                continue
+            node.flow.success(peer)
+            extras = {**st.extras, **given}
+            inboxes[peer].append(PeerSnapshot(NodeState(node.name, st.clock, st.loss, extras), arrays))

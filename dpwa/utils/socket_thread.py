@@ -43,8 +43,9 @@ class SocketThread(threading.Thread):
         sock = self._sock
         try:
             while not self._stop_flag.is_set():
-                if sock.poll(POLL_MS, zmq.POLLIN):
+                if sock.poll(self._poll_ms(), zmq.POLLIN):
                     self._handle_one(sock)
+                self._tick()
         except Exception as exc:
             self.failure = exc
             log.exception(self.failure_message)
@@ -53,3 +54,10 @@ class SocketThread(threading.Thread):
 
     def _handle_one(self, sock: zmq.Socket) -> None:
         raise NotImplementedError
+
+    def _poll_ms(self) -> int:
+        """How long the next poll may sleep (at most ``POLL_MS``)."""
+        return POLL_MS
+
+    def _tick(self) -> None:
+        """Called after every poll, readable or not (timers); default no-op."""

@@ -1,0 +1,364 @@
+"""The receiving end of PUSH: an inbox of preallocated slots the RX thread fills and the trainer drains.
+
+A push arrives as a header, then one tagged message per chunk (``dpwa.node.wire``). The RX
+thread hands each to :class:`PushReceiver`, which validates it exactly like a fetched reply
+(known sender, CURVE identity, layout, sizes, frame order, finite values) and copies it into
+a free slot. A slot's life::
+
+    free -> receiving -> full                            (a push: ACK sent; mixed at update_wait)
+    free -> receiving -> held -> served -> committed     (an exchange's push: kept until the
+                                                          sender's SETTLE commit; mixed then)
+    any state but mixing -> free                         (refused, expired, aborted)
+    full / committed -> mixing -> free                   (the trainer's update_wait)
+
+Rules of the inbox:
+
+* at most ``slots`` pushes are held, and at most one per sender (a second push from a sender
+  whose previous one is still unmixed is refused ``busy``, so the sender keeps its mass);
+* per sender, sequence numbers only grow: a push or a SETTLE names sequence number ``q``, and
+  once ``q`` has a verdict (accepted, or refused) it never changes. A SETTLE ``query`` closes a
+  push still arriving (its remaining chunks are dropped) so that the sender's reading of the
+  verdict is final: a push is delivered exactly when the receiver said ACK for it;
+* nothing here allocates per message: payload frames are received straight into a slot (or
+  widened from ZeroMQ's buffer), and every message that belongs to no slot is discarded and
+  counted;
+* only the trainer's thread reads a slot's arrays into the parameters (:meth:`PushReceiver.drain`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dpwa.node import wire
+from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Layout, PayloadReader, WireError
+
+__all__ = ["HOLD_TIMEOUTS", "InboxSlot", "PushReceiver"]
+
+log = logging.getLogger(__name__)
+
+HOLD_TIMEOUTS = 8.0
+"""An exchange's push waits at most this many ``timeout_ms`` for its SETTLE before it is dropped."""
+
+
+@dataclass
+class InboxSlot:
+    """One preallocated receive buffer of the inbox and the push it holds."""
+
+    index: int
+    buffer: np.ndarray
+    views: list[np.ndarray]
+    state: str = "free"
+    sender: str = ""
+    identity: bytes = b""
+    seq: int = -1
+    header: Header | None = None
+    next_chunk: int = 0
+    deadline: float = 0.0
+    served: Any = None
+    """An exchange: the snapshot (leased) this node served to the sender's fetch: the other half of the pair."""
+
+
+class PushReceiver:
+    """Validates pushes into an inbox of ``slots`` preallocated buffers; see the module doc-string.
+
+    ``names``: the cluster's nodes (the only senders taken); ``layouts()``: ``(wire, local)`` or
+    None before the first publish; ``on_event(counter, n)``: stats; ``on_reject(reason)``: a push
+    refused by validation; ``release(snapshot)``: give back the lease of a served snapshot.
+    ``timeout_s``: how long a push may take to arrive whole.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        names: Sequence[str],
+        layouts: Callable[[], tuple[Layout, Layout] | None],
+        slots: int,
+        timeout_s: float,
+        on_event: Callable[[str, int], None],
+        on_reject: Callable[[str], None],
+        release: Callable[[Any], None],
+        *,
+        chunk: int = CHUNK_BYTES,
+        check_identity: bool = False,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"an inbox needs at least one slot, got {slots}")
+        self.name = name
+        self._senders = frozenset(n for n in names if n != name)
+        self._layouts = layouts
+        self._n_slots = slots
+        self._timeout_s = timeout_s
+        self._on_event = on_event
+        self._on_reject = on_reject
+        self._release = release
+        self._chunk = chunk
+        self._check_identity = check_identity
+        self._lock = threading.Lock()
+        self._slots: list[InboxSlot] = []
+        self._reader: PayloadReader | None = None
+        self._bounds: list[tuple[int, int]] = []
+        self._verdicts: dict[str, tuple[int, bool | None]] = {}
+        """sender -> (its latest sequence number seen, True accepted / False refused / None pending)."""
+        self._delayed: list[tuple[float, bytes, bytes]] = []
+        self.drop: Callable[[str], bool] | None = None
+        """Test hook: ``drop("push")`` True ignores a push header (as if lost); ``drop("ack")`` True loses an ACK."""
+        self.ack_delay_s = 0.0
+        """Test hook: hold every ACK this long (a slow receiver)."""
+
+    # ------------------------------------------------------------ set-up (trainer thread)
+
+    def allocate(self, local: Layout) -> None:
+        """Allocate the slots for ``local`` (once, at the node's first publish)."""
+        with self._lock:
+            if self._slots:
+                return
+            for i in range(self._n_slots):
+                buffer = local.allocate()
+                self._slots.append(InboxSlot(i, buffer, local.views(buffer)))
+
+    def _ready(self) -> tuple[Layout, PayloadReader] | None:
+        layouts = self._layouts()
+        if layouts is None or not self._slots:
+            return None
+        wire_layout, local = layouts
+        if self._reader is None or self._reader.wire is not wire_layout or self._reader.local is not local:
+            self._reader = PayloadReader(wire_layout, local)
+            self._bounds = wire_layout.frame_bounds(self._chunk)
+        return wire_layout, self._reader
+
+    # ------------------------------------------------------------ RX thread
+
+    def begin(self, identity: bytes, header: Header, user: str | None) -> bytes | None:
+        """A PUSH header: reserve a slot (None: nothing to answer yet) or refuse it (the ERROR to send)."""
+        sender = header.node
+        if sender not in self._senders or (self._check_identity and user != sender):
+            self._refuse_reason("identity")
+            return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
+        if self.drop is not None and self.drop("push"):
+            self._on_event("pushes_dropped_by_hook", 1)
+            return None
+        ready = self._ready()
+        if ready is None:
+            return wire.encode_error(self.name, header.req, ErrorCode.NOT_READY, "no layout yet")
+        wire_layout, _ = ready
+        try:
+            wire.check_push_header(header, wire_layout, chunk=self._chunk)
+        except WireError as exc:
+            self._refuse_reason(exc.reason)
+            return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
+        with self._lock:
+            last, verdict = self._verdicts.get(sender, (-1, None))
+            if header.req <= last:  # a repeat or an old push: it has (or will get) the verdict of record
+                self._on_event("pushes_stale", 1)
+                return self._verdict_reply(header.req, last, verdict)
+            if any(s.state != "free" and s.sender == sender for s in self._slots):
+                self._verdicts[sender] = (header.req, False)
+                self._on_event("pushes_busy", 1)
+                return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "this sender's last push is unmixed")
+            slot = next((s for s in self._slots if s.state == "free"), None)
+            if slot is None:
+                self._verdicts[sender] = (header.req, False)
+                self._on_event("pushes_busy", 1)
+                return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "inbox full")
+            self._verdicts[sender] = (header.req, None)
+            slot.state, slot.sender, slot.identity, slot.seq = "receiving", sender, identity, header.req
+            slot.header, slot.next_chunk = header, 0
+            slot.deadline = time.monotonic() + self._timeout_s
+        return None
+
+    def chunk(self, identity: bytes, seq: int, index: int, sock: zmq.Socket) -> bytes | None:
+        """A chunk message of push ``seq``: take its payload frame (next on ``sock``) into the slot.
+
+        Returns the reply to send: ACK once a plain push is whole, ERROR when it went wrong, else None.
+        """
+        with self._lock:
+            slot = next(
+                (s for s in self._slots if s.state == "receiving" and s.identity == identity and s.seq == seq), None
+            )
+        if slot is None:
+            _discard(sock)
+            self._on_event("push_stale_chunks", 1)
+            return None
+        try:
+            self._take(slot, index, sock)
+        except WireError as exc:
+            _discard(sock)
+            self._refuse_reason(exc.reason)
+            with self._lock:
+                self._free(slot, accepted=False)
+            return wire.encode_error(self.name, seq, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
+        if slot.next_chunk < len(self._bounds):
+            return None
+        assert slot.header is not None
+        with self._lock:
+            if slot.header.hold:
+                slot.state = "held"
+                slot.deadline = time.monotonic() + HOLD_TIMEOUTS * self._timeout_s
+                return None
+            slot.state = "full"
+            self._verdicts[slot.sender] = (seq, True)
+        self._on_event("pushes_received", 1)
+        return self._ack(identity, seq)
+
+    def _take(self, slot: InboxSlot, index: int, sock: zmq.Socket) -> None:
+        reader = self._reader
+        assert reader is not None
+        if index != slot.next_chunk:
+            raise WireError("frames", f"chunk {index} arrived, expected chunk {slot.next_chunk}")
+        if not sock.get(zmq.RCVMORE):
+            raise WireError("frames", "a chunk message without its payload frame")
+        start, end = self._bounds[index]
+        if reader.direct:
+            n = sock.recv_into(slot.buffer[start:end], flags=zmq.NOBLOCK)
+            if n != end - start:
+                raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
+            finite = reader.check(slot.views, start, end)
+        else:
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            if len(frame) != end - start:
+                raise WireError("size", f"payload frame of {len(frame)} bytes, expected {end - start}")
+            finite = reader.read(np.frombuffer(frame.buffer, np.uint8), start, slot.views)
+        if not finite:
+            raise WireError("non-finite", "payload holds NaN or infinity")
+        if sock.get(zmq.RCVMORE):
+            raise WireError("frames", "a chunk message with more than one payload frame")
+        self._on_event("bytes_in", end - start)
+        slot.next_chunk += 1
+
+    def serve_exchange(self, sender: str, seq: int, snapshot: Any) -> bool:
+        """A FETCH completing exchange ``seq`` of ``sender``: remember the (leased) ``snapshot`` served to it.
+
+        False (nothing kept: serve an ERROR instead) when no held push of that exchange is here."""
+        with self._lock:
+            slot = next((s for s in self._slots if s.state == "held" and s.sender == sender and s.seq == seq), None)
+            if slot is None:
+                return False
+            slot.state, slot.served = "served", snapshot
+            return True
+
+    def settle(self, identity: bytes, header: Header, user: str | None) -> bytes:
+        """A SETTLE from ``header.node`` about its push ``header.req``: the ACK or ERROR to send back."""
+        sender, seq = header.node, header.req
+        if sender not in self._senders or (self._check_identity and user != sender):
+            self._refuse_reason("identity")
+            return wire.encode_error(self.name, seq, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
+        with self._lock:
+            slot = next((s for s in self._slots if s.state != "free" and s.sender == sender and s.seq == seq), None)
+            last, verdict = self._verdicts.get(sender, (-1, None))
+            if header.op == "commit":
+                if slot is not None and slot.state == "served":
+                    slot.state = "committed"
+                    self._verdicts[sender] = (seq, True)
+                    self._on_event("exchanges_committed", 1)
+                    return wire.encode_ack(self.name, seq)
+                return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "no exchange to commit")
+            if header.op == "abort":
+                if slot is not None and slot.state in ("receiving", "held", "served"):
+                    self._free(slot, accepted=False)
+                    self._on_event("exchanges_aborted", 1)
+                elif seq > last:
+                    self._verdicts[sender] = (seq, False)
+                return wire.encode_ack(self.name, seq)
+            # query: close a push still arriving, so that the verdict read now is final
+            if seq > last:
+                self._verdicts[sender] = (seq, False)
+                return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "never arrived whole")
+            if seq == last and verdict is None:
+                if slot is not None and slot.state == "receiving":
+                    self._free(slot, accepted=False)
+                self._verdicts[sender] = (seq, False)
+                verdict = False
+            return self._verdict_reply(seq, last, verdict)
+
+    def _verdict_reply(self, seq: int, last: int, verdict: bool | None) -> bytes | None:
+        """What push ``seq`` gets when its sender asks again (caller holds the lock)."""
+        if seq == last and verdict:
+            return wire.encode_ack(self.name, seq)
+        if seq == last and verdict is None:
+            return None  # still arriving: the verdict comes when it is whole
+        return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "refused earlier")
+
+    def expire(self, now: float) -> None:
+        """Free the slots of pushes that did not arrive whole in time, and of exchanges never settled."""
+        with self._lock:
+            for slot in self._slots:
+                if slot.state in ("receiving", "held", "served") and now >= slot.deadline:
+                    self._on_event("pushes_expired" if slot.state == "receiving" else "exchanges_expired", 1)
+                    log.debug("node %s: %s push %d of %s expired", self.name, slot.state, slot.seq, slot.sender)
+                    self._free(slot, accepted=False)
+
+    def take_delayed(self, now: float) -> list[tuple[bytes, bytes]]:
+        """ACKs held back by the ``ack_delay_s`` test hook that are due: ``(identity, frame)`` pairs."""
+        if not self._delayed:
+            return []
+        due = [(i, f) for t, i, f in self._delayed if t <= now]
+        self._delayed = [d for d in self._delayed if d[0] > now]
+        return due
+
+    def _ack(self, identity: bytes, seq: int) -> bytes | None:
+        if self.drop is not None and self.drop("ack"):
+            self._on_event("acks_dropped_by_hook", 1)
+            return None
+        frame = wire.encode_ack(self.name, seq)
+        if self.ack_delay_s > 0:
+            self._delayed.append((time.monotonic() + self.ack_delay_s, identity, frame))
+            return None
+        return frame
+
+    def _refuse_reason(self, reason: str) -> None:
+        self._on_reject(reason)
+
+    def _free(self, slot: InboxSlot, *, accepted: bool) -> None:
+        """Empty ``slot`` (caller holds the lock); a refused push's verdict is recorded as refused."""
+        if not accepted and self._verdicts.get(slot.sender, (-1, None))[0] == slot.seq:
+            self._verdicts[slot.sender] = (slot.seq, False)
+        if slot.served is not None:
+            self._release(slot.served)
+        slot.state, slot.sender, slot.identity, slot.seq = "free", "", b"", -1
+        slot.header, slot.served, slot.next_chunk = None, None, 0
+
+    # ------------------------------------------------------------ trainer thread
+
+    def drain(self) -> list[InboxSlot]:
+        """The pushes ready to mix (whole pushes, committed exchanges), marked ``mixing`` until :meth:`release`."""
+        with self._lock:
+            ready = [s for s in self._slots if s.state in ("full", "committed")]
+            for s in ready:
+                s.state = "mixing"
+        return ready
+
+    def release(self, slots: Sequence[InboxSlot]) -> None:
+        """The trainer is done with ``slots``: free them."""
+        with self._lock:
+            for s in slots:
+                self._free(s, accepted=True)
+
+    def pending_mass(self, key: str) -> float:
+        """The sum of ``extras[key]`` over the pushes held and not yet mixed (accounting, any thread)."""
+        with self._lock:
+            total = 0.0
+            for s in self._slots:
+                if s.state in ("full", "committed") and s.header is not None:
+                    value = s.header.extras.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        total += float(value)
+            return total
+
+    def occupied(self) -> int:
+        """Slots not free (any thread)."""
+        with self._lock:
+            return sum(s.state != "free" for s in self._slots)
+
+
+def _discard(sock: zmq.Socket) -> None:
+    """Drop the remaining frames of the message being received (no copy: a zero-size buffer)."""
+    while sock.get(zmq.RCVMORE):
+        sock.recv_into(bytearray(), flags=zmq.NOBLOCK)

@@ -1,0 +1,128 @@
+"""The sending end of PUSH: every push a node made, until it is known delivered or refused.
+
+The trainer opens a :class:`Push` at ``update_send`` (the rule has already taken from its own
+state what the push gives, e.g. half of a push-sum weight); the TX thread sends it and gives
+it its verdict (:meth:`PushLedger.settle`):
+
+* ``delivered`` -- the receiver answered ACK: what the push carried is the receiver's now;
+* ``refused`` -- the receiver answered ERROR (``busy``, a validation failure, or, to a SETTLE
+  query, "never arrived whole"): what the push carried comes back to the sender, which folds
+  the push's own snapshot back in at its next ``update_wait``;
+* while neither came (the deadline passed without an answer: the ACK, or the push itself, may
+  be lost) the push is ``unknown`` and the TX thread asks the receiver with a SETTLE query
+  until it answers. The receiver closes a push it is asked about, so its answer is final:
+  nothing is ever lost or counted twice.
+
+A node keeps at most one unresolved push per receiver (a step whose target still has one
+skips its push, keeping what it would have given). The ledger is shared by the trainer and
+the TX thread; everything in it changes under one condition variable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Push", "PushLedger"]
+
+
+@dataclass
+class Push:
+    """One push: to ``peer``, sequence number ``seq``, carrying ``given`` (rule extras) and ``snapshot`` (leased)."""
+
+    peer: str
+    seq: int
+    given: dict[str, Any]
+    snapshot: Any
+    deadline: float
+    prepare: Callable[[int], None] | None = None
+    """Called with a chunk index before that chunk is sent (rounds a narrower wire dtype in place)."""
+    status: str = "sending"  # sending | unknown | delivered | refused
+    code: str = ""
+    started: float = field(default_factory=time.monotonic)
+    next_query: float = 0.0
+    tracker: Any = None
+    """The zero-copy send's tracker: the snapshot stays busy until ZeroMQ is done with its frames."""
+    release: Callable[[Any], None] | None = None
+    """Gives the snapshot's lease back, with the tracker (an exchange's push: called by the TX thread)."""
+    ms: float = 0.0
+
+
+class PushLedger:
+    """Open pushes by peer, and the finished ones the trainer has not collected yet."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open: dict[str, Push] = {}
+        self._finished: list[Push] = []
+        self.unsupported: set[str] = set()
+        """Peers that answered a push with ``unsupported``: never asked again in this session."""
+
+    def open(self, push: Push) -> None:
+        """Register a push before it is handed to the TX thread (trainer thread)."""
+        with self._cond:
+            if push.peer in self._open:
+                raise RuntimeError(f"a push to {push.peer} is still unresolved")
+            self._open[push.peer] = push
+
+    def busy(self, peer: str) -> bool:
+        """True while a push to ``peer`` has no verdict."""
+        with self._cond:
+            return peer in self._open
+
+    def settle(self, push: Push, status: str, code: str = "") -> bool:
+        """Give ``push`` its final verdict (``delivered`` or ``refused``); False when it already had one."""
+        with self._cond:
+            if self._open.get(push.peer) is not push:
+                return False
+            del self._open[push.peer]
+            push.status, push.code = status, code
+            push.ms = (time.monotonic() - push.started) * 1000.0
+            self._finished.append(push)
+            self._cond.notify_all()
+            return True
+
+    def mark_unknown(self, push: Push, now: float, retry_s: float) -> None:
+        """The deadline passed without an answer: ask the receiver from ``now`` on, every ``retry_s`` seconds."""
+        with self._cond:
+            if push.status == "sending":
+                push.status = "unknown"
+            push.next_query = now + retry_s
+            self._cond.notify_all()
+
+    def unresolved(self) -> list[Push]:
+        """The pushes without a verdict yet."""
+        with self._cond:
+            return list(self._open.values())
+
+    def wait_until(self, at_most: int, slack_s: float) -> bool:
+        """Block until at most ``at_most`` pushes are still ``sending`` (no verdict, not yet past their own
+        deadline), at most until the latest such deadline plus ``slack_s``; True if reached."""
+        with self._cond:
+            while True:
+                sending = [p for p in self._open.values() if p.status == "sending"]
+                if len(sending) <= at_most:
+                    return True
+                left = max(p.deadline for p in sending) + slack_s - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+
+    def collect(self) -> list[Push]:
+        """The pushes that got their verdict since the last call (trainer thread)."""
+        with self._cond:
+            done, self._finished = self._finished, []
+            return done
+
+    def in_flight(self, key: str) -> float:
+        """The sum of ``given[key]`` over the pushes without a verdict (accounting)."""
+        with self._cond:
+            total = 0.0
+            for p in self._open.values():
+                value = p.given.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total += float(value)
+            return total

@@ -1,0 +1,69 @@
+"""AD-PSGD -- asynchronous decentralized parallel SGD (Lian et al. 2018; docs/rules.md).
+
+Pairs average symmetrically. Node ``i`` fetches ``j`` with its own published snapshot ``s_i``
+riding on the request; ``j`` answers with its snapshot ``s_j`` and keeps ``s_i``. Both then
+move to the pair's average, each against the snapshot it sent:
+
+    i (at its update_wait):       x_i <- x_i + a*(s_j - s_i)
+    j (at its next update_wait):  x_j <- x_j + a*(s_i - s_j)
+
+with ``a = 1/2`` (divergence damping may lower it). The two moves cancel, so the sum over the
+pair -- and the cluster's mean -- changes only by the local training steps. ``j`` mixes only
+once ``i`` confirmed it got ``s_j`` (a SETTLE commit); an exchange whose reply was lost is
+aborted on both sides. ``clock <- (clock + peer_clock) / 2``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.mixing import add_difference_, mix_clock
+
+__all__ = ["AdpsgdRule"]
+
+
+class AdpsgdRule(Rule):
+    """``x <- x + a*(x_peer - x_sent)`` on both ends of an exchange (``a = 1/2``, then divergence damping).
+
+    ``x_sent`` is the snapshot this node sent in the exchange: its own published model when it
+    fetched, the snapshot it served when the exchange came to its inbox (``PeerSnapshot.reference``).
+    Counter ``passive``: exchanges mixed from the inbox.
+    """
+
+    name = "adpsgd"
+    transfer = "exchange"
+
+    def __init__(self, divergence_threshold: float = 0.0) -> None:
+        super().__init__(divergence_threshold)
+        self._published: list[np.ndarray] | None = None
+        self.active = 0
+        self.passive = 0
+
+    def _params(self) -> dict[str, Any]:
+        return {"divergence_threshold": self.divergence_threshold}
+
+    def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
+        """Keep the views of the model just published: what this node's next exchange sends."""
+        self._published = list(published)
+
+    def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
+        """Apply ``a*(x_peer - x_sent)`` for every exchange in ``peers``; the factor is ``a`` (0.0: none)."""
+        a = self.diverge(0.5, own.loss)
+        mixed: list[str] = []
+        for peer in peers:
+            reference = peer.reference if peer.reference is not None else self._published
+            if reference is None:  # pragma: no cover - an exchange always follows a publish
+                continue
+            add_difference_(arrays, peer.arrays, reference, a)
+            own.clock = mix_clock(own.clock, peer.state.clock, a)
+            if peer.reference is None:
+                self.active += 1
+            else:
+                self.passive += 1
+            mixed.append(peer.state.name)
+        metrics = {"exchanges_active": float(self.active), "exchanges_passive": float(self.passive)}
+        return MixOutcome(a if mixed else 0.0, tuple(mixed), metrics)

@@ -1,0 +1,89 @@
+"""D-PSGD -- decentralized parallel SGD (Lian et al. 2017; docs/rules.md).
+
+Each node averages with its graph neighbours with the uniform weights of a regular graph,
+a doubly-stochastic mixing matrix: with ``d`` neighbours ``N(i)`` (the ``neighbours``
+schedule: ring ``i +- 1``, or exponential ``i +- 2^k``),
+
+    x_i <- (x_i + sum_{j in N(i)} x_j) / (d + 1)
+
+using each neighbour's last published model (fetched this step). A neighbour that did not
+answer in time, or whose clock lags this node's by more than ``max_staleness``, is left out
+and its weight stays with ``x_i`` (counted in ``left_out``): ``x_i <- x_i + sum_{j fresh}
+(x_j - x_i) / (d + 1)``. The clock is averaged with the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.mixing import weighted_sum_
+
+__all__ = ["DpsgdRule", "neighbours"]
+
+
+def neighbours(rank: int, n: int, graph: str) -> list[int]:
+    """The neighbours of ``rank`` among ``n`` nodes: ``ring`` ``i +- 1``; ``exponential`` ``i +- 2^k``, ``2^k < n``.
+
+    Unique, ascending, ``rank`` itself excluded; the graph is regular, so uniform weights are doubly stochastic.
+    """
+    if graph not in ("ring", "exponential"):
+        raise ValueError(f"unknown graph {graph!r}; allowed: ring, exponential")
+    if n < 2:
+        return []
+    hops = [1] if graph == "ring" else [2**k for k in range(max(1, math.ceil(math.log2(n))))]
+    out = {(rank + h) % n for h in hops} | {(rank - h) % n for h in hops}
+    out.discard(rank)
+    return sorted(out)
+
+
+class DpsgdRule(Rule):
+    """``x <- x + sum_{j fresh} (x_j - x) / (d + 1)``, ``d`` = the node's number of graph neighbours.
+
+    ``graph``: ``ring`` or ``exponential`` (the ``neighbours`` schedule reads it); ``max_staleness``:
+    a neighbour whose clock lags by more is left out. Divergence damping scales every neighbour's
+    weight by ``loss/t`` (``x`` keeps the rest).
+    """
+
+    name = "dpsgd"
+
+    def __init__(self, graph: str = "ring", max_staleness: float = 10.0, divergence_threshold: float = 0.0) -> None:
+        super().__init__(divergence_threshold)
+        neighbours(0, 2, graph)  # validates the name
+        s = float(max_staleness)
+        if not s >= 0.0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
+        self.graph = graph
+        self.max_staleness = s
+        self.left_out = 0
+        self._degree = 0
+
+    def _params(self) -> dict[str, Any]:
+        return {
+            "graph": self.graph,
+            "max_staleness": self.max_staleness,
+            "divergence_threshold": self.divergence_threshold,
+        }
+
+    def initial_extras(self, me: str, names: Sequence[str]) -> dict[str, Any]:
+        self._degree = len(neighbours(list(names).index(me), len(names), self.graph)) if me in names else 0
+        return {}
+
+    def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
+        """Average the fresh neighbours in with weight ``1/(d+1)`` each; the factor is their total weight."""
+        fresh = [p for p in peers if math.isfinite(p.state.clock) and own.clock - p.state.clock <= self.max_staleness]
+        self.left_out += max(0, self._degree - len(fresh))
+        metrics = {"left_out": float(self.left_out), "neighbours_mixed": float(len(fresh))}
+        g = self.diverge(1.0, own.loss)
+        if not fresh or g == 0.0 or self._degree == 0:
+            return MixOutcome(0.0, (), metrics)
+        d = float(self._degree + 1)
+        k = len(fresh)
+        weights = [g] * k + [d - g * k]
+        weighted_sum_(arrays, [p.arrays for p in fresh] + [arrays], weights, d)
+        own.clock = math.fsum([g * p.state.clock for p in fresh] + [(d - g * k) * own.clock]) / d
+        return MixOutcome(g * k / d, tuple(p.state.name for p in fresh), metrics)
