@@ -77,7 +77,8 @@ class DpwaConnection:
         """The last update_wait as a metrics record.
 
         Keys: step, factor, peer, status, bytes, fetch_ms, clock_gap, wait_ms (how long update_wait
-        blocked waiting for the fetch), mix_ms (the rule's mix), and the rule's own metrics.
+        blocked waiting for the fetch, or for its pushes' ACKs), mix_ms (the rule's mix), and the rule's own
+        metrics; push rules add received (inbox messages mixed), pushed, returned and unacked.
         """
         return self._node.last_exchange
 

@@ -355,9 +355,9 @@ class Node:
         waited = time.perf_counter()
         for target in job.wait() if job is not None else ():  # a busy or stalled TX thread: timed out here
             self.on_target(job, target)
+        returned = self.wait_pushes()
         self.check_threads()  # the TX thread may have died while we waited
         mixing = time.perf_counter()
-        returned = self.wait_pushes()
         targets = job.targets if job is not None else []
         peers = [
             PeerSnapshot(NodeState(t.peer, t.header.clock, t.header.loss, dict(t.header.extras)), t.views)
