@@ -54,16 +54,32 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "constant": ("f = 0.5", {"interpolation": "constant", "constant": {"value": 0.5}}),
     "clock": ("f = peer_clock / (clock + peer_clock)", {"interpolation": "clock"}),
     "loss": ("f = loss / (loss + peer_loss)", {"interpolation": "loss"}),
-    "gem": ("GEM, reference now (the default)", {"interpolation": "gem", "gem": {"reference": "now"}}),
-    "gem-sent": ("GEM, reference sent", {"interpolation": "gem", "gem": {"reference": "sent"}}),
-    "pushsum": ("push-sum, exponential graph", {"interpolation": "pushsum"}),
+    "gem": ("GEM, reference sent (the default)", {"interpolation": "gem"}),
+    "gem-now": ("GEM, reference now (the literal form)", {"interpolation": "gem", "gem": {"reference": "now"}}),
+    "pushsum": ("SGP push-sum, exponential graph", {"interpolation": "pushsum"}),
+    "osgp": ("OSGP: push-sum, overlap 1", {"interpolation": "pushsum", "pushsum": {"overlap": 1}}),
+    "adpsgd": ("AD-PSGD, random peers", {"interpolation": "adpsgd"}),
+    "dpsgd": ("D-PSGD, ring", {"interpolation": "dpsgd"}),
     "leader": ("LSGD, strength 0.1, window 10", {"interpolation": "leader"}),
     "group": (
         "WAGMA, pairs, sync every 11",
         {"interpolation": "group", "group": {"group_size": 2, "sync_every": 11, "max_staleness": 10.0}},
     ),
 }
-DEFAULT_RULES = ("constant", "clock", "loss", "gem", "gem-sent", "pushsum", "leader", "group", "none")
+DEFAULT_RULES = (
+    "constant",
+    "clock",
+    "loss",
+    "gem",
+    "gem-now",
+    "pushsum",
+    "osgp",
+    "leader",
+    "group",
+    "adpsgd",
+    "dpsgd",
+    "none",
+)
 SMOOTH = 100  # steps in the moving average of the loss curves
 POLL_S = 0.5
 PROGRESS_EVERY_S = 10.0
