@@ -301,7 +301,9 @@ def test_demo_node_killed_is_restarted_from_its_checkpoint_then_the_stopped_run_
     boot = wait_until(lambda: events_of(metrics["w2"], "bootstrap"), 60, 0.02, "w2 restarted")[0]
     resume = events_of(metrics["w2"], "resume")[0]
     first = resume["step"]
-    assert first >= 2 * every and first % every == 0 and resume["checkpoint"] == str(ckpt)
+    # the kill may land after step 2*every's record and before its checkpoint: the resume is from the last
+    # checkpoint completed, a multiple of every, at least the first one
+    assert first >= every and first % every == 0 and resume["checkpoint"] == str(ckpt)
     assert boot["peer"] == "w1" and boot["clock"] > first and boot["step"] == first  # it copied w1, ahead of it
     wait_until(lambda: max_step(metrics["w2"]) >= first + 2 * every, 60, 0.02, "w2 trains again")
     proc.send_signal(signal.SIGTERM)
