@@ -338,18 +338,8 @@ def encode_push(
     """The header of push ``seq`` of a snapshot of (wire) ``layout``; its chunks follow as tagged messages.
 
     ``hold``: an exchange's push, kept by the receiver until a SETTLE commit."""
-    body: dict[str, Any] = {
-        "node": node,
-        "req": seq,
-        "fp": layout.fingerprint,
-        "clock": clock,
-        "loss": loss,
-        "extras": extras,
-        "total": layout.total_bytes,
-        "chunk": chunk,
-        "nframes": len(layout.frame_bounds(chunk)),
-        "stream": True,
-    }
+    body = _payload_body(node, seq, clock, loss, extras, layout, chunk)
+    body["stream"] = True
     if hold:
         body["hold"] = True
     return _encode(Kind.PUSH, body)
@@ -379,7 +369,17 @@ def encode_state(
     stream: bool = False,
 ) -> bytes:
     """The header of a reply carrying a snapshot of (wire) ``layout``; ``stream``: the chunks follow as messages."""
-    body: dict[str, Any] = {
+    body = _payload_body(node, req, clock, loss, extras, layout, chunk)
+    if stream:
+        body["stream"] = True
+    return _encode(Kind.STATE, body)
+
+
+def _payload_body(
+    node: str, req: int, clock: float, loss: float, extras: dict[str, Any], layout: Layout, chunk: int
+) -> dict[str, Any]:
+    """The header fields of a message that carries a snapshot (STATE, PUSH)."""
+    return {
         "node": node,
         "req": req,
         "fp": layout.fingerprint,
@@ -390,9 +390,6 @@ def encode_state(
         "chunk": chunk,
         "nframes": len(layout.frame_bounds(chunk)),
     }
-    if stream:
-        body["stream"] = True
-    return _encode(Kind.STATE, body)
 
 
 def can_stream(req: int) -> bool:
