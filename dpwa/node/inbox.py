@@ -38,6 +38,7 @@ import numpy as np
 import zmq
 
 from dpwa.node import wire
+from dpwa.node.frames import discard_rest, receive_payload
 from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Layout, PayloadReader, WireError
 
 __all__ = ["HOLD_TIMEOUTS", "InboxSlot", "PushReceiver"]
@@ -184,13 +185,13 @@ class PushReceiver:
                 (s for s in self._slots if s.state == "receiving" and s.identity == identity and s.seq == seq), None
             )
         if slot is None:
-            _discard(sock)
+            discard_rest(sock)
             self._on_event("push_stale_chunks", 1)
             return None
         try:
             self._take(slot, index, sock)
         except WireError as exc:
-            _discard(sock)
+            discard_rest(sock)
             self._refuse_reason(exc.reason)
             with self._lock:
                 self._free(slot, accepted=False)
@@ -209,28 +210,15 @@ class PushReceiver:
         return self._ack(identity, seq)
 
     def _take(self, slot: InboxSlot, index: int, sock: zmq.Socket) -> None:
-        reader = self._reader
-        assert reader is not None
+        assert self._reader is not None
         if index != slot.next_chunk:
             raise WireError("frames", f"chunk {index} arrived, expected chunk {slot.next_chunk}")
         if not sock.get(zmq.RCVMORE):
             raise WireError("frames", "a chunk message without its payload frame")
         start, end = self._bounds[index]
-        if reader.direct:
-            n = sock.recv_into(slot.buffer[start:end], flags=zmq.NOBLOCK)
-            if n != end - start:
-                raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
-            finite = reader.check(slot.views, start, end)
-        else:
-            frame = sock.recv(zmq.NOBLOCK, copy=False)
-            if len(frame) != end - start:
-                raise WireError("size", f"payload frame of {len(frame)} bytes, expected {end - start}")
-            finite = reader.read(np.frombuffer(frame.buffer, np.uint8), start, slot.views)
-        if not finite:
-            raise WireError("non-finite", "payload holds NaN or infinity")
+        self._on_event("bytes_in", receive_payload(sock, self._reader, slot.buffer, slot.views, start, end))
         if sock.get(zmq.RCVMORE):
             raise WireError("frames", "a chunk message with more than one payload frame")
-        self._on_event("bytes_in", end - start)
         slot.next_chunk += 1
 
     def serve_exchange(self, sender: str, seq: int, snapshot: Any) -> bool:
@@ -356,9 +344,3 @@ class PushReceiver:
         """Slots not free (any thread)."""
         with self._lock:
             return sum(s.state != "free" for s in self._slots)
-
-
-def _discard(sock: zmq.Socket) -> None:
-    """Drop the remaining frames of the message being received (no copy: a zero-size buffer)."""
-    while sock.get(zmq.RCVMORE):
-        sock.recv_into(bytearray(), flags=zmq.NOBLOCK)

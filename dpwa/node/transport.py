@@ -33,6 +33,7 @@ import numpy as np
 import zmq
 
 from dpwa.node import wire
+from dpwa.node.frames import discard_rest, receive_payload
 from dpwa.node.inbox import PushReceiver
 from dpwa.node.pushes import Push
 from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Kind, Layout, PayloadReader, WireError
@@ -78,12 +79,6 @@ def tune_data_socket(sock: zmq.Socket) -> None:
     setting them turns autotuning off. This is the one place to add such options, so
     that the benchmark's raw-pyzmq reference always gets the same ones.
     """
-
-
-def _discard_rest(sock: zmq.Socket) -> None:
-    """Drop the remaining frames of the message being received."""
-    while sock.get(zmq.RCVMORE):
-        sock.recv_into(bytearray(), flags=zmq.NOBLOCK)
 
 
 # --------------------------------------------------------------------------- RX
@@ -192,7 +187,7 @@ class RxServer(SocketThread):
             if tag is not None and self._pushes is not None:
                 self._answer(sock, identity, self._pushes.chunk(identity, tag[0], tag[1], sock))
                 return
-            _discard_rest(sock)
+            discard_rest(sock)
             self._on_event("push_stale_chunks" if tag is not None else "requests_rejected", 1)
             return
         try:
@@ -719,7 +714,7 @@ class TxFetcher(threading.Thread):
             try:
                 self._message(job, target, sock, head, peer)
             except _Broken as broken:
-                _discard_rest(sock)
+                discard_rest(sock)
                 assert job is not None and target is not None
                 self._finish(job, target, "rejected", broken.error.reason, broken.error.detail)
                 self._reset(poller, peer)
@@ -742,7 +737,7 @@ class TxFetcher(threading.Thread):
         tag = wire.decode_chunk_tag(head)
         if tag is not None:
             if job is None or target is None or tag[0] != job.req or target.next_chunk < 0:
-                _discard_rest(sock)  # a chunk of a reply already judged (or never announced): nothing to take
+                discard_rest(sock)  # a chunk of a reply already judged (or never announced): nothing to take
                 self._on_event("stale_replies", 1)
                 return
             self._chunk_message(target, sock, tag[1], len(head))
@@ -750,7 +745,7 @@ class TxFetcher(threading.Thread):
                 self._finish(job, target, "ok")
             return
         if target is None or job is None:
-            _discard_rest(sock)
+            discard_rest(sock)
             self._on_event("stale_replies", 1)
             return
         if target.next_chunk >= 0:
@@ -767,7 +762,7 @@ class TxFetcher(threading.Thread):
         try:
             header = wire.decode_header(head)
             if header.kind is Kind.ERROR:
-                _discard_rest(sock)
+                discard_rest(sock)
                 if header.node != target.peer or header.req != job.req:  # not a refusal of this fetch
                     log.debug("dropping an ERROR reply of %s to request %s", header.node, header.req)
                     self._on_event("stale_replies", 1)
@@ -781,7 +776,7 @@ class TxFetcher(threading.Thread):
                 wire.check_state_header(header, wire_layout, peer=target.peer, req=job.req, chunk=self._chunk)
             except WireError as exc:
                 if exc.reason == "stale":
-                    _discard_rest(sock)
+                    discard_rest(sock)
                     self._on_event("stale_replies", 1)
                     return
                 raise
@@ -802,7 +797,7 @@ class TxFetcher(threading.Thread):
             target.nbytes = received
             if alone:  # reset the socket, so that the chunks of a rejected streamed reply never arrive as strays
                 raise _Broken(exc) from None
-            _discard_rest(sock)
+            discard_rest(sock)
             self._finish(job, target, "rejected", exc.reason, exc.detail)
             return
         target.nbytes = received
@@ -825,23 +820,6 @@ class TxFetcher(threading.Thread):
         target.next_chunk += 1
 
     def _take(self, sock: zmq.Socket, target: FetchTarget, start: int, end: int) -> int:
-        """Receive the next frame as wire bytes [start, end) into ``target``'s buffer, validated; its size.
-
-        Raises WireError ``size`` or ``non-finite`` (the buffer is scratch until the reply is accepted).
-        """
-        reader = self._reader
-        assert reader is not None
-        if reader.direct:  # ZeroMQ copies straight into place; then one check pass
-            n = sock.recv_into(target.buffer[start:end], flags=zmq.NOBLOCK)
-            if n != end - start:
-                raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
-            finite = reader.check(target.views, start, end)
-        else:  # widen from ZeroMQ's buffer, checking each block while it is in cache
-            frame = sock.recv(zmq.NOBLOCK, copy=False)
-            n = len(frame)
-            if n != end - start:
-                raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
-            finite = reader.read(np.frombuffer(frame.buffer, np.uint8), start, target.views)
-        if not finite:
-            raise WireError("non-finite", "payload holds NaN or infinity")
-        return n
+        """Receive the next frame as wire bytes [start, end) into ``target``'s buffer (:func:`receive_payload`)."""
+        assert self._reader is not None
+        return receive_payload(sock, self._reader, target.buffer, target.views, start, end)

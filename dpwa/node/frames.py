@@ -1,0 +1,53 @@
+"""Receiving payload frames from a ZeroMQ socket: shared by the TX thread (replies) and the RX thread (pushes).
+
+A payload frame is taken straight into its place in a preallocated buffer (ZeroMQ's own copy, then
+one finiteness pass) or, when the wire dtype is narrower, widened block by block from ZeroMQ's
+buffer and checked while in cache (:class:`~dpwa.node.wire.PayloadReader`). Nothing is allocated
+per frame beyond the message ZeroMQ already holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import zmq
+
+from dpwa.node.wire import PayloadReader, WireError
+
+__all__ = ["discard_rest", "receive_payload"]
+
+
+def discard_rest(sock: zmq.Socket) -> None:
+    """Drop the remaining frames of the message being received (no copy: a zero-size buffer)."""
+    while sock.get(zmq.RCVMORE):
+        sock.recv_into(bytearray(), flags=zmq.NOBLOCK)
+
+
+def receive_payload(
+    sock: zmq.Socket,
+    reader: PayloadReader,
+    buffer: np.ndarray,
+    views: Sequence[np.ndarray],
+    start: int,
+    end: int,
+) -> int:
+    """Receive the next frame as wire bytes [start, end) into ``buffer`` / ``views``, validated; its size.
+
+    Raises WireError ``size`` (a frame of another length) or ``non-finite``; the buffer is then
+    partly written (receive buffers are scratch until a payload is accepted).
+    """
+    if reader.direct:  # ZeroMQ copies straight into place; then one check pass
+        n = sock.recv_into(buffer[start:end], flags=zmq.NOBLOCK)
+        if n != end - start:
+            raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
+        finite = reader.check(views, start, end)
+    else:  # widen from ZeroMQ's buffer, checking each block while it is in cache
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        n = len(frame)
+        if n != end - start:
+            raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
+        finite = reader.read(np.frombuffer(frame.buffer, np.uint8), start, views)
+    if not finite:
+        raise WireError("non-finite", "payload holds NaN or infinity")
+    return n
