@@ -724,11 +724,12 @@ class TxFetcher(threading.Thread):
         self, job: FetchJob | None, target: FetchTarget | None, sock: zmq.Socket, head: bytes, peer: str
     ) -> None:
         """One message whose first frame is ``head``; raises _Broken when a streamed reply goes wrong."""
+        header: Header | None = None  # a lone header frame is decoded once, here: push answers are routed by it
         if not sock.get(zmq.RCVMORE) and len(head) <= wire.MAX_HEADER_BYTES and head[:4] == wire.MAGIC:
             try:
-                header: Header | None = wire.decode_header(head)
+                header = wire.decode_header(head)
             except WireError:
-                header = None
+                pass  # _header_message decodes it again and rejects the reply with the reason
             if header is not None and header.kind in (Kind.ACK, Kind.ERROR) and self._push_answer(peer, header):
                 return
             if header is not None and header.kind is Kind.ACK:  # a commit's ACK, or one for a push settled already
@@ -750,17 +751,20 @@ class TxFetcher(threading.Thread):
             return
         if target.next_chunk >= 0:
             raise _Broken(WireError("frames", "a message other than the next chunk inside a streamed reply"))
-        self._header_message(job, target, sock, head)
+        self._header_message(job, target, sock, head, header)
 
-    def _header_message(self, job: FetchJob, target: FetchTarget, sock: zmq.Socket, head: bytes) -> None:
-        """A reply's header, and with the single-message framing its payload frames too."""
+    def _header_message(
+        self, job: FetchJob, target: FetchTarget, sock: zmq.Socket, head: bytes, decoded: Header | None = None
+    ) -> None:
+        """A reply's header (``decoded``: already decoded), and with the single-message framing its payload
+        frames too."""
         layouts = self._layouts()
         assert layouts is not None and self._reader is not None
         wire_layout = layouts[0]
         received = len(head)
         alone = not sock.get(zmq.RCVMORE)  # a header without payload frames: streamed chunks may follow it
         try:
-            header = wire.decode_header(head)
+            header = decoded if decoded is not None else wire.decode_header(head)
             if header.kind is Kind.ERROR:
                 discard_rest(sock)
                 if header.node != target.peer or header.req != job.req:  # not a refusal of this fetch
