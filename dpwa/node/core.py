@@ -605,7 +605,7 @@ class Node:
     def on_push_unknown(self, push: Push) -> None:
         """A push is past its deadline without an answer: the ledger marks it unknown (a SETTLE query follows)."""
         if self.ledger is not None:
-            self.ledger.mark_unknown(push, time.monotonic(), self.config.timeout_ms / 1000.0)
+            self.ledger.mark_unknown(push)
 
     # ------------------------------------------------------------ ZAP thread
 

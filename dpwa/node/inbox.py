@@ -140,8 +140,7 @@ class PushReceiver:
     def begin(self, identity: bytes, header: Header, user: str | None) -> bytes | None:
         """A PUSH header: reserve a slot (None: nothing to answer yet) or refuse it (the ERROR to send)."""
         sender = header.node
-        if sender not in self._senders or (self._check_identity and user != sender):
-            self._refuse_reason("identity")
+        if self._stranger(sender, user):
             return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
         if self.drop is not None and self.drop("push"):
             self._on_event("pushes_dropped_by_hook", 1)
@@ -153,7 +152,7 @@ class PushReceiver:
         try:
             wire.check_push_header(header, wire_layout, chunk=self._chunk)
         except WireError as exc:
-            self._refuse_reason(exc.reason)
+            self._on_reject(exc.reason)
             return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
         with self._lock:
             last, verdict = self._verdicts.get(sender, (-1, None))
@@ -192,7 +191,7 @@ class PushReceiver:
             self._take(slot, index, sock)
         except WireError as exc:
             discard_rest(sock)
-            self._refuse_reason(exc.reason)
+            self._on_reject(exc.reason)
             with self._lock:
                 self._free(slot, accepted=False)
             return wire.encode_error(self.name, seq, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
@@ -235,8 +234,7 @@ class PushReceiver:
     def settle(self, identity: bytes, header: Header, user: str | None) -> bytes:
         """A SETTLE from ``header.node`` about its push ``header.req``: the ACK or ERROR to send back."""
         sender, seq = header.node, header.req
-        if sender not in self._senders or (self._check_identity and user != sender):
-            self._refuse_reason("identity")
+        if self._stranger(sender, user):
             return wire.encode_error(self.name, seq, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
         with self._lock:
             slot = next((s for s in self._slots if s.state != "free" and s.sender == sender and s.seq == seq), None)
@@ -301,8 +299,13 @@ class PushReceiver:
             return None
         return frame
 
-    def _refuse_reason(self, reason: str) -> None:
-        self._on_reject(reason)
+    def _stranger(self, sender: str, user: str | None) -> bool:
+        """True (counted under ``identity``) when ``sender`` is no peer of the cluster, or, with CURVE, not the
+        name the connection authenticated as (``user``)."""
+        if sender in self._senders and (not self._check_identity or user == sender):
+            return False
+        self._on_reject("identity")
+        return True
 
     def _free(self, slot: InboxSlot, *, accepted: bool) -> None:
         """Empty ``slot`` (caller holds the lock); a refused push's verdict is recorded as refused."""

@@ -85,12 +85,11 @@ class PushLedger:
             self._cond.notify_all()
             return True
 
-    def mark_unknown(self, push: Push, now: float, retry_s: float) -> None:
-        """The deadline passed without an answer: ask the receiver from ``now`` on, every ``retry_s`` seconds."""
+    def mark_unknown(self, push: Push) -> None:
+        """The deadline passed without an answer (the TX thread asks the receiver from now on): wake waiters."""
         with self._cond:
             if push.status == "sending":
                 push.status = "unknown"
-            push.next_query = now + retry_s
             self._cond.notify_all()
 
     def unresolved(self) -> list[Push]:

@@ -364,6 +364,11 @@ class _Broken(Exception):
         self.error = error
 
 
+def _mark_unknown(push: Push) -> None:
+    """What a push past its deadline becomes when no ledger is told (a TxFetcher without a node)."""
+    push.status = "unknown"
+
+
 MAX_MESSAGES_PER_WAKE = 64
 """Messages the TX thread takes from one socket before it looks at the deadline again."""
 
@@ -407,7 +412,7 @@ class TxFetcher(threading.Thread):
         self._settles: list[tuple[str, int, str]] = []
         """SETTLEs to send at the end of this wake: (peer, sequence number, op)."""
         self._on_push = on_push
-        self._on_push_unknown = on_push_unknown
+        self._on_push_unknown = on_push_unknown or _mark_unknown
         self._retry_s = retry_s
         self._sndhwm = 4
         self._stop_flag = threading.Event()
@@ -533,9 +538,8 @@ class TxFetcher(threading.Thread):
         for push in list(self._pushes.values()):
             if push.status == "sending" and now >= push.deadline:
                 self._on_event("pushes_unknown", 1)
-                if self._on_push_unknown is not None:
-                    self._on_push_unknown(push)  # the ledger marks it unknown and sets next_query
-                push.status, push.next_query = "unknown", now
+                self._on_push_unknown(push)  # status "unknown" (the node's ledger, which wakes its waiters)
+                push.next_query = now
             if push.status == "unknown" and now >= push.next_query:
                 push.next_query = now + self._retry_s
                 self._settles.append((push.peer, push.seq, "query"))
