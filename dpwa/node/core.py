@@ -101,7 +101,6 @@ class Node:
         self.mixing = False
         self.last_exchange: dict[str, Any] | None = None
         self.closed = False
-        self.transfer = rule.transfer
         self.ledger = PushLedger() if rule.transfer == "push" else None
         self.inbox: PushReceiver | None = None
         if rule.transfer in ("push", "exchange"):
@@ -183,7 +182,9 @@ class Node:
         if self.inbox is not None:
             held = self.config.inbox_slots + max(1, self.schedule.max_fanout(len(self.names))) * (self.rule.overlap + 2)
         self.pool = SnapshotPool(layout, max_size=6 + held, wire=wire_layout, name=self.name, defer=self.exchanging)
-        fetched = 1 if self.transfer == "push" else self.schedule.max_fanout(len(self.names))  # push: bootstrap only
+        fetched = (
+            1 if self.rule.transfer == "push" else self.schedule.max_fanout(len(self.names))
+        )  # push: bootstrap only
         for _ in range(max(1, fetched)):
             buffer = layout.allocate()
             self.receive_slots.append((buffer, layout.views(buffer)))
@@ -250,7 +251,7 @@ class Node:
         with self.state_lock:
             self.state.loss = value
         snapshot = self.publish(tick=True)
-        if self.transfer == "push":
+        if self.rule.transfer == "push":
             self.start_push(snapshot)
         else:
             self.start_fetch(snapshot)
@@ -315,7 +316,7 @@ class Node:
         deadline = time.monotonic() + self.config.timeout_ms / 1000.0
         req = next(self.requests)
         push = None
-        if self.transfer == "exchange":  # AD-PSGD: the fetch carries this node's snapshot to the one peer
+        if self.rule.transfer == "exchange":  # AD-PSGD: the fetch carries this node's snapshot to the one peer
             if snapshot is None:
                 self.stats.add("fetches_skipped")
                 return
@@ -644,8 +645,8 @@ class Node:
                 return Reply(wire.encode_error(self.name, request.req, ErrorCode.UNSUPPORTED, "no exchanges here"))
             pool.retain(snapshot)
             if not self.inbox.serve_exchange(request.node, request.exchange, snapshot):
-                pool.release(snapshot)
-                pool.release(snapshot)
+                pool.release(snapshot)  # the lease taken for the exchange
+                pool.release(snapshot)  # and the one taken for the reply
                 return Reply(
                     wire.encode_error(
                         self.name, request.req, ErrorCode.NOT_DELIVERED, "the exchange's push is not here"

@@ -458,7 +458,13 @@ def decode_header(frame: bytes | memoryview) -> Header:
         if isinstance(exchange, bool) or not isinstance(exchange, int):
             raise WireError("header", "field 'exchange' of the wrong type")
         return Header(
-            kind, node, req, fingerprint=_field(body, "fp", str), extras=extras, stream=_stream(body), exchange=exchange
+            kind,
+            node,
+            req,
+            fingerprint=_field(body, "fp", str),
+            extras=extras,
+            stream=_flag(body, "stream"),
+            exchange=exchange,
         )
     if kind is Kind.ERROR:
         return Header(kind, node, req, code=_field(body, "code", str), detail=str(body.get("detail", ""))[:1000])
@@ -488,22 +494,16 @@ def decode_header(frame: bytes | memoryview) -> Header:
         total=_field(body, "total", int),
         chunk=_field(body, "chunk", int),
         nframes=_field(body, "nframes", int),
-        stream=_stream(body),
+        stream=_flag(body, "stream"),
         hold=_flag(body, "hold") if kind is Kind.PUSH else False,
     )
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:
+    """An optional boolean header field (``stream``, ``hold``), False when absent."""
     value = body.get(key, False)
     if not isinstance(value, bool):
         raise WireError("header", f"field {key!r} of the wrong type")
-    return value
-
-
-def _stream(body: dict[str, Any]) -> bool:
-    value = body.get("stream", False)
-    if not isinstance(value, bool):
-        raise WireError("header", "field 'stream' of the wrong type")
     return value
 
 
