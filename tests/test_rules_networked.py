@@ -130,8 +130,8 @@ def test_gem_converges_and_reports_its_energy_factor(tmp_path: Path, reference_s
 
 def test_pushsum_converges_and_moves_mass(tmp_path: Path, reference_spread: float) -> None:
     run_dir = run_demo(tmp_path, "pushsum", interpolation="pushsum")
-    # 4 demo processes on 2 cores run at uneven speeds: a node mixes a push on 38-60 % of its steps (the
-    # others found none, or the sender's last one was still unmixed: busy, returned). Open item, issue 11.
+    # 4 demo processes on 2 cores run at uneven speeds: one run measured a node mixing a push on only 38 %
+    # of its steps (none arrived, or the sender's last one was still unmixed: busy, returned). Open item.
     records = check_converges(run_dir, reference_spread, min_mixes=STEPS // 4)
     n = len(NODES)
     for node, recs in records.items():
