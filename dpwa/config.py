@@ -494,6 +494,10 @@ class ClusterConfig:
     inbox_slots: int = dataclasses.field(
         default=4, metadata={_SPEC: _Number(lo=1, hi=64, integer=True), _OMIT_DEFAULT: True}
     )
+    #: Push rules: how many of those one sender may fill; update_wait mixes one per sender, its oldest.
+    inbox_per_sender: int = dataclasses.field(
+        default=2, metadata={_SPEC: _Number(lo=1, hi=64, integer=True), _OMIT_DEFAULT: True}
+    )
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     source: str = dataclasses.field(default=MEMORY, compare=False)
     #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.
@@ -502,6 +506,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "marks", MappingProxyType(dict(self.marks)))
         _validate(self, self.error)
+        if self.inbox_per_sender > self.inbox_slots:
+            raise self.error(
+                "inbox_per_sender", f"must be at most inbox_slots ({self.inbox_slots}), got {self.inbox_per_sender}"
+            )
         given = dict(self.rule_settings)
         for name, obj in given.items():
             if name not in RULE_SETTINGS:

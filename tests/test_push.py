@@ -107,8 +107,9 @@ def test_two_nodes_never_phase_lock_and_keep_their_mass(tmp_path: Path) -> None:
     """20 two-node runs of 500 steps, half in exact lock-step (fixed 2 ms step, no jitter), half jittered:
     every node mixes on at least 90 % of its steps, and the weights sum to 2 within 1e-9 once quiet.
 
-    (A step does not mix when no push of the peer landed inside it: with steps of 2 to 4 ms drawn at
-    random that happens on ~12 % of the steps, a property of two unsynchronised clocks, not of dpwa.)"""
+    (Measured: at least 98 % in every run. Two clocks drift, so now and then two pushes of the peer land in
+    one step and none in the next; the inbox keeps the second one for the next step (inbox_per_sender 2).
+    With inbox_per_sender 1 it is refused instead, and the jittered runs mixed 91-96 %.)"""
     rates = []
     for run in range(20):
         conns = cluster(tmp_path, 2, f"run{run}", interpolation="pushsum", timeout_ms=2000)
@@ -314,7 +315,21 @@ def test_dpsgd_leaves_a_stale_neighbour_out_and_keeps_its_weight() -> None:
 # --------------------------------------------------------------------------- floods of pushes at a live node
 
 
-FLOOD_KINDS = ("valid", "bad_layout", "unknown_sender", "stray_chunk", "nonfinite", "short_chunk", "garbage", "settle")
+FLOOD_KINDS = (
+    "valid",
+    "whole",
+    "bad_layout",
+    "unknown_sender",
+    "stray_chunk",
+    "nonfinite",
+    "short_chunk",
+    "whole_nonfinite",
+    "whole_but_streamed",
+    "unstreamed_alone",
+    "garbage",
+    "settle",
+)
+"""valid / whole: a good streamed / whole push (busy once the sender has ``inbox_per_sender`` here)."""
 
 
 class FakePusher:
@@ -331,10 +346,12 @@ class FakePusher:
         self.layout = layout
         self.seq = 0
 
-    def header(self, node: str = "w2", w_given: float = 0.5, layout: wire.Layout | None = None) -> bytes:
+    def header(
+        self, node: str = "w2", w_given: float = 0.5, layout: wire.Layout | None = None, whole: bool = False
+    ) -> bytes:
         self.seq += 1
         return wire.encode_push(
-            node, self.seq, clock=3.0, loss=1.0, extras={"w_given": w_given}, layout=layout or self.layout
+            node, self.seq, clock=3.0, loss=1.0, extras={"w_given": w_given}, layout=layout or self.layout, whole=whole
         )
 
     def chunk(self, payload: bytes, seq: int | None = None, index: int = 0) -> None:
@@ -349,12 +366,47 @@ class FakePusher:
         self.ctx.term()
 
 
+@pytest.mark.parametrize("per_sender", [1, 2])
+def test_a_sender_fills_at_most_inbox_per_sender_and_its_oldest_push_is_mixed_first(
+    tmp_path: Path, per_sender: int
+) -> None:
+    """Three whole pushes of one sender (models 1, 2, 3): the inbox keeps the first ``inbox_per_sender`` and
+    refuses the rest busy; each update_wait folds one of them, the oldest first."""
+    cfg = load_config(
+        write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation="pushsum", inbox_per_sender=per_sender)
+    )
+    node = DpwaConnection("w1", cfg, seed=1)
+    params = [np.zeros(40, np.float32)]
+    node.update_send(params, 1.0)  # publishes (its own push to w2 is refused: nobody there)
+    node.update_wait(1.0)
+    weight = node.dpwa_state().extras["weight"]
+    fake = FakePusher(node.endpoint, wire.Layout.of(params))
+    try:
+        for value in (1.0, 2.0, 3.0):
+            payload = np.full(fake.layout.total_bytes // 4, value, np.float32).tobytes()  # 40 floats + padding
+            fake.sock.send_multipart([fake.header(whole=True), payload])
+        wait_until(
+            lambda: node.stats()["pushes_received"] + node.stats()["pushes_busy"] == 3, 10, message="3 pushes answered"
+        )
+        assert (node.stats()["pushes_received"], node.stats()["pushes_busy"]) == (per_sender, 3 - per_sender)
+        for value in (1.0, 2.0)[:per_sender]:
+            want = (weight * params[0].astype(np.float64) + 0.5 * value) / (weight + 0.5)
+            node.update_wait(1.0)
+            weight += 0.5
+            assert node.dpwa_state().extras["weight"] == weight
+            np.testing.assert_allclose(params[0], want, rtol=1e-6)
+        assert node.stats()["inbox_occupied"] == 0
+    finally:
+        fake.close()
+        node.close()
+
+
 @given(kinds=st.lists(st.sampled_from(FLOOD_KINDS), min_size=1, max_size=25), fill=st.floats(-1e3, 1e3))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Path, kinds: list[str], fill: float):
     """Valid, busy, malformed, oversized-in-count, non-finite, stray and unknown-sender pushes at a live node:
     nothing reaches the parameters before update_wait, every message is counted by reason, the inbox holds
-    at most one push of the sender, and update_wait folds exactly the one accepted push."""
+    at most two pushes of the sender, and each update_wait folds exactly one accepted push, the oldest."""
     cfg = load_config(
         write_cluster(tmp_path / f"f{random.random()}.yaml", free_ports(2), interpolation="pushsum", timeout_ms=300)
     )
@@ -367,36 +419,50 @@ def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Pat
     fake = FakePusher(node.endpoint, wire.Layout.of(params))
     good = np.full(fake.layout.total_bytes // 4, fill, np.float32).tobytes()
     expected: dict[str, int] = {}
-    occupied = False  # the sender's one unmixed push is in the inbox
+
+    def count(key: str) -> None:
+        expected[key] = expected.get(key, 0) + 1
+
+    held = 0  # pushes of the sender in the inbox (at most inbox_per_sender = 2 by default)
     try:
         for kind in kinds:
-            if kind in ("valid", "nonfinite", "short_chunk"):
+            if kind in ("valid", "nonfinite", "short_chunk"):  # streamed: the header, then its chunk
                 fake.send(fake.header())
-                if occupied:  # busy: the chunk that follows belongs to no push
+                if held == 2:  # busy: the chunk that follows belongs to no push
                     fake.chunk(good)
-                    expected["pushes_busy"] = expected.get("pushes_busy", 0) + 1
-                    expected["push_stale_chunks"] = expected.get("push_stale_chunks", 0) + 1
+                    count("pushes_busy")
+                    count("push_stale_chunks")
                     continue
-                if kind == "valid":
-                    fake.chunk(good)
-                    occupied = True
-                    expected["pushes_received"] = expected.get("pushes_received", 0) + 1
-                else:
-                    bad = np.full(len(good) // 4, np.nan, np.float32).tobytes() if kind == "nonfinite" else good[:8]
-                    fake.chunk(bad)
-                    expected["pushes_rejected"] = expected.get("pushes_rejected", 0) + 1
+                bad = np.full(len(good) // 4, np.nan, np.float32).tobytes() if kind == "nonfinite" else good[:8]
+                fake.chunk(good if kind == "valid" else bad)
+                held += kind == "valid"
+                count("pushes_received" if kind == "valid" else "pushes_rejected")
+            elif kind in ("whole", "whole_nonfinite"):  # header and chunk in one message
+                bad = np.full(len(good) // 4, np.inf, np.float32).tobytes()
+                fake.sock.send_multipart([fake.header(whole=True), good if kind == "whole" else bad])
+                if held == 2:
+                    count("pushes_busy")
+                    continue
+                held += kind == "whole"
+                count("pushes_received" if kind == "whole" else "pushes_rejected")
+            elif kind == "whole_but_streamed":  # a streamed header may not carry its payload
+                fake.sock.send_multipart([fake.header(), good])
+                count("pushes_rejected")
+            elif kind == "unstreamed_alone":  # a whole push's header without its payload
+                fake.send(fake.header(whole=True))
+                count("pushes_rejected")
             elif kind == "bad_layout":
                 fake.send(fake.header(layout=wire.Layout(("<f4",), ((7,),))))
-                expected["pushes_rejected"] = expected.get("pushes_rejected", 0) + 1
+                count("pushes_rejected")
             elif kind == "unknown_sender":
                 fake.send(fake.header(node="w9"))
-                expected["pushes_rejected"] = expected.get("pushes_rejected", 0) + 1
+                count("pushes_rejected")
             elif kind == "stray_chunk":
                 fake.chunk(good, seq=10**6 + fake.seq)
-                expected["push_stale_chunks"] = expected.get("push_stale_chunks", 0) + 1
+                count("push_stale_chunks")
             elif kind == "garbage":
                 fake.send(b"DPWA\x01\x00\x04{not json")
-                expected["requests_rejected"] = expected.get("requests_rejected", 0) + 1
+                count("requests_rejected")
             else:  # a settle about a push that never came: closes that sequence number, answers not-delivered
                 fake.seq += 1
                 fake.send(wire.encode_settle("w2", fake.seq, "query"))
@@ -409,15 +475,17 @@ def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Pat
         stats = node.stats()
         assert {k: stats[k] for k in expected} == expected
         assert np.array_equal(params[0], before)  # nothing is mixed before update_wait
-        assert stats["inbox_occupied"] == int(occupied) and stats["thread_errors"] == {}
-        node.update_wait(1.0)
-        weight = node.dpwa_state().extras["weight"]
-        if occupied:  # exactly the accepted push: x <- (w*x + 0.5*fill) / (w + 0.5)
-            assert weight == weight0 + 0.5
-            want = (weight0 * before.astype(np.float64) + 0.5 * np.float32(fill)) / (weight0 + 0.5)
+        assert stats["inbox_occupied"] == held and stats["thread_errors"] == {}
+        for _ in range(held):  # one push of a sender per update_wait: x <- (w*x + 0.5*fill) / (w + 0.5)
+            want = (weight0 * params[0].astype(np.float64) + 0.5 * np.float32(fill)) / (weight0 + 0.5)
+            node.update_wait(1.0)
+            assert node.dpwa_state().extras["weight"] == weight0 + 0.5
             np.testing.assert_allclose(params[0], want, rtol=1e-5, atol=1e-4)
-        else:
-            assert weight == weight0 and np.array_equal(params[0], before)
+            weight0 += 0.5
+        node.update_wait(1.0)  # nothing is left
+        assert node.dpwa_state().extras["weight"] == weight0 and node.stats()["inbox_occupied"] == 0
+        if not held:
+            assert np.array_equal(params[0], before)
     finally:
         fake.close()
         node.close()

@@ -207,3 +207,29 @@ def test_an_integer_beyond_float_range_is_a_wire_error_not_a_crash(key):
             )
         )
     assert err.value.reason == "non-finite"
+
+
+def test_a_push_of_one_chunk_travels_whole_and_a_larger_one_streamed():
+    small = Layout.of(arrays(("f4", (10,))))
+    big = Layout.of(arrays(("f4", (1000,))))
+    chunk = 1024  # big: 4000 bytes, four chunks
+
+    def push(layout, whole):
+        frame = wire.encode_push(
+            "w2", 7, clock=1.0, loss=0.5, extras={"w_given": 0.5}, layout=layout, chunk=chunk, whole=whole
+        )
+        return wire.decode_header(frame)
+
+    whole, streamed = push(small, True), push(small, False)
+    assert (whole.kind, whole.stream, whole.nframes) == (Kind.PUSH, False, 1) and streamed.stream
+    wire.check_push_header(whole, small, chunk=chunk, whole=True)
+    wire.check_push_header(streamed, small, chunk=chunk)
+    wire.check_push_header(push(big, False), big, chunk=chunk)
+    for header, layout, as_whole in [
+        (whole, small, False),  # an unstreamed header came alone: its payload is missing
+        (streamed, small, True),  # a streamed header may not carry a payload frame
+        (push(big, True), big, True),  # only a push of one chunk travels whole
+    ]:
+        with pytest.raises(WireError) as err:
+            wire.check_push_header(header, layout, chunk=chunk, whole=as_whole)
+        assert err.value.reason == "frames"

@@ -114,6 +114,7 @@ class Node:
                 self.stats.reject_push,
                 self.release_snapshot,
                 check_identity=config.security.curve,
+                per_sender=config.inbox_per_sender,
             )
         self.pushed_this_step = 0
         self.ctx = zmq.Context(io_threads=1)

@@ -1,9 +1,9 @@
 """The receiving end of PUSH: an inbox of preallocated slots the RX thread fills and the trainer drains.
 
-A push arrives as a header, then one tagged message per chunk (``dpwa.node.wire``). The RX
-thread hands each to :class:`PushReceiver`, which validates it exactly like a fetched reply
-(known sender, CURVE identity, layout, sizes, frame order, finite values) and copies it into
-a free slot. A slot's life::
+A push arrives whole (header and its one chunk in one message) or streamed (a header, then one
+tagged message per chunk; ``dpwa.node.wire``). The RX thread hands each to :class:`PushReceiver`,
+which validates it exactly like a fetched reply (known sender, CURVE identity, layout, sizes,
+frame order, finite values) and copies it into a free slot. A slot's life::
 
     free -> receiving -> full                            (a push: ACK sent; mixed at update_wait)
     free -> receiving -> held -> served -> committed     (an exchange's push: kept until the
@@ -13,8 +13,10 @@ a free slot. A slot's life::
 
 Rules of the inbox:
 
-* at most ``slots`` pushes are held, and at most one per sender (a second push from a sender
-  whose previous one is still unmixed is refused ``busy``, so the sender keeps its mass);
+* at most ``slots`` pushes are held, and at most ``per_sender`` from one sender (one more is
+  refused ``busy``, so the sender keeps its mass); an ``update_wait`` mixes one push per sender,
+  its oldest, so a push that lands while its sender's previous one is unmixed waits one step
+  instead of being refused (a jitter buffer for two clocks that drift);
 * per sender, sequence numbers only grow: a push or a SETTLE names sequence number ``q``, and
   once ``q`` has a verdict (accepted, or refused) it never changes. A SETTLE ``query`` closes a
   push still arriving (its remaining chunks are dropped) so that the sender's reading of the
@@ -73,7 +75,7 @@ class PushReceiver:
     ``names``: the cluster's nodes (the only senders taken); ``layouts()``: ``(wire, local)`` or
     None before the first publish; ``on_event(counter, n)``: stats; ``on_reject(reason)``: a push
     refused by validation; ``release(snapshot)``: give back the lease of a served snapshot.
-    ``timeout_s``: how long a push may take to arrive whole.
+    ``timeout_s``: how long a push may take to arrive whole; ``per_sender``: pushes one sender may have here.
     """
 
     def __init__(
@@ -89,9 +91,13 @@ class PushReceiver:
         *,
         chunk: int = CHUNK_BYTES,
         check_identity: bool = False,
+        per_sender: int = 2,
     ) -> None:
         if slots < 1:
             raise ValueError(f"an inbox needs at least one slot, got {slots}")
+        if not 1 <= per_sender <= slots:
+            raise ValueError(f"per_sender must be in [1, {slots}], got {per_sender}")
+        self._per_sender = per_sender
         self.name = name
         self._senders = frozenset(n for n in names if n != name)
         self._layouts = layouts
@@ -138,7 +144,20 @@ class PushReceiver:
     # ------------------------------------------------------------ RX thread
 
     def begin(self, identity: bytes, header: Header, user: str | None) -> bytes | None:
-        """A PUSH header: reserve a slot (None: nothing to answer yet) or refuse it (the ERROR to send)."""
+        """A streamed PUSH's header: reserve a slot (None: nothing to answer yet) or refuse it (the ERROR)."""
+        return self._reserve(identity, header, user, whole=False)
+
+    def whole(self, identity: bytes, header: Header, user: str | None, sock: zmq.Socket) -> bytes | None:
+        """A whole PUSH, its one chunk next on ``sock``: reserve a slot and take the chunk, or refuse it.
+
+        Returns the answer to send (ACK, ERROR) or None (a test hook dropped it)."""
+        answer = self._reserve(identity, header, user, whole=True)
+        if answer is not None:
+            discard_rest(sock)
+            return answer
+        return self.chunk(identity, header.req, 0, sock)
+
+    def _reserve(self, identity: bytes, header: Header, user: str | None, *, whole: bool) -> bytes | None:
         sender = header.node
         if self._stranger(sender, user):
             return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
@@ -150,7 +169,7 @@ class PushReceiver:
             return wire.encode_error(self.name, header.req, ErrorCode.NOT_READY, "no layout yet")
         wire_layout, _ = ready
         try:
-            wire.check_push_header(header, wire_layout, chunk=self._chunk)
+            wire.check_push_header(header, wire_layout, chunk=self._chunk, whole=whole)
         except WireError as exc:
             self._on_reject(exc.reason)
             return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
@@ -159,10 +178,12 @@ class PushReceiver:
             if header.req <= last:  # a repeat or an old push: it has (or will get) the verdict of record
                 self._on_event("pushes_stale", 1)
                 return self._verdict_reply(header.req, last, verdict)
-            if any(s.state != "free" and s.sender == sender for s in self._slots):
+            if sum(s.state != "free" and s.sender == sender for s in self._slots) >= self._per_sender:
                 self._verdicts[sender] = (header.req, False)
                 self._on_event("pushes_busy", 1)
-                return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "this sender's last push is unmixed")
+                return wire.encode_error(
+                    self.name, header.req, ErrorCode.BUSY, f"this sender has {self._per_sender} unmixed pushes here"
+                )
             slot = next((s for s in self._slots if s.state == "free"), None)
             if slot is None:
                 self._verdicts[sender] = (header.req, False)
@@ -319,9 +340,14 @@ class PushReceiver:
     # ------------------------------------------------------------ trainer thread
 
     def drain(self) -> list[InboxSlot]:
-        """The pushes ready to mix (whole pushes, committed exchanges), marked ``mixing`` until :meth:`release`."""
+        """The pushes to mix now: per sender its oldest ready one (whole push, committed exchange), in
+        sender order, marked ``mixing`` until :meth:`release`."""
         with self._lock:
-            ready = [s for s in self._slots if s.state in ("full", "committed")]
+            oldest: dict[str, InboxSlot] = {}
+            for s in self._slots:
+                if s.state in ("full", "committed") and (s.sender not in oldest or s.seq < oldest[s.sender].seq):
+                    oldest[s.sender] = s
+            ready = [oldest[sender] for sender in sorted(oldest)]
             for s in ready:
                 s.state = "mixing"
         return ready

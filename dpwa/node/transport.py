@@ -183,12 +183,7 @@ class RxServer(SocketThread):
             return
         head = sock.recv(zmq.NOBLOCK, copy=False)
         if sock.get(zmq.RCVMORE):
-            tag = wire.decode_chunk_tag(head.buffer)
-            if tag is not None and self._pushes is not None:
-                self._answer(sock, identity, self._pushes.chunk(identity, tag[0], tag[1], sock))
-                return
-            discard_rest(sock)
-            self._on_event("push_stale_chunks" if tag is not None else "requests_rejected", 1)
+            self._framed_message(sock, identity, head)
             return
         try:
             header = wire.decode_header(head.buffer)
@@ -225,9 +220,31 @@ class RxServer(SocketThread):
             if reply.sent is not None:
                 reply.sent(zmq.MessageTracker(*frames) if frames else None)
 
-    def _push_message(self, sock: zmq.Socket, identity: bytes, header: Header, head: zmq.Frame) -> None:
-        """A PUSH header or a SETTLE: hand it to the inbox and send its answer."""
+    def _framed_message(self, sock: zmq.Socket, identity: bytes, head: zmq.Frame) -> None:
+        """A message with a payload frame after ``head``: a streamed push's chunk, or a whole push."""
+        tag = wire.decode_chunk_tag(head.buffer)
+        if tag is not None and self._pushes is not None:
+            self._answer(sock, identity, self._pushes.chunk(identity, tag[0], tag[1], sock))
+            return
+        if tag is None:
+            try:
+                header = wire.decode_header(head.buffer)
+            except WireError:
+                header = None
+            if header is not None and header.kind is Kind.PUSH:
+                self._push_message(sock, identity, header, head, whole=True)
+                return
+        discard_rest(sock)
+        self._on_event("push_stale_chunks" if tag is not None else "requests_rejected", 1)
+
+    def _push_message(
+        self, sock: zmq.Socket, identity: bytes, header: Header, head: zmq.Frame, *, whole: bool = False
+    ) -> None:
+        """A PUSH (``whole``: its payload frame is next on ``sock``) or a SETTLE: hand it to the inbox and
+        send its answer."""
         if self._pushes is None:
+            if whole:
+                discard_rest(sock)
             self._on_event("pushes_unsupported", 1)
             answer = wire.encode_error(
                 self._node, header.req, ErrorCode.UNSUPPORTED, "this node's rule takes no pushes"
@@ -238,7 +255,9 @@ class RxServer(SocketThread):
             user: str | None = head.get("User-Id")  # the CURVE identity ZAP gave the connection
         except zmq.ZMQError:
             user = None
-        if header.kind is Kind.PUSH:
+        if whole:
+            self._answer(sock, identity, self._pushes.whole(identity, header, user, sock))
+        elif header.kind is Kind.PUSH:
             self._answer(sock, identity, self._pushes.begin(identity, header, user))
         else:
             self._answer(sock, identity, self._pushes.settle(identity, header, user))
@@ -554,7 +573,8 @@ class TxFetcher(threading.Thread):
         self._settles.clear()
 
     def _push_frames(self, sock: zmq.Socket, push: Push, wire_layout: Layout, *, hold: bool) -> bool:
-        """Send push ``push``: its header, then one tagged message per chunk, zero-copy from its snapshot.
+        """Send push ``push`` zero-copy from its snapshot: whole (header and its one chunk in one message)
+        or streamed (its header, then one tagged message per chunk).
 
         False when not even the header could be queued (nothing went out). A queue that fills after the
         header leaves the push cut short: the receiver drops it, and a SETTLE settles it."""
@@ -568,18 +588,22 @@ class TxFetcher(threading.Thread):
             layout=wire_layout,
             chunk=self._chunk,
             hold=hold,
+            whole=len(snap.frames) == 1,
         )
         frames: list[zmq.Frame] = []
         started = False
         try:
-            sock.send(header, zmq.NOBLOCK)
-            started = True
+            if len(snap.frames) != 1:
+                sock.send(header, zmq.NOBLOCK)
+                started = True
             for index, memory in enumerate(snap.frames):
                 if push.prepare is not None:
                     push.prepare(index)
                 frame = zmq.Frame(memory, copy=False, track=True)
-                sock.send(wire.encode_chunk_tag(push.seq, index), zmq.SNDMORE | zmq.NOBLOCK)
+                first = header if len(snap.frames) == 1 else wire.encode_chunk_tag(push.seq, index)
+                sock.send(first, zmq.SNDMORE | zmq.NOBLOCK)
                 sock.send(frame, zmq.NOBLOCK, copy=False)
+                started = True
                 frames.append(frame)
             self._on_event("pushes_sent", 1)
             self._on_event("bytes_out", sum(memory.nbytes for memory in snap.frames))

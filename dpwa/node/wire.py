@@ -17,8 +17,10 @@ shorter), in one of two framings:
   message per chunk lets the receiver copy and validate chunk *i* while the
   later chunks are still on the wire.
 
-A PUSH is always streamed: its header alone, then ``[chunk tag, chunk bytes]`` messages whose tag
-carries the push's sequence number. The receiver answers ACK (the push is in its inbox) or
+A PUSH of a model that fits one chunk travels *whole*: ``[header, chunk bytes]`` in one message
+(``"stream"`` absent), so the receiver takes all of it in one step. A larger PUSH is streamed: its
+header alone, then ``[chunk tag, chunk bytes]`` messages whose tag carries the push's sequence
+number. The receiver answers ACK (the push is in its inbox) or
 ERROR (``busy``: no free inbox slot; the sender keeps what it tried to give). A SETTLE asks
 about (``query``), confirms (``commit``) or withdraws (``abort``) an earlier push by its
 sequence number.
@@ -334,12 +336,15 @@ def encode_push(
     layout: Layout,
     chunk: int = CHUNK_BYTES,
     hold: bool = False,
+    whole: bool = False,
 ) -> bytes:
-    """The header of push ``seq`` of a snapshot of (wire) ``layout``; its chunks follow as tagged messages.
+    """The header of push ``seq`` of a snapshot of (wire) ``layout``; its chunks follow as tagged messages,
+    or, ``whole`` (a layout of one chunk), its one chunk follows in the same message.
 
     ``hold``: an exchange's push, kept by the receiver until a SETTLE commit."""
     body = _payload_body(node, seq, clock, loss, extras, layout, chunk)
-    body["stream"] = True
+    if not whole:
+        body["stream"] = True
     if hold:
         body["hold"] = True
     return _encode(Kind.PUSH, body)
@@ -521,16 +526,19 @@ def check_state_header(header: Header, layout: Layout, *, peer: str, req: int, c
         raise WireError("frames", f"{header.nframes} payload frames announced")
 
 
-def check_push_header(header: Header, layout: Layout, *, chunk: int = CHUNK_BYTES) -> None:
-    """Reject a PUSH header that does not announce exactly ``layout`` in streamed ``chunk``-byte chunks."""
+def check_push_header(header: Header, layout: Layout, *, chunk: int = CHUNK_BYTES, whole: bool = False) -> None:
+    """Reject a PUSH header that does not announce exactly ``layout`` in ``chunk``-byte chunks, streamed,
+    or ``whole`` (its one chunk in the header's message) for a layout of one chunk."""
     if header.fingerprint != layout.fingerprint:
         raise WireError("layout", f"layout {header.fingerprint} differs from ours {layout.fingerprint}")
     if header.total != layout.total_bytes or header.chunk != chunk:
         raise WireError("size", f"payload of {header.total} bytes in {header.chunk}-byte chunks")
     if header.nframes != len(layout.frame_bounds(chunk)):
         raise WireError("frames", f"{header.nframes} payload frames announced")
-    if not header.stream:
-        raise WireError("frames", "a push must be streamed")
+    if whole and (header.stream or header.nframes != 1):
+        raise WireError("frames", "only an unstreamed push of one chunk carries its payload with its header")
+    if not whole and not header.stream:
+        raise WireError("frames", "an unstreamed push came without its payload")
     if not can_stream(header.req):
         raise WireError("header", f"push sequence number {header.req} does not fit a chunk tag")
 
