@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 import numpy as np
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from dpwa.cli.bench import bench
@@ -25,6 +26,7 @@ from dpwa.tools.bench.train import (
     COLUMNS,
     PhaseResult,
     _factors,
+    _rules,
     common_target,
     curve_times,
     median_rows,
@@ -141,6 +143,7 @@ def test_shared_counter_sums_every_nodes_slot(tmp_path: Path) -> None:
 def test_bench_train_tiny_run_writes_a_table_json_and_plot(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["train", "--nodes", "2", "--steps", "30", "--straggler", "2", "--run-dir", str(run_dir), "--plot"]
+    args += ["--rules", "constant,pushsum"]  # a pull rule and a push rule beside DDP
     args += ["--timeout-s", "100"]  # generous: other jobs may load the machine; usually ~10 s
     result = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -151,19 +154,31 @@ def test_bench_train_tiny_run_writes_a_table_json_and_plot(tmp_path: Path) -> No
     assert {"cores", "date"} <= set(doc["machine"])
     assert doc["settings"]["nodes"] == 2
     rows = doc["rows"]
-    assert [(r["scenario"], r["method"]) for r in rows] == [("2x", "ddp"), ("2x", "dpwa")]
+    methods = [(r["scenario"], r["method"]) for r in rows]
+    assert methods == [("2x", "ddp"), ("2x", "dpwa-constant"), ("2x", "dpwa-pushsum")]
     for row in rows:
         assert ROW_KEYS <= set(row)
         for key in FINITE:
             assert math.isfinite(row[key]), (key, row)
         assert row["samples"] >= 2 * 30 * 32
         assert row["time_to_target_s"] is not None and math.isfinite(row["time_to_target_s"])
-    for row in rows[1::2]:  # dpwa rows carry their ratios to DDP
+    for row in rows[1:]:  # dpwa rows carry their ratios to DDP, and they mixed
         assert math.isfinite(row["x_samples_per_s"]) and math.isfinite(row["accuracy_points"])
-    assert rows[0]["straggler_steps"] == 30 and rows[1]["straggler_steps"] >= 1
+        assert row["straggler_steps"] >= 1 and row["mixes_per_step"] > 0
+    assert rows[0]["straggler_steps"] == 30
     assert (run_dir / "train.png").stat().st_size > 0
-    for method in ("dpwa", "ddp"):
+    assert doc["settings"]["rules"] == ["constant", "pushsum"]
+    for method in ("dpwa-constant", "dpwa-pushsum", "ddp"):
         assert (run_dir / "straggler-2x" / method / "w1.model.npz").exists()
+    pushsum = yaml.safe_load((run_dir / "straggler-2x" / "dpwa-pushsum.yaml").read_text())
+    assert pushsum["interpolation"] == "pushsum"  # each rule trains from a cluster file of its own
+
+
+def test_rules_are_checked() -> None:
+    assert _rules("constant, adpsgd") == ["constant", "adpsgd"]
+    for bad in ("", "constant,constant", "sgp"):
+        with pytest.raises(click.BadParameter):
+            _rules(bad)
 
 
 def _workers_of(run_dir: Path) -> list[int]:
@@ -190,7 +205,7 @@ def test_sigint_stops_every_worker(tmp_path: Path) -> None:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 40
-        metrics = run_dir / "straggler-1x" / "dpwa" / "w1.metrics.jsonl"
+        metrics = run_dir / "straggler-1x" / "dpwa-constant" / "w1.metrics.jsonl"
         while not (metrics.exists() and metrics.stat().st_size > 0):  # training has begun
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the workers did not start training within 40 s"

@@ -98,16 +98,19 @@ def node_names(n: int) -> list[str]:
     return [f"w{i + 1}" for i in range(n)]
 
 
-def write_cluster(path: Path, ports: Sequence[int], *, constant: float = 0.5, **settings: object) -> ClusterConfig:
-    """A cluster file of nodes ``w1..wN`` on 127.0.0.1 at ``ports``, interpolation constant ``constant``.
+def write_cluster(
+    path: Path, ports: Sequence[int], *, interpolation: str = "constant", constant: float = 0.5, **settings: object
+) -> ClusterConfig:
+    """A cluster file of nodes ``w1..wN`` on 127.0.0.1 at ``ports``: rule ``interpolation`` with its default
+    settings (``constant``: the value ``constant``).
 
     ``settings``: other top-level keys (``timeout_ms=...``).  Returns the validated config.
     """
     nodes = tuple(NodeSpec(name, "127.0.0.1", port) for name, port in zip(node_names(len(ports)), ports))
     config = ClusterConfig(
         nodes=nodes,
-        interpolation="constant",
-        rule_settings={"constant": ConstantSettings(value=constant)},
+        interpolation=interpolation,
+        rule_settings={"constant": ConstantSettings(value=constant)} if interpolation == "constant" else {},
         **settings,  # type: ignore[arg-type]
     )
     path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

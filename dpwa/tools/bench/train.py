@@ -1,14 +1,16 @@
-"""``dpwa bench train``: dpwa (constant 0.5) against synchronous DDP over gloo, in the same processes.
+"""``dpwa bench train``: dpwa's rules (``--rules``, default constant 0.5, pushsum, adpsgd) against
+synchronous DDP over gloo, in the same processes.
 
 For every straggler factor K given (``--straggler 1,4``; 1 = no straggler) one *scenario* runs:
 N worker processes (:mod:`dpwa.tools.bench.trainworker`) each train the demo job's MLP on its shard with
-dpwa, then with torch DDP (``--order`` swaps that), from the same initial weights, on the same
+dpwa, once per rule (phase ``dpwa-<rule>``, each on ports of its own), then with torch DDP (``--order``
+puts DDP first), from the same initial weights, on the same
 shards and batch order, for the same total number of samples (``N x steps x batch``) and the same
 learning-rate schedule per sample.  With K > 1 the last worker is a straggler: after every step it
 sleeps K - 1 times the median duration of its own recent steps (communication included), so its
 steps take K times as long while the CPU stays free for the others; under DDP everyone waits for it.
-With ``--repeats R`` each scenario runs R times, alternating which method goes first (the machine's
-load drifts), and median rows follow.
+With ``--repeats R`` each scenario runs R times, reversing the order of the methods every other run
+(the machine's load drifts), and median rows follow.
 
 Figures per scenario and method (all from the same run on the same machine):
 
@@ -22,8 +24,8 @@ model loss over time
 time to target
     wall time from the start until that model loss first drops to the target.  The target is
     ``--target-loss``; or with ``--target-at F`` the loss DDP's model had after the fraction F of
-    its steps; by default the *lowest loss both methods reach*: the larger of the two curves'
-    minima.  So both always reach it, and the method that ends higher reaches it at its end.
+    its steps; by default the *lowest loss every method reaches*: the largest of the curves'
+    minima.  So all always reach it, and the method that ends highest reaches it at its end.
 final loss
     the model loss at the end (dpwa: the average of the final node models).
 accuracy
@@ -63,10 +65,11 @@ __all__ = ["PhaseResult", "common_target", "pooled_loss", "time_to_target", "tra
 
 WORKER_MODULE = "dpwa.tools.bench.trainworker"
 LOSS_WINDOW_PER_NODE = 50  # = dpwa.tools.demo.FINAL_LOSS_WINDOW
-METHODS = ("dpwa", "ddp")
+DEFAULT_RULES = "constant,pushsum,adpsgd"
+DDP = "ddp"
 DEFAULT_STEPS = 3000
 TIMEOUT_MS = 2500.0  # the cluster file's default fetch deadline
-COUNTER_FILE = "samples.counter"  # the dpwa phase's shared sample count (dpwa.tools.bench.trainworker.SharedCounter)
+COUNTER_FILE = "samples.counter"  # a dpwa phase's shared sample count (dpwa.tools.bench.trainworker.SharedCounter)
 RECORD_EVERY = 10  # a node records its parameters every this many steps
 EVAL_SAMPLES = 8192  # the model loss is measured on the first this-many training samples
 MAX_CURVE_POINTS = 400
@@ -254,10 +257,11 @@ def accuracies(directory: Path, names: Sequence[str]) -> dict[str, float]:
 def scenario_rows(
     label: str, phases: dict[str, PhaseResult], acc: dict[str, float], target: float, straggler: str | None
 ) -> list[dict[str, Any]]:
-    """The table rows of one scenario: DDP first, then dpwa with its ratios to DDP."""
+    """The table rows of one scenario: DDP first, then each dpwa rule with its ratios to DDP."""
     rows: dict[str, dict[str, Any]] = {}
-    for method in ("ddp", "dpwa"):
+    for method in [DDP] + [m for m in phases if m != DDP]:
         p = phases[method]
+        dpwa = method != DDP
         mixes = sum(int(n.get("mixes", 0)) for n in p.nodes)
         rows[method] = {
             "scenario": label,
@@ -275,32 +279,40 @@ def scenario_rows(
             "steps": p.steps,
             "straggler_steps": p.steps.get(straggler) if straggler is not None else None,
             "slept_s": sum(float(n.get("slept_s", 0.0)) for n in p.nodes),
-            "mixes_per_step": mixes / sum(p.steps.values()) if method == "dpwa" else None,
-            "fetches_timed_out": sum(int(n.get("fetches_timed_out", 0)) for n in p.nodes) if method == "dpwa" else None,
-            "mean_fetch_ms": _mean([n.get("mean_fetch_ms") for n in p.nodes]) if method == "dpwa" else None,
+            "mixes_per_step": mixes / sum(p.steps.values()) if dpwa else None,
+            "fetches_timed_out": sum(int(n.get("fetches_timed_out", 0)) for n in p.nodes) if dpwa else None,
+            "mean_fetch_ms": _mean([n.get("mean_fetch_ms") for n in p.nodes]) if dpwa else None,
         }
-    d, b = rows["dpwa"], rows["ddp"]
-    d["x_samples_per_s"] = d["samples_per_s"] / b["samples_per_s"]
-    if d["time_to_target_s"] is not None and b["time_to_target_s"]:
-        d["x_time_to_target"] = d["time_to_target_s"] / b["time_to_target_s"]
-    d["accuracy_points"] = 100.0 * (d["accuracy"] - b["accuracy"])
-    return [b, d]
+    b = rows[DDP]
+    for method, d in rows.items():
+        if method == DDP:
+            continue
+        d["x_samples_per_s"] = d["samples_per_s"] / b["samples_per_s"]
+        if d["time_to_target_s"] is not None and b["time_to_target_s"]:
+            d["x_time_to_target"] = d["time_to_target_s"] / b["time_to_target_s"]
+        d["accuracy_points"] = 100.0 * (d["accuracy"] - b["accuracy"])
+    return list(rows.values())
 
 
 def analyze(
-    directory: Path, names: Sequence[str], evaluator: ModelLoss, target_loss: float | None, target_step: float | None
+    directory: Path,
+    methods: Sequence[str],
+    names: Sequence[str],
+    evaluator: ModelLoss,
+    target_loss: float | None,
+    target_step: float | None,
 ) -> tuple[dict[str, PhaseResult], float]:
-    """Both methods' results of one scenario run, their model-loss curves, and the target loss."""
+    """Every method's results of one scenario run, their model-loss curves, and the target loss."""
     results = {
-        "ddp": load_phase(directory / "ddp", names, names[:1], len(names), evaluator.size),
-        "dpwa": load_phase(directory / "dpwa", names, names, len(names), evaluator.size),
+        m: load_phase(directory / m, names, names[:1] if m == DDP else names, len(names), evaluator.size)
+        for m in methods
     }
     for phase in results.values():
         evaluator.curve(phase)
     if target_loss is not None:
         return results, target_loss
     if target_step is not None:
-        return results, evaluator.at(results["ddp"], results["ddp"].time_at_step(target_step))
+        return results, evaluator.at(results[DDP], results[DDP].time_at_step(target_step))
     return results, common_target(results.values())
 
 
@@ -336,11 +348,25 @@ def run_scenario(
     timeout_s: float,
     threads: int | None,
 ) -> None:
-    """Start the N workers of one scenario and wait for them (see :func:`dpwa.tools.bench.procs.run_workers`)."""
+    """Start the N workers of one scenario and wait for them (see :func:`dpwa.tools.bench.procs.run_workers`).
+
+    Every dpwa phase gets a cluster file of its rule on ports of its own (a node still lingering in one
+    phase never reaches a node of the next) and a sample counter of its own."""
     directory.mkdir(parents=True, exist_ok=True)
-    *ports, master = free_ports(nodes + 1)
-    cluster = directory / "cluster.yaml"
-    write_cluster(cluster, ports, timeout_ms=TIMEOUT_MS)
+    rules = [p for p in phases if p != DDP]
+    *ports, master = free_ports(nodes * len(rules) + 1)
+    clusters, counters = {}, {}
+    for i, phase in enumerate(rules):
+        cluster = directory / f"{phase}.yaml"
+        write_cluster(cluster, ports[i * nodes : (i + 1) * nodes], interpolation=rule_of(phase), timeout_ms=TIMEOUT_MS)
+        clusters[phase] = str(cluster.absolute())
+    for method in phases:  # a reused run directory: nothing of an earlier run may mix into this one
+        shutil.rmtree(directory / method, ignore_errors=True)
+        (directory / method).mkdir()
+        if method != DDP:
+            counter = directory / method / COUNTER_FILE
+            counter.write_bytes(bytes(8 * nodes))
+            counters[method] = str(counter.absolute())
     names = node_names(nodes)
     spec = {
         "nodes": nodes,
@@ -348,23 +374,18 @@ def run_scenario(
         "config": config,
         "straggler": factor,
         "phases": list(phases),
-        "cluster": str(cluster.absolute()),
+        "clusters": clusters,
+        "counters": counters,
         "master_port": master,
         "collective_timeout_s": min(timeout_s, COLLECTIVE_TIMEOUT_S),
         "run_dir": str(directory.absolute()),
         "record_every": RECORD_EVERY,
     }
-    for method in METHODS:  # a reused run directory: nothing of an earlier run may mix into this one
-        shutil.rmtree(directory / method, ignore_errors=True)
-        (directory / method).mkdir()
-    counter = directory / "dpwa" / COUNTER_FILE
-    counter.write_bytes(bytes(8 * nodes))
-    spec["counter"] = str(counter.absolute())
     spec_path = directory / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1) + "\n")
     run = run_workers(
         directory, WORKER_MODULE, names, lambda rank, _n: [str(spec_path), str(rank)], timeout_s=timeout_s,
-        threads=threads, config_path=cluster,
+        threads=threads, config_path=Path(clusters[rules[0]]) if rules else None,
     )  # fmt: skip
     log.info("scenario %s: workers done in %.1f s", directory.name, run.wall_s)
 
@@ -385,9 +406,9 @@ class Plan:
     def run(
         self, directory: Path, factor: float, rep: int, repeats: int
     ) -> tuple[list[dict[str, Any]], dict[str, PhaseResult], float]:
-        """Run number ``rep`` of the scenario with straggler ``factor``: (its two rows, the results, the target).
+        """Run number ``rep`` of the scenario with straggler ``factor``: (its rows, the results, the target).
 
-        Odd runs reverse the phase order, so a drift in the machine's load hits both methods alike.
+        Odd runs reverse the phase order, so a drift in the machine's load hits every method alike.
         """
         order = self.phases if rep % 2 == 0 else self.phases[::-1]
         click.echo(f"  straggler {_label(factor)}, run {rep + 1}/{repeats}: {' then '.join(order)} ...", err=True)
@@ -395,8 +416,10 @@ class Plan:
                      timeout_s=self.timeout_s, threads=self.threads)  # fmt: skip
         if self.evaluator is None:
             self.evaluator = ModelLoss(self.config, EVAL_SAMPLES)
-        results, target = analyze(directory, self.names, self.evaluator, self.target_loss, self.target_step)
-        acc = {m: accuracies(directory / m, self.names[:1] if m == "ddp" else self.names)["averaged"] for m in METHODS}
+        results, target = analyze(
+            directory, self.phases, self.names, self.evaluator, self.target_loss, self.target_step
+        )
+        acc = {m: accuracies(directory / m, self.names[:1] if m == DDP else self.names)["averaged"] for m in results}
         pair = scenario_rows(_label(factor), results, acc, target, self.names[-1] if factor > 1 else None)
         for row in pair:
             row.update(run=rep + 1, order=",".join(order))
@@ -441,6 +464,24 @@ def _label(factor: float) -> str:
     return f"{factor:g}x" if factor > 1 else "none"
 
 
+def phase_of(rule: str) -> str:
+    """The phase (and run sub-directory) that trains with dpwa's rule ``rule``: ``dpwa-<rule>``."""
+    return f"dpwa-{rule}"
+
+
+def rule_of(phase: str) -> str:
+    return phase.removeprefix("dpwa-")
+
+
+def _rules(text: str) -> list[str]:
+    from dpwa.config import RULE_SCHEDULES
+
+    rules = comma_list(text, str.strip, lambda r: r in RULE_SCHEDULES, f"rules among {', '.join(RULE_SCHEDULES)}")
+    if len(set(rules)) != len(rules):
+        raise click.BadParameter(f"a rule is named twice in {text!r}")
+    return rules
+
+
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--nodes", type=click.IntRange(min=2), default=4, show_default=True, help="Worker processes.")
 @click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_STEPS, show_default=True,
@@ -450,8 +491,10 @@ def _label(factor: float) -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--straggler", "stragglers", default="1,4", show_default=True,
               help="Straggler factors, one scenario each (1 = none, K = last node K x slower).")  # fmt: skip
+@click.option("--rules", default=DEFAULT_RULES, show_default=True,
+              help="dpwa's rules beside DDP, one phase each (constant: 0.5; the others: their defaults).")  # fmt: skip
 @click.option("--order", type=click.Choice(["dpwa,ddp", "ddp,dpwa"]), default="dpwa,ddp", show_default=True,
-              help="Which method each worker runs first.")  # fmt: skip
+              help="Which each worker runs first: the dpwa rules (in --rules order) or DDP.")  # fmt: skip
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs per scenario, alternating which method goes first; adds median rows.")  # fmt: skip
 @click.option("--target-loss", type=click.FloatRange(min=0, min_open=True), help="Fixed target training loss.")
@@ -469,6 +512,7 @@ def train(
     lr: float,
     seed: int,
     stragglers: str,
+    rules: str,
     order: str,
     repeats: int,
     target_loss: float | None,
@@ -478,19 +522,21 @@ def train(
     run_dir: Path | None,
     plot: bool,
 ) -> None:
-    """dpwa vs synchronous DDP (gloo) on the demo job, in the same N processes, with and without a straggler.
+    """dpwa's rules vs synchronous DDP (gloo) on the demo job, in the same N processes, with and without a
+    straggler.
 
-    Prints samples/s, time to a target training loss and held-out accuracy per method, with
-    dpwa's ratio to DDP; writes train.json (and train.png with --plot) into the run directory.
+    Prints samples/s, time to a target training loss and held-out accuracy per method, with each
+    rule's ratio to DDP; writes train.json (and train.png with --plot) into the run directory.
     """
     from dpwa.tools.demo import TrainConfig  # torch is imported here, after the options were checked
 
     factors = _factors(stragglers)
+    dpwa_phases = [phase_of(r) for r in _rules(rules)]
     config = TrainConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
     if batch_size * nodes > config.data.n_train:
         raise click.BadParameter(f"{nodes} nodes x batch {batch_size} exceed the {config.data.n_train} samples")
     directory = bench_run_dir("train", run_dir)
-    phases = order.split(",")
+    phases = dpwa_phases + [DDP] if order == "dpwa,ddp" else [DDP] + dpwa_phases
     names = node_names(nodes)
     plan = Plan(names, config.to_dict(), phases, target_loss, None if target_at is None else target_at * steps,
                 threads, timeout_s)  # fmt: skip
@@ -528,7 +574,8 @@ def train(
         "loss_window_batches": nodes * LOSS_WINDOW_PER_NODE,
         "eval_samples": EVAL_SAMPLES,
         "record_every": RECORD_EVERY,
-        "interpolation": "constant 0.5",
+        "rules": [rule_of(p) for p in dpwa_phases],
+        "constant": 0.5,
         "timeout_ms": TIMEOUT_MS,
         "threads_per_worker": threads,
         "command": " ".join(sys.argv),

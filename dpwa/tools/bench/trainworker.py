@@ -1,9 +1,11 @@
-"""One worker process of ``dpwa bench train``: the same process trains with dpwa, then with DDP (or reverse).
+"""One worker process of ``dpwa bench train``: the same process trains with dpwa's rules, then with DDP (or
+the reverse).
 
 Started by :mod:`dpwa.tools.bench.train` as ``python -m dpwa.tools.bench.trainworker SPEC RANK``, one per node,
 under ``dpwa.launcher.placement.node_env`` (so ``DPWA_TORCH_THREADS`` sizes torch's threads).  ``SPEC`` is
-the JSON file :func:`dpwa.tools.bench.train.write_spec` wrote: the demo's ``TrainConfig``, the number of
-nodes, the straggler, the phase order, the cluster file and the gloo rendezvous port.
+the JSON file :func:`dpwa.tools.bench.train.run_scenario` wrote: the demo's ``TrainConfig``, the number of
+nodes, the straggler, the phase order, each dpwa phase's cluster file and sample counter, and the gloo
+rendezvous port.
 
 Per phase, the worker writes into ``<run_dir>/<phase>/``:
 
@@ -11,13 +13,13 @@ Per phase, the worker writes into ``<run_dir>/<phase>/``:
 * ``<node>.json`` -- start and end time of its training loop, steps, samples, sleep, exchange counters;
 * ``<node>.model.npz`` -- its final model (:func:`dpwa.tools.demo.save_model`).
 
-Both phases use the demo's data, shard (``shard_indices``), batch stream seed, initial weights,
+Every phase uses the demo's data, shard (``shard_indices``), batch stream seed, initial weights,
 optimizer and peak learning rate; the learning rate follows the demo's cosine, as a function of the
-fraction of the *total* sample budget done (all nodes together), so both phases see the same
+fraction of the *total* sample budget done (all nodes together), so every phase sees the same
 schedule per sample.
 
-* ``dpwa``: a :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter` (the cluster file's rule: constant
-  0.5) around every batch.  No barrier between steps: every node trains until the nodes together
+* ``dpwa-<rule>``: a :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter` (the phase's cluster file:
+  its rule) around every batch.  No barrier between steps: every node trains until the nodes together
   have trained the budget (``nodes * steps * batch_size`` samples), counted in a shared
   memory-mapped file of one int64 per node; a fast node trains more batches than a slow one.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo, ``steps`` synchronous steps
@@ -56,7 +58,7 @@ from dpwa.utils.atomic import write_atomically
 __all__ = [
     "LINGER_IDLE_S",
     "LINGER_S",
-    "PHASES",
+    "DDP",
     "STRAGGLER_MIN_WINDOW",
     "STRAGGLER_WINDOW",
     "WARMUP_STEPS",
@@ -69,7 +71,7 @@ __all__ = [
 
 log = logging.getLogger("dpwa.tools.bench.trainworker")
 
-PHASES = ("dpwa", "ddp")
+DDP = "ddp"
 WARMUP_STEPS = 30  # untimed steps on a throw-away model: torch's lazy initialisation happens here
 STRAGGLER_WINDOW = 25  # the straggler's sleep follows the median of its last this-many steps ...
 STRAGGLER_MIN_WINDOW = 5  # ... once it has this many (the minimum before)
@@ -167,7 +169,7 @@ def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 class Worker:
-    """One rank: its data shard, the spec, and the two phases."""
+    """One rank: its data shard, the spec, and the phases."""
 
     def __init__(self, spec: dict[str, Any], rank: int) -> None:
         self.spec = spec
@@ -203,13 +205,13 @@ class Worker:
         model = demo.build_model(self.config)
         optimizer = demo.make_optimizer(model, self.config)
         recorder = None  # DDP's ranks hold the same model: rank 0 records it
-        if phase == "dpwa" or self.rank == 0:
+        if phase != DDP or self.rank == 0:
             size = sum(p.numel() for p in model.parameters())
             recorder = ParamRecorder(out / f"{self.name}{SUFFIX}", size, int(self.spec["record_every"]))
         cpu = time.process_time()
         try:
-            if phase == "dpwa":
-                info = self.train_dpwa(model, optimizer, out, recorder)
+            if phase != DDP:
+                info = self.train_dpwa(model, optimizer, out, recorder, phase)
             else:
                 info = self.train_ddp(model, optimizer, recorder)
         finally:
@@ -234,18 +236,18 @@ class Worker:
         )
 
     def train_dpwa(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Path, recorder: ParamRecorder | None
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Path, recorder: ParamRecorder | None, phase: str
     ) -> dict[str, Any]:
-        """Train with the adapter until the nodes together reached the budget."""
+        """Train with the adapter (``phase``'s cluster file) until the nodes together reached the budget."""
         from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
         cfg, x, y = self.config, self.data.x_train, self.data.y_train
-        counter = SharedCounter(Path(self.spec["counter"]), self.nodes, self.rank)
+        counter = SharedCounter(Path(self.spec["counters"][phase]), self.nodes, self.rank)
         stream = demo.BatchStream(self.indices, cfg.batch_size, self.stream_seed)
         straggler, timeline = Straggler(self.factor), Timeline()
         prev_loss, steps = self.first_loss(model), 0
         seed = cfg.seed * 1000 + self.rank
-        adapter = DpwaPyTorchAdapter(model, self.name, self.spec["cluster"], seed=seed, run_dir=out)
+        adapter = DpwaPyTorchAdapter(model, self.name, self.spec["clusters"][phase], seed=seed, run_dir=out)
         try:
             dist.barrier()  # every node is bound and serving (it answers "not ready" until its first publish)
             start = time.time()
