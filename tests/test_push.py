@@ -132,6 +132,34 @@ def test_two_nodes_never_phase_lock_and_keep_their_mass(tmp_path: Path) -> None:
     assert len(rates) == 40
 
 
+def test_streamed_pushes_back_to_back_are_never_cut_short(tmp_path: Path) -> None:
+    """A model of several chunks pushed round after round both ways: libzmq's writer learns late that its
+    queue emptied (every half high-water mark), so the DEALER's mark must fit a push beside a stale count.
+    Every push goes out whole and is acknowledged at once (before the fix the second push was cut short and
+    waited a whole timeout_ms for its SETTLE)."""
+    conns = cluster(tmp_path, 2, interpolation="pushsum", timeout_ms=30000, inbox_slots=2)
+    try:
+        floats = 14 * wire.CHUNK_BYTES // 4 + 1000  # 15 chunks of 4 MiB: the old mark (20) failed from 13 on
+        params = [[np.full(floats, float(i), np.float32)] for i in range(2)]
+        for c, p in zip(conns, params):  # both publish first: no push meets a node without a layout
+            c.update_send(p, 1.0)
+        for c in conns:
+            c.update_wait(1.0)
+        for _ in range(4):
+            for c, p in zip(conns, params):
+                started = time.monotonic()
+                c.update_send(p, 1.0)
+                c.update_wait(1.0)  # overlap 0: returns once this push is acknowledged
+                record = c.last_exchange
+                assert (record["pushed"], record["returned"], record["unacked"]) == (1, 0, 0), record
+                assert time.monotonic() - started < 10, "a push waited for its SETTLE"
+        for c in conns:
+            stats = c.stats()
+            assert stats["push_send_queue_full"] == 0 and stats["pushes_unknown"] == 0, stats
+    finally:
+        close_all(conns)
+
+
 def test_pushsum_weights_sum_to_n_and_the_average_is_exact(tmp_path: Path) -> None:
     """Four nodes, no local steps: sum(w) == N and sum(w*x)/N == the initial mean once quiet."""
     conns = cluster(tmp_path, 4, interpolation="pushsum", timeout_ms=2000)

@@ -52,6 +52,7 @@ __all__ = [
     "Reply",
     "RxServer",
     "TxFetcher",
+    "push_send_hwm",
     "tune_data_socket",
 ]
 
@@ -69,6 +70,16 @@ def _common_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def push_send_hwm(chunks: int, others: int = 4) -> int:
+    """SNDHWM of a pushing DEALER: room for one streamed push (a header and ``chunks`` messages) and ``others``.
+
+    libzmq's writer learns that its reader took messages only every ``(hwm + 1) // 2`` messages, so
+    right after a push that the receiver took whole it may still count up to half the mark as queued.
+    Twice the need is what always fits: a push cut short by a full queue would wait a whole
+    ``timeout_ms`` for its SETTLE."""
+    return 2 * (chunks + 1 + others)
 
 
 def tune_data_socket(sock: zmq.Socket) -> None:
@@ -712,7 +723,7 @@ class TxFetcher(threading.Thread):
         bounds = wire_layout.frame_bounds(self._chunk)
         largest = max(end - start for start, end in bounds)  # at most a chunk
         limit = max(wire.MAX_HEADER_BYTES, largest)
-        hwm = 4 + (len(bounds) + 1 if self._on_push is not None else 0)  # room for a whole push and a request
+        hwm = push_send_hwm(len(bounds)) if self._on_push is not None else 4
         if limit != self._maxmsgsize or hwm != self._sndhwm:
             self._maxmsgsize = limit
             self._sndhwm = hwm
