@@ -33,7 +33,8 @@ NUMBERS = [
     "mix_ms", "c_ms", "c_mbs", "step_ms", "wait_ms", "fetch_a", "fetch_a2", "fm_c", "send_memcpy", "mix_memcpy",
     "block",
 ]  # fmt: skip
-CHECKS = ["ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block"]
+CHECKS = ["ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block", "ok_push"]
+PUSH = ["push_ms", "fold_ms", "push_fetch"]  # (d), in the float32 rows only
 
 
 def wait_for_line(stream: Any, prefix: str, deadline: float) -> None:
@@ -83,8 +84,12 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
         for key, values in row["samples"].items():
             assert len(values) == 2 and all(math.isfinite(v) for v in values), key
         assert row["fetch_ms"] > 0 and row["a_ms"] > 0 and row["c_ms"] > 0
+        for key in PUSH:
+            value = row[key]
+            assert (value > 0 and math.isfinite(value)) if row["wire"] == "float32" else value is None, (key, row)
     assert rows[1]["wire_mb"] < rows[0]["wire_mb"]  # float16 sends fewer bytes than float32
-    for header in ("(a) raw ms", "(b) fetch ms", "(c) gloo ms", "fetch/a", "(fetch+mix)/c", "mix/memcpy"):
+    headers = ("(a) raw ms", "(b) fetch ms", "(c) gloo ms", "(d) push ms", "fetch/a", "(fetch+mix)/c", "mix/memcpy")
+    for header in headers + ("(push+fold)/(fetch+mix)",):
         assert header in out
     if plot:
         assert (tmp_path / "exchange.png").stat().st_size > 0

@@ -117,6 +117,7 @@ class Node:
                 per_sender=config.inbox_per_sender,
             )
         self.pushed_this_step = 0
+        self.push_ms = 0.0  # the slowest push delivered (send to ACK) found by the last update_wait
         self.ctx = zmq.Context(io_threads=1)
         self.security: NodeSecurity | None = None
         try:
@@ -409,6 +410,7 @@ class Node:
             record["received"] = len(received)
         if self.ledger is not None:
             record["pushed"] = self.pushed_this_step
+            record["push_ms"] = self.push_ms
             record["returned"] = len(returned)
             record["unacked"] = len(self.ledger.unresolved())
         record.update(outcome.metrics)
@@ -422,8 +424,10 @@ class Node:
             return []
         self.ledger.wait_until(self.rule.overlap, VERDICT_SLACK_S)
         returned = []
+        self.push_ms = 0.0
         for push in self.ledger.collect():
             if push.status == "delivered":
+                self.push_ms = max(self.push_ms, push.ms)
                 self.stats.add("pushes_delivered")
                 self.release_snapshot(push.snapshot, push.tracker)
             else:

@@ -22,7 +22,14 @@ by round, medians over ``--repeat`` rounds of:
   ``busy``: one thread computing numpy ``exp``, which takes one of the cores the
   exchange would use), how long ``update_wait`` waited for the fetch (``wait_ms``);
 * (c) ``gloo``: ``torch.distributed.all_reduce`` of the same float32 tensor across
-  the two processes (skipped when torch is missing).
+  the two processes (skipped when torch is missing);
+* (d) ``push`` (float32 wire, in the float32 row): a second pair of nodes running ``pushsum``.
+  The trainer's node pushes its model to the peer's: ``push ms`` is the push from its start
+  to its ACK (send, receive into an inbox slot, validate; ``last_exchange["push_ms"]``), and
+  ``fold ms`` the peer's ``update_wait`` folding it in (its ``mix_ms``). The peer then pushes
+  half of its mass back (acknowledged before the next round, so nothing else is on the wire),
+  which keeps both weights near 1 however many rounds run. ``(push+fold)/(fetch+mix)``
+  compares it with (b) float32, round by round.
 
 The table shows absolute figures (medians) and the ratios of the issue's
 targets (per round, then the median: a round takes about a second, so load from
@@ -82,6 +89,7 @@ TARGETS = {
     "send_memcpy": 1.2,  # update_send <= 1.2 x memcpy
     "mix_memcpy": 1.5,  # mix <= 1.5 x memcpy
     "block": 0.05,  # update_wait's wait < 5 % of a step longer than the exchange
+    "push_fetch": 1.1,  # (d) push + fold <= 1.1 x (b) fetch + mix, float32 wire
 }
 _SUFFIXES = {"": 1, "k": 10**3, "K": 10**3, "m": 10**6, "M": 10**6, "g": 10**9, "G": 10**9}
 
@@ -182,16 +190,19 @@ class PeerProcess:
 # --------------------------------------------------------------------------- the two sides' pieces
 
 
-def _pair_config(wire: str, ports: Sequence[int], n: int, fetch_probability: float = 1.0) -> str:
+def _pair_config(wire: str, ports: Sequence[int], n: int, fetch_probability: float = 1.0, push: bool = False) -> str:
     """The YAML cluster file of the trainer node ``t`` and the peer node ``p`` for wire dtype ``wire``.
 
     The peer gets ``fetch_probability`` 0: it only serves, so nothing else moves while (b) is timed.
+    ``push``: the pair of (d), rule ``pushsum`` with the smallest inbox (two slots).
     """
     doc: dict[str, Any] = {
         "nodes": [{"name": name, "host": "127.0.0.1", "port": port} for name, port in zip("tp", ports)],
         "fetch_probability": fetch_probability,
         "timeout_ms": max(5000.0, n * 4 / 1e6 * 200),  # generous: 200 ms per MB, this is a benchmark not a test
     }
+    if push:
+        doc.update(interpolation="pushsum", inbox_slots=2)
     if "wire_dtype" in {f for f in ClusterConfig.__dataclass_fields__}:
         doc["wire_dtype"] = wire
     elif wire != "float32":
@@ -271,11 +282,16 @@ class _PeerState:
         self.raw: RawServer | None = None
         self.tensor: Any = None
         self.model: list[np.ndarray] = []
+        self.push: Any = None
+        self.push_model: list[np.ndarray] = []
 
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
         self.conns = []
+        if self.push is not None:
+            self.push.close()
+            self.push = None
         if self.raw is not None:
             self.raw.stop()
             self.raw = None
@@ -323,6 +339,11 @@ def peer_main(endpoint: str, parent: int) -> None:
                         conn.update_send(model, 1.0)
                         state.conns.append(conn)
                     state.model = model
+                    if message.get("push_config"):  # (d): publish, push to t, and have that push settled
+                        state.push_model = [a.copy() for a in model]
+                        state.push = DpwaConnection("p", parse_config(message["push_config"]), seed=2)
+                        state.push.update_send(state.push_model, 1.0)
+                        state.push.update_wait(1.0)
                     if gloo:
                         import torch
 
@@ -334,6 +355,15 @@ def peer_main(endpoint: str, parent: int) -> None:
                     if not conn.wait_published(CONTROL_TIMEOUT_S / 2):
                         raise TimeoutError("the snapshot never became ready on the wire")
                     answer["ready_ms"] = (time.perf_counter() - t0) * 1000.0
+                elif op == "fold":  # (d): fold the trainer's push in, then push half of the mass back
+                    conn = state.push
+                    conn.update_wait(1.0)
+                    record = conn.last_exchange or {}
+                    answer.update(mix_ms=record.get("mix_ms"), received=record.get("received", 0))
+                    conn.update_send(state.push_model, 1.0)
+                    conn.update_wait(1.0)  # its ACK: nothing is on the wire when the trainer pushes next
+                    if (conn.last_exchange or {}).get("pushed") != 1:
+                        raise RuntimeError(f"the peer's push back did not go: {conn.last_exchange}")
                 elif op == "gloo":
                     import torch.distributed as dist
 
@@ -386,16 +416,21 @@ class _Size:
         self.src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
         self.dst = np.empty_like(self.src)
         self.raw_buffer = np.zeros(self.nbytes, np.uint8)
-        ports = free_ports(1 + 2 * len(wires))
+        ports = free_ports(3 + 2 * len(wires))
         configs = [_pair_config(w, ports[1 + 2 * i : 3 + 2 * i], n) for i, w in enumerate(wires)]
         peer_configs = [_pair_config(w, ports[1 + 2 * i : 3 + 2 * i], n, 0.0) for i, w in enumerate(wires)]
+        push_config = _pair_config("float32", ports[-2:], n, push=True) if "float32" in wires else ""
         self.params = _model(n, seed=1)
+        self.push_params = [a.copy() for a in self.params]
         self.conns: dict[str, Any] = {}
+        self.push_conn: Any = None
         self.raw: zmq.Socket | None = None
         try:
             for wire, text in zip(wires, configs):
                 self.conns[wire] = DpwaConnection("t", parse_config(text), seed=1)
-            peer.call("setup", floats=n, raw_port=ports[0], configs=peer_configs)
+            if push_config:
+                self.push_conn = DpwaConnection("t", parse_config(push_config), seed=1)
+            peer.call("setup", floats=n, raw_port=ports[0], configs=peer_configs, push_config=push_config)
             self.raw = ctx.socket(zmq.DEALER)
             self.raw.setsockopt(zmq.LINGER, 0)
             tune_data_socket(self.raw)
@@ -470,10 +505,26 @@ class _Size:
             "ready_ms": float(ready_ms),
         }
 
+    def push(self) -> dict[str, float]:
+        """(d): one push of the trainer's model to the peer (start to ACK), and the peer folding it in."""
+        conn = self.push_conn
+        conn.update_send(self.push_params, 1.0)
+        conn.update_wait(1.0)  # pushsum, overlap 0: returns once the push is acknowledged
+        record = conn.last_exchange or {}
+        if record.get("pushed") != 1 or record.get("returned") or record.get("unacked"):
+            raise RuntimeError(f"dpwa push was not delivered: {record}")
+        fold = self.peer.call("fold", self.timeout_s)
+        if fold.get("received") != 1:
+            raise RuntimeError(f"the peer folded {fold.get('received')} pushes, expected 1")
+        return {"push_ms": float(record["push_ms"]), "fold_ms": float(fold["mix_ms"])}
+
     def close(self) -> None:
         for conn in self.conns.values():
             conn.close()
         self.conns = {}
+        if self.push_conn is not None:
+            self.push_conn.close()
+            self.push_conn = None
         if self.raw is not None:
             self.raw.close(linger=0)
             self.raw = None
@@ -514,7 +565,14 @@ def measure_size(
     """Every measurement for one model size, interleaved; one row (medians and samples) per wire dtype."""
     size = _Size(ctx, peer, n, wires, gloo)
     try:
-        common: dict[str, list[float]] = {"memcpy_ms": [], "a_ms": [], "a2_ms": [], "c_ms": []}
+        common: dict[str, list[float]] = {
+            "memcpy_ms": [],
+            "a_ms": [],
+            "a2_ms": [],
+            "c_ms": [],
+            "push_ms": [],
+            "fold_ms": [],
+        }
         per: dict[str, dict[str, list[float]]] = {
             w: {k: [] for k in ("send_ms", "fetch_ms", "mix_ms", "step_ms", "wait_ms", "bytes", "ready_ms")}
             for w in wires
@@ -525,9 +583,13 @@ def measure_size(
             size.raw_chunked()
             for w in wires:
                 size.exchange(w)
+            if size.push_conn is not None:
+                size.push()
             if gloo:
                 size.gloo()
         tasks: list[tuple[str, str | None]] = [("memcpy", None), ("a", None), ("a2", None)]
+        if size.push_conn is not None:
+            tasks.append(("d", None))
         tasks += [("b", w) for w in wires] + [("step", w) for w in wires]
         if gloo:
             tasks.append(("c", None))
@@ -541,6 +603,10 @@ def measure_size(
                     common["a2_ms"].append(size.raw_chunked())
                 elif kind == "c":
                     common["c_ms"].append(size.gloo())
+                elif kind == "d":
+                    got = size.push()
+                    common["push_ms"].append(got["push_ms"])
+                    common["fold_ms"].append(got["fold_ms"])
                 elif kind == "b":
                     assert w is not None
                     got = size.exchange(w)
@@ -594,6 +660,8 @@ def _row(
         "c_mbs": nbytes / 1e3 / c if c == c else math.nan,
         "step_ms": m["step_ms"],
         "wait_ms": m["wait_ms"],
+        "push_ms": med["push_ms"] if wire == "float32" else math.nan,
+        "fold_ms": med["fold_ms"] if wire == "float32" else math.nan,
     }
     # Ratios: the median over rounds of each round's ratio. A round measures everything within a second or
     # so, so a load change on the shared machine between rounds cancels out of its ratios.
@@ -604,12 +672,17 @@ def _row(
     row["send_memcpy"] = _median_ratio(samples["send_ms"], common["memcpy_ms"])
     row["mix_memcpy"] = _median_ratio(mixes, common["memcpy_ms"])
     row["block"] = _median_ratio(samples["wait_ms"], samples["step_ms"])
+    pushes = [p + f for p, f in zip(common["push_ms"], common["fold_ms"])]
+    row["push_fetch"] = (
+        _median_ratio(pushes, [f + x for f, x in zip(fetches, mixes)]) if wire == "float32" else math.nan
+    )
     row["ok_fetch_a"] = _ok(row["fetch_a"], TARGETS["fetch_a"]) if wire == "float32" else "-"
     row["ok_fetch_a2"] = _ok(row["fetch_a2"], TARGETS["fetch_a"]) if wire == "float32" else "-"
     row["ok_fm_c"] = _ok(row["fm_c"], TARGETS["fm_c_32" if wire == "float32" else "fm_c_16"])
     row["ok_send"] = _ok(row["send_memcpy"], TARGETS["send_memcpy"])
     row["ok_mix"] = _ok(row["mix_memcpy"], TARGETS["mix_memcpy"])
     row["ok_block"] = _ok(row["block"], TARGETS["block"])
+    row["ok_push"] = _ok(row["push_fetch"], TARGETS["push_fetch"])
     row["samples"] = {**common, **samples}
     return row
 
@@ -629,6 +702,8 @@ ABSOLUTE = [
     Column("ready_ms", "peer ready ms", ".1f"),
     Column("c_ms", "(c) gloo ms", ".1f"),
     Column("c_mbs", "(c) MB/s", ".0f"),
+    Column("push_ms", "(d) push ms", ".1f"),
+    Column("fold_ms", "fold ms", ".1f"),
     Column("step_ms", "step ms", ".1f"),
     Column("wait_ms", "wait ms", ".2f"),
 ]
@@ -647,6 +722,8 @@ RATIOS = [
     Column("ok_mix", "<=1.5"),
     Column("block", "wait/step", ".3f"),
     Column("ok_block", "<0.05"),
+    Column("push_fetch", "(push+fold)/(fetch+mix)", ".2f"),
+    Column("ok_push", "<=1.1"),
 ]
 
 
@@ -799,7 +876,7 @@ def exchange(
     run_dir: str | None,
     plot: bool,
 ) -> None:
-    """One exchange through dpwa vs raw pyzmq (a) and gloo all_reduce (c), two local processes."""
+    """One exchange through dpwa vs raw pyzmq (a) and gloo all_reduce (c), and a push (d), two local processes."""
     if plot:
         try:
             import matplotlib  # noqa: F401 - the optional extra
