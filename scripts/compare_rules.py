@@ -313,7 +313,10 @@ def plot(rows: Sequence[dict[str, Any]], meta: dict[str, Any], path: Path) -> No
 
     fig = Figure(figsize=(15, 4.8), layout="constrained")
     ax_loss, ax_acc, ax_spread = fig.subplots(1, 3, width_ratios=[1.5, 1, 1])
-    colors = {r["rule"]: f"C{i}" for i, r in enumerate(rows)}
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab20"].colors  # one colour per rule for up to 20 rules (tab10 repeats after 10)
+    colors = {r["rule"]: palette[(2 * i) % 20 + (2 * i) // 20] for i, r in enumerate(rows)}
     window = max(1, min(SMOOTH, meta["steps"] // 10))
     for r in rows:
         x, y = smooth(r["loss_curve"], window)
