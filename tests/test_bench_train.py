@@ -143,7 +143,7 @@ def test_shared_counter_sums_every_nodes_slot(tmp_path: Path) -> None:
 def test_bench_train_tiny_run_writes_a_table_json_and_plot(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["train", "--nodes", "2", "--steps", "30", "--straggler", "2", "--run-dir", str(run_dir), "--plot"]
-    args += ["--rules", "constant,pushsum"]  # a pull rule and a push rule beside DDP
+    args += ["--rules", "constant,pushsum,adpsgd"]  # a pull, a push and an exchange rule beside DDP
     args += ["--timeout-s", "100"]  # generous: other jobs may load the machine; usually ~10 s
     result = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -155,7 +155,7 @@ def test_bench_train_tiny_run_writes_a_table_json_and_plot(tmp_path: Path) -> No
     assert doc["settings"]["nodes"] == 2
     rows = doc["rows"]
     methods = [(r["scenario"], r["method"]) for r in rows]
-    assert methods == [("2x", "ddp"), ("2x", "dpwa-constant"), ("2x", "dpwa-pushsum")]
+    assert methods == [("2x", m) for m in ("ddp", "dpwa-constant", "dpwa-pushsum", "dpwa-adpsgd")]
     for row in rows:
         assert ROW_KEYS <= set(row)
         for key in FINITE:
@@ -167,8 +167,8 @@ def test_bench_train_tiny_run_writes_a_table_json_and_plot(tmp_path: Path) -> No
         assert row["straggler_steps"] >= 1 and row["mixes_per_step"] > 0
     assert rows[0]["straggler_steps"] == 30
     assert (run_dir / "train.png").stat().st_size > 0
-    assert doc["settings"]["rules"] == ["constant", "pushsum"]
-    for method in ("dpwa-constant", "dpwa-pushsum", "ddp"):
+    assert doc["settings"]["rules"] == ["constant", "pushsum", "adpsgd"]
+    for method in ("dpwa-constant", "dpwa-pushsum", "dpwa-adpsgd", "ddp"):
         assert (run_dir / "straggler-2x" / method / "w1.model.npz").exists()
     pushsum = yaml.safe_load((run_dir / "straggler-2x" / "dpwa-pushsum.yaml").read_text())
     assert pushsum["interpolation"] == "pushsum"  # each rule trains from a cluster file of its own

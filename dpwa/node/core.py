@@ -604,7 +604,8 @@ class Node:
                 self.name,
                 push.peer,
                 code,
-                level=logging.INFO if code == ErrorCode.BUSY.value else logging.WARNING,
+                # busy, or not ready (a peer that has published nothing yet, as at start-up): routine
+                level=logging.INFO if code in (ErrorCode.BUSY.value, ErrorCode.NOT_READY.value) else logging.WARNING,
             )
         self.ledger.settle(push, status, code)
 
