@@ -361,13 +361,8 @@ class PushReceiver:
     def pending_mass(self, key: str) -> float:
         """The sum of ``extras[key]`` over the pushes held and not yet mixed (accounting, any thread)."""
         with self._lock:
-            total = 0.0
-            for s in self._slots:
-                if s.state in ("full", "committed") and s.header is not None:
-                    value = s.header.extras.get(key)
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        total += float(value)
-            return total
+            held = [s.header.extras for s in self._slots if s.state in ("full", "committed") and s.header is not None]
+        return wire.extras_sum(held, key)
 
     def occupied(self) -> int:
         """Slots not free (any thread)."""

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpwa.node.wire import extras_sum
+
 __all__ = ["Push", "PushLedger"]
 
 
@@ -119,9 +121,4 @@ class PushLedger:
     def in_flight(self, key: str) -> float:
         """The sum of ``given[key]`` over the pushes without a verdict (accounting)."""
         with self._cond:
-            total = 0.0
-            for p in self._open.values():
-                value = p.given.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    total += float(value)
-            return total
+            return extras_sum((p.given for p in self._open.values()), key)

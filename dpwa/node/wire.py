@@ -37,7 +37,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,7 @@ __all__ = [
     "encode_push",
     "encode_settle",
     "encode_state",
+    "extras_sum",
     "SETTLE_OPS",
     "wire_code",
 ]
@@ -510,6 +511,16 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise WireError("header", f"field {key!r} of the wrong type")
     return value
+
+
+def extras_sum(extras: Iterable[Mapping[str, Any]], key: str) -> float:
+    """The sum of ``e[key]`` over ``extras`` where it is a number (an int or float, not a bool); others count 0."""
+    total = 0.0
+    for e in extras:
+        value = e.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            total += float(value)
+    return total
 
 
 def check_state_header(header: Header, layout: Layout, *, peer: str, req: int, chunk: int = CHUNK_BYTES) -> None:
