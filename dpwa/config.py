@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -417,13 +417,14 @@ class _Security(_Spec):
 
 @dataclasses.dataclass(frozen=True)
 class _Nodes(_Spec):
-    """A non-empty sequence of NodeSpec with unique names and unique host:port pairs."""
+    """A sequence of NodeSpec with unique names and unique host:port pairs; empty: the nodes come from an
+    engine (``dpwa run -n N``, SLURM, torchrun), see :meth:`ClusterConfig.with_nodes`."""
 
     def read(self, doc: _Document, node: yaml.Node, key: str) -> object:
         return doc.nodes(node, key)
 
     def check(self, value: object) -> Iterator[tuple[str, str]]:
-        if not isinstance(value, (list, tuple)) or not value:
+        if not isinstance(value, (list, tuple)):
             yield "", f"must list at least one node ({{name, host, port}} maps), got {_show(value)}"
             return
         names: dict[str, int] = {}
@@ -468,7 +469,8 @@ class ClusterConfig:
     """
 
     # The top-level keys, in file order, one line each: the field's spec says how it is read and checked.
-    nodes: tuple[NodeSpec, ...] = dataclasses.field(metadata={_SPEC: _Nodes()})
+    #: Empty (the key left out): the nodes come from an engine (dpwa.engines) and :meth:`with_nodes`.
+    nodes: tuple[NodeSpec, ...] = dataclasses.field(default=(), metadata={_SPEC: _Nodes(), _OMIT_DEFAULT: True})
     fetch_probability: float = setting(1.0, lo=0, hi=1)
     timeout_ms: float = setting(2500.0, lo=0, lo_open=True)
     interpolation: str = choice("constant", RULE_SETTINGS)
@@ -603,11 +605,21 @@ class ClusterConfig:
         """A ConfigError for ``key`` at its line in ``source`` (else at its closest enclosing key's)."""
         return ConfigError(reason, self.source, _line_of(self.marks, key), key)
 
+    def with_nodes(self, nodes: Sequence[NodeSpec]) -> ClusterConfig:
+        """This config with ``nodes`` (from an engine), validated like a file's (ConfigError)."""
+        return dataclasses.replace(self, nodes=tuple(nodes))
+
     def node(self, name: str) -> NodeSpec:
         """The node called ``name``; if none, a ConfigError at the ``nodes`` line listing the names."""
         for node in self.nodes:
             if node.name == name:
                 return node
+        if not self.nodes:
+            raise self.error(
+                "nodes",
+                f"no nodes yet (node {name!r} asked for): the cluster file has no `nodes` and none came from an "
+                "engine (dpwa run -n N, srun, torchrun)",
+            )
         names = [node.name for node in self.nodes]
         raise self.error("nodes", f"no node named {name!r}{_allowed(name, names)}")
 
@@ -678,9 +690,12 @@ def parse_config(text: str, source: str = MEMORY) -> ClusterConfig:
             values[key] = fields[key].metadata[_SPEC].read(doc, node, key)
         else:
             raise doc.error(key, f"unknown key{_allowed(key, allowed)}")
-    for name in _required(ClusterConfig):
-        if name not in values:
-            raise doc.error(name, f"missing; a cluster file needs `{name}` (allowed keys: {', '.join(allowed)})")
+    if "nodes" in values and not values["nodes"]:
+        raise doc.error(
+            "nodes",
+            "must list at least one node ({name, host, port} maps), got an empty list; leave `nodes` out to take "
+            "them from the engine (dpwa run -n N, srun, torchrun)",
+        )
     config = ClusterConfig(**values, rule_settings=rules, source=source, marks=doc.marks)
     log.debug("%s: %d nodes, interpolation %s", source, len(config.nodes), config.interpolation)
     return config

@@ -91,3 +91,14 @@ def test_validate_as_a_real_process_on_a_bad_file() -> None:
         " adpsgd, dpsgd"
     )
     assert proc.stderr.splitlines() == [expected]
+
+
+def test_validate_a_file_without_nodes_says_where_they_come_from(tmp_path: Path) -> None:
+    path = tmp_path / "rules.yaml"
+    path.write_text("interpolation: pushsum\n")
+    result = CliRunner().invoke(cli.main, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[-2].startswith(f"# {path}: 0 nodes, interpolation pushsum (overlap=0), fetch_probability 1,")
+    assert lines[-1] == f"# nodes: none in the file; they come from the engine: `dpwa run -n N --config {path}`"
+    assert "nodes" not in yaml.safe_load(result.stdout)

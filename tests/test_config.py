@@ -150,6 +150,21 @@ def test_numbers_are_normalized_int_to_float_but_ports_stay_int() -> None:
     assert type(config.nodes[0].port) is int
 
 
+def test_a_file_without_nodes_holds_the_settings_and_takes_its_nodes_later() -> None:
+    path = GOOD / "no_nodes_from_the_engine.yaml"
+    config = load_config(path)
+    assert config.nodes == () and config.interpolation == "pushsum" and "nodes" not in config.to_dict()
+    with pytest.raises(ConfigError) as info:
+        config.node("w1")
+    assert info.value.key == "nodes" and "no nodes yet" in info.value.reason and "dpwa run -n N" in info.value.reason
+    nodes = (NodeSpec("a", "127.0.0.1", 5000), NodeSpec("b", "127.0.0.1", 5001))
+    resolved = config.with_nodes(nodes)
+    assert resolved.nodes == nodes and resolved.interpolation == "pushsum" and resolved.source == str(path)
+    assert [p.name for p in resolved.peers_of("a")] == ["b"]
+    with pytest.raises(ConfigError, match="duplicate node name"):  # engine nodes are checked like a file's
+        config.with_nodes((nodes[0], NodeSpec("a", "127.0.0.1", 5002)))
+
+
 def test_node_lookup_peers_and_endpoint() -> None:
     config = load_config(SAMPLES / "localhost.yaml")
     assert config.node("w3") == NodeSpec("w3", "localhost", 45002)
@@ -241,7 +256,7 @@ REQUIRED_CASES = {
     "string_as_number", "nodes_not_list", "node_not_mapping", "fetch_probability_out_of_range",
     "constant_value_out_of_range", "timeout_not_positive", "divergence_negative", "port_out_of_range",
     "port_not_integer", "missing_node_field", "empty_node_name", "duplicate_node_name", "duplicate_address",
-    "no_nodes", "missing_nodes", "unknown_interpolation", "yaml_syntax_error", "duplicate_key_mapping",
+    "no_nodes", "unknown_interpolation", "yaml_syntax_error", "duplicate_key_mapping",
     "duplicate_key_list_format", "list_item_two_keys", "empty", "top_level_scalar",
 }  # fmt: skip
 
@@ -284,8 +299,9 @@ def test_configs_built_in_python_are_validated_the_same_way() -> None:
     with pytest.raises(ConfigError) as info:
         ClusterConfig(nodes=FOUR_NODES, fetch_probability=2)
     assert (info.value.file, info.value.line, info.value.key) == ("<memory>", None, "fetch_probability")
+    assert ClusterConfig(nodes=()).nodes == ()  # no nodes yet: an engine gives them (with_nodes)
     with pytest.raises(ConfigError, match="at least one node"):
-        ClusterConfig(nodes=())
+        ClusterConfig(nodes=None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="duplicate node name 'w1'"):
         ClusterConfig(nodes=(FOUR_NODES[0], NodeSpec("w1", "h2", 1)))
     with pytest.raises(ConfigError, match="port: must be an integer in"):

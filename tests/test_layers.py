@@ -32,6 +32,7 @@ LAYER_OF: dict[str, str] = {
     "dpwa.config": "formats",
     "dpwa.checkpoint": "formats",
     "dpwa.metrics": "formats",
+    "dpwa.engines": "engines",
     "dpwa.node": "node",
     "dpwa.launcher": "launcher",
     "dpwa.adapters": "adapters",
@@ -45,12 +46,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "rules": {"utils"},
     "security": {"utils"},
     "formats": {"security", "utils"},
+    "engines": {"formats", "utils"},
     "node": {"rules", "security", "formats", "utils"},
     "api": {"node", "formats"},
-    "launcher": {"formats", "utils"},
-    "adapters": {"api", "node", "rules", "formats", "utils"},
-    "tools": {"api", "adapters", "launcher", "node", "rules", "security", "formats", "utils"},
-    "cli": {"api", "tools", "adapters", "launcher", "node", "rules", "security", "formats", "utils"},
+    "launcher": {"engines", "formats", "utils"},
+    "adapters": {"api", "engines", "node", "rules", "formats", "utils"},
+    "tools": {"api", "adapters", "engines", "launcher", "node", "rules", "security", "formats", "utils"},
+    "cli": {"api", "tools", "adapters", "engines", "launcher", "node", "rules", "security", "formats", "utils"},
 }
 
 NARROW: dict[str, set[str]] = {
@@ -68,6 +70,7 @@ NO_TORCH = [
     "dpwa.config",
     "dpwa.checkpoint",
     "dpwa.metrics",
+    "dpwa.engines",
     "dpwa.cli",
     "dpwa.cli.run",
     "dpwa.cli.keys",

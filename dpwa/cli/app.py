@@ -63,8 +63,8 @@ def validate(cluster: str) -> None:
     """Check a cluster file and print it resolved.
 
     Prints the config with every default filled in, as YAML, then a one-line summary
-    as a YAML comment; exits 0. An invalid file prints one line
-    `error: file:line: key: reason` on stderr and exits 2.
+    as a YAML comment (and, for a file without `nodes`, where they would come from); exits 0.
+    An invalid file prints one line `error: file:line: key: reason` on stderr and exits 2.
     """
     try:
         config = load_config(cluster)
@@ -72,3 +72,5 @@ def validate(cluster: str) -> None:
         fail(err)
     click.echo(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), nl=False)
     click.echo(f"# {config.source}: {summary(config)}")
+    if not config.nodes:
+        click.echo(f"# nodes: none in the file; they come from the engine: `dpwa run -n N --config {cluster}`")

@@ -14,6 +14,7 @@ import click
 
 from dpwa.cli.common import fail
 from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
+from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
 from dpwa.launcher.job import DEMO_MODULE, Job, run_job
 from dpwa.launcher.placement import select_nodes, threads_per_node
 from dpwa.launcher.progress import Progress
@@ -31,14 +32,26 @@ class _RunCommand(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         valued = {o for p in self.params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
-        return super().parse_args(ctx, _split_at_script(args, valued))
+        script_at = 1 if _names_node_count(args) else 2  # with -n N there is no CLUSTER.yaml: SCRIPT comes first
+        return super().parse_args(ctx, _split_at_script(args, valued, script_at))
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
-        return ["[OPTIONS]", "CLUSTER.yaml", "[SCRIPT [ARGS]...]"]
+        return ["[OPTIONS]", "(CLUSTER.yaml | -n N)", "[SCRIPT [ARGS]...]"]
 
 
-def _split_at_script(args: Sequence[str], valued: set[str]) -> list[str]:
-    """``args`` with ``--`` before the second positional argument (SCRIPT), unless a ``--`` comes first."""
+def _names_node_count(args: Sequence[str]) -> bool:
+    """True when ``-n`` / ``--nodes`` is among the launcher's options (before any ``--``)."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg in ("-n", "--nodes") or arg.startswith("--nodes=") or (arg.startswith("-n") and arg[2:].isdigit()):
+            return True
+    return False
+
+
+def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) -> list[str]:
+    """``args`` with ``--`` before positional argument number ``script_at`` (SCRIPT), unless a ``--`` comes
+    first."""
     positional = 0
     skip = False
     for i, arg in enumerate(args):
@@ -51,7 +64,7 @@ def _split_at_script(args: Sequence[str], valued: set[str]) -> list[str]:
             skip = arg in valued
             continue
         positional += 1
-        if positional == 2:
+        if positional == script_at:
             return [*args[:i], "--", *args[i:]]
     return list(args)
 
@@ -60,6 +73,19 @@ def _split_at_script(args: Sequence[str], valued: set[str]) -> list[str]:
 @click.argument("cluster", metavar="CLUSTER.yaml", required=False)
 @click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@click.option(
+    "-n",
+    "--nodes",
+    "node_count",
+    type=click.IntRange(min=1),
+    help="N nodes on this machine on free ports, no cluster file (settings from --config).",
+)
+@click.option(
+    "--config",
+    "settings_file",
+    type=click.Path(dir_okay=False),
+    help="With -n: the cluster file of the settings (no `nodes`)  [default: every setting's default]",
+)
 @click.option("--steps", type=click.IntRange(min=1), help="Batches per node of the built-in demo (not with SCRIPT).")
 @click.option(
     "--node",
@@ -98,6 +124,8 @@ def run(
     cluster: str | None,
     script: str | None,
     script_args: tuple[str, ...],
+    node_count: int | None,
+    settings_file: str | None,
     steps: int | None,
     node_names: tuple[str, ...],
     run_dir: Path | None,
@@ -109,6 +137,10 @@ def run(
     quiet: bool,
 ) -> None:
     """Start this machine's nodes of CLUSTER.yaml, each running SCRIPT with ARGS (default: the built-in demo).
+
+    `dpwa run -n N [--config SETTINGS.yaml] [SCRIPT [ARGS]]` needs no cluster file: N nodes w1..wN on
+    127.0.0.1, on ports no other `dpwa run -n` holds; the resolved cluster file is written into the run
+    directory.
 
     A node runs here when its host is this machine (localhost, 127.x, this host's names and addresses),
     or when named with --node. Under SLURM (SLURM_PROCID and SLURM_NTASKS set, no --node) each task
@@ -127,18 +159,37 @@ def run(
     Exit status: 0 all nodes succeeded; 1 a node failed or --timeout-s passed; 2 a bad cluster file
     or usage; 130/143 interrupted.
     """
+    if node_count is not None and resume is None:
+        positional = [a for a in (cluster, script) if a is not None] + list(script_args)
+        script, script_args = (positional[0], tuple(positional[1:])) if positional else (None, ())
+        cluster = None
+        if node_names:
+            raise click.UsageError("-n N starts every node here; --node is for a cluster file's nodes")
+    elif settings_file is not None:
+        raise click.UsageError("--config goes with -n N; without -n the cluster file is the first argument")
+    reservation = None
     if resume is not None:
+        if node_count is not None:
+            raise click.UsageError("--resume RUN_DIR takes its nodes from RUN_DIR; drop -n")
         if cluster is not None or node_names or run_dir is not None:
             raise click.UsageError("--resume RUN_DIR takes the cluster file, nodes and command from RUN_DIR")
         config, nodes, command, directory, evaluate, per_node = _resume_plan(RunDir(resume), steps, threads)
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, True,
                quiet)  # fmt: skip
-    if cluster is None:
-        raise click.UsageError("missing CLUSTER.yaml (or --resume RUN_DIR)")
-    try:
-        config = load_config(cluster)
-    except ConfigError as err:
-        fail(err)
+    if node_count is not None:
+        config, reservation = _local_cluster(node_count, settings_file)
+    elif cluster is None:
+        raise click.UsageError("missing CLUSTER.yaml (or -n N, or --resume RUN_DIR)")
+    else:
+        try:
+            config = load_config(cluster)
+        except ConfigError as err:
+            fail(err)
+        if not config.nodes:
+            fail(
+                f"{cluster}: no `nodes` in the file and no engine gave any: run `dpwa run -n N --config {cluster}` "
+                "for local nodes, or list the nodes"
+            )
     if script is None:
         if importlib.util.find_spec(DEMO_MODULE) is None:
             fail(f"the built-in demo ({DEMO_MODULE}) is not installed; give a SCRIPT to run")
@@ -158,7 +209,32 @@ def run(
     directory = RunDir(run_dir if run_dir is not None else default_run_dir())
     evaluate = script is None and len(nodes) == len(config.nodes)
     per_node = threads if threads is not None else threads_per_node(len(nodes))
-    _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, False, quiet)
+    try:  # the reserved ports stay locked until the job is over (and the process exits)
+        _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, False,
+               quiet)  # fmt: skip
+    finally:
+        if reservation is not None:
+            reservation.release()
+
+
+def _local_cluster(n: int, settings_file: str | None) -> tuple[ClusterConfig, PortReservation]:
+    """``-n N``: the settings (``settings_file`` without ``nodes``, or the defaults) with N local nodes on ports
+    reserved for this run."""
+    try:
+        settings = load_config(settings_file) if settings_file is not None else ClusterConfig(source=f"dpwa run -n {n}")
+    except ConfigError as err:
+        fail(err)
+    if settings.nodes:
+        fail(settings.error("nodes", "with -n N the nodes are chosen here: leave `nodes` out of the file, or drop -n"))
+    try:
+        reservation = reserve_ports(n)
+    except OSError as err:
+        fail(f"-n {n}: cannot reserve {n} free ports on {LOCAL_HOST}: {err.strerror or err}")
+    try:
+        return settings.with_nodes(local_nodes(reservation.ports)), reservation
+    except ConfigError as err:
+        reservation.release()
+        fail(err)
 
 
 def _start(

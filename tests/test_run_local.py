@@ -1,0 +1,198 @@
+"""``dpwa run -n N``: a local cluster without a cluster file, on ports no concurrent run takes.
+
+The end-to-end runs start the real launcher (``python -m dpwa.cli run -n ...``) with the gossiping test node
+of tests/test_launcher.py; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from conftest import port_is_free, wait_until
+from test_launcher import NODE_SCRIPT, _demo_runnable, alive, finish, launch, log_values
+
+from dpwa.cli import app as cli
+from dpwa.cli.run import _names_node_count, _split_at_script
+from dpwa.config import parse_config
+from dpwa.engines.local import local_nodes, lock_dir, reserve_ports
+from dpwa.metrics import read_metrics
+
+# --------------------------------------------------------------------------- reserving ports
+
+
+def test_two_reservations_never_share_a_port_and_a_released_port_is_free_again() -> None:
+    rng = random.Random(5)
+    span = (30000, 30099)
+    first = reserve_ports(60, port_range=span, rng=rng)
+    try:
+        second = reserve_ports(40, port_range=span, rng=rng)  # the 40 ports the first one left
+        assert not set(first.ports) & set(second.ports) and len(set(first.ports + second.ports)) == 100
+        with pytest.raises(OSError, match="only 0 of 1 ports free in 30000-30099"):
+            reserve_ports(1, port_range=span)
+        second.release()
+        third = reserve_ports(40, port_range=span)
+        assert set(third.ports) == set(second.ports)
+        third.release()
+    finally:
+        first.release()
+
+
+def test_a_port_locked_by_another_process_or_in_use_is_skipped() -> None:
+    span = (30100, 30103)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);"
+         " fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+         str(lock_dir() / "30100.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    listener = socket.socket()
+    try:
+        lock_dir().mkdir(exist_ok=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        listener.bind(("127.0.0.1", 30101))
+        listener.listen()
+        with reserve_ports(2, port_range=span) as got:
+            assert sorted(got.ports) == [30102, 30103]
+    finally:
+        listener.close()
+        holder.kill()
+        holder.wait(timeout=10)
+
+
+def test_local_nodes_are_w1_to_wn_on_loopback() -> None:
+    nodes = local_nodes([40001, 40002])
+    assert [(n.name, n.host, n.port) for n in nodes] == [("w1", "127.0.0.1", 40001), ("w2", "127.0.0.1", 40002)]
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_with_n_the_first_positional_is_the_script() -> None:
+    valued = {"--node", "--steps", "-n", "--nodes", "--config"}
+    args = ["-n", "3", "--config", "s.yaml", "t.py", "--lr", "0.1", "-n", "9"]
+    assert _names_node_count(args) and _names_node_count(["-n4", "t.py"]) and _names_node_count(["--nodes=2"])
+    assert not _names_node_count(["c.yaml", "--", "t.py", "-n", "3"])
+    split = ["-n", "3", "--config", "s.yaml", "--", "t.py", "--lr", "0.1", "-n", "9"]
+    assert _split_at_script(args, valued, 1) == split
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["-n", "2", "--node", "w1"], "-n N starts every node here"),
+        (["--config", "x.yaml", "c.yaml"], "--config goes with -n N"),
+        (["-n", "0"], "0 is not in the range x>=1"),
+    ],
+)
+def test_usage_errors_of_n(argv: list[str], says: str) -> None:
+    result = CliRunner().invoke(cli.main, ["run", *argv])
+    assert result.exit_code == 2 and says in result.stderr
+
+
+def test_bad_settings_for_n_exit_2_with_one_line(tmp_path: Path) -> None:
+    with_nodes = tmp_path / "with_nodes.yaml"
+    with_nodes.write_text("nodes:\n  - {name: a, host: 127.0.0.1, port: 4000}\n")
+    result = CliRunner().invoke(cli.main, ["run", "-n", "2", "--config", str(with_nodes)])
+    assert result.exit_code == 2
+    reason = "with -n N the nodes are chosen here: leave `nodes` out of the file, or drop -n"
+    assert result.stderr == f"error: {with_nodes}:1: nodes: {reason}\n"
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("timeout_ms: 500\n")
+    result = CliRunner().invoke(cli.main, ["run", str(settings)])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "no `nodes` in the file and no engine gave any: run `dpwa run -n N --config" in result.stderr
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@pytest.fixture
+def node_script(tmp_path: Path) -> Path:
+    path = tmp_path / "gossip_node.py"
+    path.write_text(NODE_SCRIPT)
+    return path
+
+
+def test_n_runs_a_script_with_the_files_settings_and_writes_the_resolved_cluster(
+    tmp_path: Path, node_script: Path
+) -> None:
+    settings = tmp_path / "rules.yaml"
+    settings.write_text("timeout_ms: 700\ninterpolation: constant\nconstant: {value: 0.25}\n")
+    run_dir = tmp_path / "run"
+    argv = ["--steps", "12", "--barrier", "--sleep", "0.01", "--node", "x"]
+    proc = launch(tmp_path, "-n", "3", "--config", str(settings), "--run-dir", str(run_dir), str(node_script), *argv)
+    code, out, err = finish(proc, tmp_path, 60)
+    assert code == 0, err
+    resolved = parse_config((run_dir / "cluster.yaml").read_text())
+    assert [n.name for n in resolved.nodes] == ["w1", "w2", "w3"] and {n.host for n in resolved.nodes} == {"127.0.0.1"}
+    assert resolved.timeout_ms == 700 and resolved.settings.value == 0.25  # type: ignore[attr-defined]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for name in ("w1", "w2", "w3"):
+        assert summary["nodes"][name]["status"] == "ok" and summary["nodes"][name]["mixes"] > 0
+        assert json.loads(log_values(run_dir / f"{name}.log", "ARGV")[0]) == argv  # the script's own -n-free args
+    assert all(port_is_free(n.port) for n in resolved.nodes)
+
+
+def test_two_concurrent_runs_get_ports_of_their_own(tmp_path: Path, node_script: Path) -> None:
+    runs = []
+    for label in ("a", "b"):
+        here = tmp_path / label
+        here.mkdir()
+        argv = ["-n", "2", "--run-dir", str(here / "run"), str(node_script), "--steps", "20", "--barrier"]
+        runs.append((here, launch(here, *argv, "--sleep", "0.02")))
+    for here, proc in runs:
+        code, _, err = finish(proc, here, 60)
+        assert code == 0, err
+    ports = [{n.port for n in parse_config((here / "run" / "cluster.yaml").read_text()).nodes} for here, _ in runs]
+    assert len(ports[0]) == len(ports[1]) == 2 and not ports[0] & ports[1]
+    for here, _ in runs:
+        summary = json.loads((here / "run" / "summary.json").read_text())
+        assert all(n["status"] == "ok" and n["mixes"] > 0 for n in summary["nodes"].values())
+
+
+def test_ctrl_c_stops_an_n_run_and_frees_its_ports(tmp_path: Path, node_script: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(tmp_path, "-n", "2", "--run-dir", str(run_dir), str(node_script), "--steps", "0", "--sleep", "0.02")
+    pids: list[int] = []
+    try:
+        metrics = [run_dir / f"w{i}.metrics.jsonl" for i in (1, 2)]
+        wait_until(lambda: all(len(read_metrics(m, missing_ok=True)) >= 3 for m in metrics), 60, 0.05, "training")
+        pids = [int(v) for i in (1, 2) for v in log_values(run_dir / f"w{i}.log", "PID")]
+        ports = [n.port for n in parse_config((run_dir / "cluster.yaml").read_text()).nodes]
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGINT
+    assert not [pid for pid in pids if alive(pid)]
+    wait_until(lambda: all(port_is_free(p) for p in ports), 5, message="ports freed")
+    for port in ports:  # the launcher's locks went with it: each port can be reserved again
+        reserve_ports(1, port_range=(port, port)).release()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _demo_runnable(), reason="the built-in demo needs dpwa.tools.demo and torch")
+def test_n_runs_the_built_in_demo(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    code, out, err = finish(launch(tmp_path, "-n", "2", "--steps", "30", "--run-dir", str(run_dir)), tmp_path, 180)
+    assert code == 0, err
+    assert "averaged model accuracy" in out and time.monotonic() - started < 180
+    doc = yaml.safe_load((run_dir / "cluster.yaml").read_text())
+    assert [n["name"] for n in doc["nodes"]] == ["w1", "w2"]
