@@ -54,7 +54,9 @@ import torch
 
 from dpwa.adapters.torch_state import load_model_arrays, load_optimizer_parts, model_arrays, optimizer_parts
 from dpwa.checkpoint import DpwaState, checkpoint_path, load_latest, write_checkpoint
-from dpwa.config import ClusterConfig
+from dpwa.config import ClusterConfig, resolve_config
+from dpwa.engines import EngineError, engine_nodes
+from dpwa.engines.slurm import in_slurm_step
 from dpwa.metrics import MetricsWriter
 from dpwa.node.connection import DpwaConnection
 from dpwa.utils.bfloat16 import BFLOAT16
@@ -169,6 +171,23 @@ class Restored:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _slurm_node(config: ClusterConfig | str | os.PathLike[str] | None) -> tuple[str, ClusterConfig]:
+    """Under ``srun`` without a node name: node number SLURM_PROCID of ``config``'s nodes, or, for a config
+    without nodes (or none: every default), this task's node of the step (:mod:`dpwa.engines.slurm`)."""
+    settings = resolve_config(config) if config is not None else ClusterConfig(source="srun")
+    if settings.nodes:
+        rank = int(os.environ["SLURM_PROCID"])
+        if not 0 <= rank < len(settings.nodes):
+            raise ValueError(f"SLURM_PROCID={rank} but {settings.source} has {len(settings.nodes)} nodes")
+        return settings.nodes[rank].name, settings
+    try:
+        resolved, mine, _ = engine_nodes(settings, os.environ)
+    except EngineError as err:
+        raise ValueError(str(err)) from None
+    assert mine is not None
+    return mine, resolved
+
+
 class DpwaPyTorchAdapter:
     """One dpwa node training ``model``: :meth:`update_send` / :meth:`update_wait` around every batch.
 
@@ -194,14 +213,17 @@ class DpwaPyTorchAdapter:
         optimizer: torch.optim.Optimizer | None = None,
         _force_staging: bool = False,
     ) -> None:
-        name = name if name is not None else os.environ.get(ENV_NODE)
-        config = config if config is not None else os.environ.get(ENV_CONFIG)
+        name = name if name is not None else os.environ.get(ENV_NODE) or None
+        config = config if config is not None else os.environ.get(ENV_CONFIG) or None
+        if name is None and in_slurm_step(os.environ):  # `srun python train.py`: the step says which node
+            name, config = _slurm_node(config)
         given = ((f"name ({ENV_NODE})", name), (f"config ({ENV_CONFIG})", config))
         missing = [what for what, value in given if value is None or value == ""]
         if missing:
             raise ValueError(
                 f"DpwaPyTorchAdapter needs a node name and a cluster config; missing: {', '.join(missing)}. "
-                f"Pass name=/config=, or start the script with `dpwa run`, which sets {ENV_NODE} and {ENV_CONFIG}."
+                f"Pass name=/config=, start the script with `dpwa run`, which sets {ENV_NODE} and {ENV_CONFIG}, "
+                "or under srun."
             )
         assert name is not None and config is not None
         self._entries = _collect(model, buffers, _force_staging)

@@ -500,6 +500,10 @@ class ClusterConfig:
     inbox_per_sender: int = dataclasses.field(
         default=2, metadata={_SPEC: _Number(lo=1, hi=64, integer=True), _OMIT_DEFAULT: True}
     )
+    #: Engines that choose the ports (SLURM): a node listens on base_port + its index among its host's tasks.
+    base_port: int = dataclasses.field(
+        default=45000, metadata={_SPEC: _Number(lo=1, hi=65535, integer=True), _OMIT_DEFAULT: True}
+    )
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     source: str = dataclasses.field(default=MEMORY, compare=False)
     #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.

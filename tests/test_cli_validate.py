@@ -87,7 +87,7 @@ def test_validate_as_a_real_process_on_a_bad_file() -> None:
         "error: tests/data/configs/bad/unknown_top_level_key.yaml:8: timeout: unknown key"
         " (did you mean 'timeout_ms'?); allowed: nodes, fetch_probability, timeout_ms, interpolation,"
         " divergence_threshold, peers, wire_dtype, security, checkpoint_every, bootstrap, bootstrap_timeout_s,"
-        " bootstrap_gap, inbox_slots, inbox_per_sender, constant, clock, loss, gem, pushsum, leader, group,"
+        " bootstrap_gap, inbox_slots, inbox_per_sender, base_port, constant, clock, loss, gem, pushsum, leader, group,"
         " adpsgd, dpsgd"
     )
     assert proc.stderr.splitlines() == [expected]
@@ -100,5 +100,24 @@ def test_validate_a_file_without_nodes_says_where_they_come_from(tmp_path: Path)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[-2].startswith(f"# {path}: 0 nodes, interpolation pushsum (overlap=0), fetch_probability 1,")
-    assert lines[-1] == f"# nodes: none in the file; they come from the engine: `dpwa run -n N --config {path}`"
+    engines = f"`dpwa run -n N --config {path}` (local), srun (SLURM)"
+    assert lines[-1] == f"# nodes: none in the file; they come from the engine: {engines}"
     assert "nodes" not in yaml.safe_load(result.stdout)
+
+
+def test_validate_under_srun_prints_the_steps_nodes_or_why_not(tmp_path: Path) -> None:
+    path = tmp_path / "rules.yaml"
+    path.write_text("base_port: 47000\n")
+    env = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2]",
+           "SLURM_STEP_TASKS_PER_NODE": "2,1"}  # fmt: skip
+    result = CliRunner().invoke(cli.main, ["validate", str(path)], env=env)
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[-1] == (
+        "# nodes: none in the file; they come from the engine: the SLURM step (3 tasks): "
+        "n1-0@n1:47000, n1-1@n1:47001, n2-0@n2:47000; this task: n1-1"
+    )
+    result = CliRunner().invoke(cli.main, ["validate", str(path)], env={**env, "SLURM_DISTRIBUTION": "cyclic"})
+    assert result.exit_code == 0 and "srun, but SLURM: SLURM_DISTRIBUTION='cyclic'" in result.stdout
+    result = CliRunner().invoke(cli.main, ["run", str(path)], env={**env, "SLURM_DISTRIBUTION": "cyclic"})
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"error: {path}: SLURM: SLURM_DISTRIBUTION='cyclic': only block placement")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import click
@@ -57,6 +58,21 @@ def summary(config: ClusterConfig) -> str:
     )
 
 
+def _engine_source(config: ClusterConfig, cluster: str) -> str:
+    """Which engine would give ``config`` its nodes here, and the nodes when this process can compute them."""
+    from dpwa.engines import EngineError, engine_nodes
+    from dpwa.engines.slurm import in_slurm_step
+
+    if not in_slurm_step(os.environ):
+        return f"`dpwa run -n N --config {cluster}` (local), srun (SLURM)"
+    try:
+        resolved, mine, source = engine_nodes(config, os.environ)
+    except EngineError as err:
+        return f"srun, but {err}"
+    listed = ", ".join(f"{n.name}@{n.host}:{n.port}" for n in resolved.nodes)
+    return f"{source}: {listed}; this task: {mine}"
+
+
 @main.command()
 @click.argument("cluster", metavar="CLUSTER.yaml")
 def validate(cluster: str) -> None:
@@ -73,4 +89,4 @@ def validate(cluster: str) -> None:
     click.echo(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), nl=False)
     click.echo(f"# {config.source}: {summary(config)}")
     if not config.nodes:
-        click.echo(f"# nodes: none in the file; they come from the engine: `dpwa run -n N --config {cluster}`")
+        click.echo(f"# nodes: none in the file; they come from the engine: {_engine_source(config, cluster)}")

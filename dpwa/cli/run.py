@@ -14,7 +14,9 @@ import click
 
 from dpwa.cli.common import fail
 from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
+from dpwa.engines import EngineError, engine_nodes
 from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
+from dpwa.engines.slurm import in_slurm_step
 from dpwa.launcher.job import DEMO_MODULE, Job, run_job
 from dpwa.launcher.placement import select_nodes, threads_per_node
 from dpwa.launcher.progress import Progress
@@ -144,7 +146,9 @@ def run(
 
     A node runs here when its host is this machine (localhost, 127.x, this host's names and addresses),
     or when named with --node. Under SLURM (SLURM_PROCID and SLURM_NTASKS set, no --node) each task
-    starts node number SLURM_PROCID, so `srun dpwa run cluster.yaml train.py` starts one node per task.
+    starts node number SLURM_PROCID, so `srun dpwa run cluster.yaml train.py` starts one node per task;
+    a file without `nodes` takes them from the step (one per task, `<host>-<SLURM_LOCALID>` on
+    base_port + SLURM_LOCALID).
 
     Every node process gets DPWA_NODE, DPWA_CONFIG (the resolved copy in the run directory),
     DPWA_RUN_DIR, and OMP/MKL/OPENBLAS_NUM_THREADS and DPWA_TORCH_THREADS so the nodes share the cores.
@@ -186,10 +190,16 @@ def run(
         except ConfigError as err:
             fail(err)
         if not config.nodes:
-            fail(
-                f"{cluster}: no `nodes` in the file and no engine gave any: run `dpwa run -n N --config {cluster}` "
-                "for local nodes, or list the nodes"
-            )
+            if not in_slurm_step(os.environ):
+                fail(
+                    f"{cluster}: no `nodes` in the file and no engine gave any: run `dpwa run -n N --config "
+                    f"{cluster}` for local nodes, start it with srun, or list the nodes"
+                )
+            try:
+                config, mine, _ = engine_nodes(config, os.environ)
+            except EngineError as err:
+                fail(f"{cluster}: {err}")
+            node_names = node_names or ((mine,) if mine is not None else ())
     if script is None:
         if importlib.util.find_spec(DEMO_MODULE) is None:
             fail(f"the built-in demo ({DEMO_MODULE}) is not installed; give a SCRIPT to run")

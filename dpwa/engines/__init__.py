@@ -9,12 +9,43 @@ engine that started the job knows the nodes:
       reservation = reserve_ports(4)               # held until the job ends
       config = config.with_nodes(local_nodes(reservation.ports))
 
-Everything here reads the environment and the file system only (stdlib); it never starts a process and
-never imports torch, so the launcher, the CLI and the adapters share it.
+* SLURM -- under ``srun``, one node per task of the step, computed by every task alone
+  (:mod:`dpwa.engines.slurm`)::
+
+      config, mine, source = engine_nodes(config, os.environ)   # mine: this task's node
+
+Everything here reads the environment and the file system only (stdlib, and ``scontrol`` when it is on
+PATH); it never imports torch, so the launcher, the CLI and the adapters share it.
 """
 
 from __future__ import annotations
 
-from dpwa.engines.local import PortReservation, local_nodes, reserve_ports
+from collections.abc import Mapping
 
-__all__ = ["PortReservation", "local_nodes", "reserve_ports"]
+from dpwa.config import ClusterConfig
+from dpwa.engines.local import PortReservation, local_nodes, reserve_ports
+from dpwa.engines.slurm import SlurmError, in_slurm_step, slurm_nodes
+
+__all__ = ["EngineError", "PortReservation", "engine_nodes", "local_nodes", "reserve_ports"]
+
+
+class EngineError(ValueError):
+    """No engine gives the nodes, or its variables are wrong; ``str()`` is one line."""
+
+
+def engine_nodes(config: ClusterConfig, env: Mapping[str, str]) -> tuple[ClusterConfig, str | None, str]:
+    """``config`` with its nodes, this process's node name when the engine says (else None), and the source.
+
+    The file's ``nodes`` win; else a SLURM step (``srun``); else EngineError naming what to do."""
+    if config.nodes:
+        return config, None, "the cluster file's nodes"
+    if in_slurm_step(env):
+        try:
+            nodes, mine = slurm_nodes(env, config.base_port)
+        except SlurmError as err:
+            raise EngineError(f"SLURM: {err}") from None
+        return config.with_nodes(nodes), mine, f"the SLURM step ({len(nodes)} tasks)"
+    raise EngineError(
+        "no nodes: the cluster file has no `nodes` and no engine gives them; use `dpwa run -n N`, srun, "
+        "or list the nodes"
+    )

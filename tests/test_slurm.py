@@ -1,0 +1,249 @@
+"""SLURM without a controller: what srun hands a task (its environment), parsed into the step's node list.
+
+A real SLURM (slurmctld + slurmd) is not started by this suite yet: these tests check the host-list and
+tasks-per-node parsing against real-world forms, the block layout every task computes alone, and the one-line
+errors for layouts dpwa cannot derive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpwa.config import load_config
+from dpwa.engines.slurm import SlurmError, expand_hostlist, expand_tasks_per_node, in_slurm_step, slurm_nodes
+from dpwa.metrics import read_metrics
+
+
+@pytest.mark.parametrize(
+    ("text", "hosts"),
+    [
+        ("node001", ["node001"]),
+        ("gpu[01-04,07],cpu9", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "cpu9"]),
+        ("n[9-11]", ["n9", "n10", "n11"]),
+        ("n[08-11]", ["n08", "n09", "n10", "n11"]),
+        ("x[000-002]", ["x000", "x001", "x002"]),
+        ("a[1,3],b[5-6]", ["a1", "a3", "b5", "b6"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("node-1,node-2", ["node-1", "node-2"]),
+        ("127.0.0.[2-3]", ["127.0.0.2", "127.0.0.3"]),
+        ("c[1-2].cluster.org", ["c1.cluster.org", "c2.cluster.org"]),
+    ],
+)
+def test_host_lists_expand_as_slurm_does(text: str, hosts: list[str]) -> None:
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "host list is empty"),
+        ("gpu[01-", "'[' without ']'"),
+        ("gpu01]", "']' without '['"),
+        ("gpu[[1]]", "nested '['"),
+        ("gpu[a-b]", "'a-b' is not a number or a range"),
+        ("gpu[3-1]", "range '3-1' runs backwards"),
+        ("a,,b", "an empty name"),
+        ("gp u1", "a character a host name cannot have"),
+    ],
+)
+def test_malformed_host_lists_are_one_clear_error(text: str, says: str) -> None:
+    with pytest.raises(SlurmError, match=None) as info:
+        expand_hostlist(text)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "counts"), [("2(x3),1", [2, 2, 2, 1]), ("4", [4]), ("1(x2)", [1, 1]), ("3,2(x2)", [3, 2, 2])]
+)
+def test_tasks_per_node_expand(text: str, counts: list[int]) -> None:
+    assert expand_tasks_per_node(text) == counts
+
+
+@pytest.mark.parametrize("text", ["", "0", "2(x0)", "x", "2(3)", "2(x3", "-1"])
+def test_malformed_tasks_per_node_are_refused(text: str) -> None:
+    with pytest.raises(SlurmError, match="is not N or N\\(xM\\)"):
+        expand_tasks_per_node(text)
+
+
+def step_env(procid: int, hosts: str = "127.0.0.[2-3]", tasks: str = "2(x2)", **more: str) -> dict[str, str]:
+    """The variables srun sets for task ``procid`` of a block step of 2 hosts x 2 tasks."""
+    counts = expand_tasks_per_node(tasks)
+    nodeid, localid, left = 0, procid, procid
+    while left >= counts[nodeid]:
+        left -= counts[nodeid]
+        nodeid += 1
+    localid = left
+    env = {
+        "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid),
+        "SLURM_STEP_NODELIST": hosts, "SLURM_STEP_TASKS_PER_NODE": tasks, "SLURM_STEP_NUM_TASKS": str(sum(counts)),
+    }  # fmt: skip
+    env.update(more)
+    return env
+
+
+def test_every_task_computes_the_same_block_ordered_list_and_finds_itself() -> None:
+    lists = set()
+    for procid in range(4):
+        nodes, mine = slurm_nodes(step_env(procid), 45000, use_scontrol=False)
+        lists.add(nodes)
+        assert mine == nodes[procid].name
+    (nodes,) = lists
+    assert [(n.name, n.host, n.port) for n in nodes] == [
+        ("127.0.0.2-0", "127.0.0.2", 45000), ("127.0.0.2-1", "127.0.0.2", 45001),
+        ("127.0.0.3-0", "127.0.0.3", 45000), ("127.0.0.3-1", "127.0.0.3", 45001),
+    ]  # fmt: skip
+    assert in_slurm_step(step_env(0)) and not in_slurm_step({"SLURM_PROCID": "0"})
+
+
+def test_job_variables_stand_in_for_the_steps_and_uneven_hosts_work() -> None:
+    env = step_env(3, hosts="n[1-2]", tasks="3,1")
+    for name in ("SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
+        env[name.replace("STEP_", "JOB_") if "NODELIST" in name else "SLURM_TASKS_PER_NODE"] = env.pop(name)
+    nodes, mine = slurm_nodes(env, 5000, use_scontrol=False)
+    assert [n.name for n in nodes] == ["n1-0", "n1-1", "n1-2", "n2-0"] and mine == "n2-0"
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"SLURM_PROCID": "2", "SLURM_NODEID": "0", "SLURM_LOCALID": "1"}, "SLURM_PROCID=2 is not task 1 of host 0"),
+        ({"SLURM_DISTRIBUTION": "cyclic"}, "SLURM_DISTRIBUTION='cyclic': only block placement"),
+        ({"SLURM_HET_SIZE": "2"}, "SLURM_HET_SIZE='2': a heterogeneous job"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, "gives 3 hosts but SLURM_STEP_NODELIST has 2"),
+        ({"SLURM_STEP_NUM_TASKS": "5"}, "SLURM_STEP_NUM_TASKS='5' but SLURM_STEP_TASKS_PER_NODE='2(x2)' sums to 4"),
+        ({"SLURM_STEP_NODELIST": ""}, "SLURM_STEP_NODELIST / SLURM_JOB_NODELIST: not set"),
+        ({"SLURM_LOCALID": "x"}, "SLURM_LOCALID='x': expected a non-negative integer"),
+        ({"SLURM_NODEID": "7"}, "SLURM_NODEID=7 / SLURM_LOCALID=1: no such task"),
+    ],
+)
+def test_layouts_dpwa_cannot_derive_are_one_line_naming_the_variable(change: dict[str, str], says: str) -> None:
+    env = step_env(1)
+    env.update(change)
+    with pytest.raises(SlurmError) as info:
+        slurm_nodes(env, use_scontrol=False)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_scontrol_expands_the_host_list_when_it_is_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "alpha\\nbeta\\n"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    nodes, _ = slurm_nodes(step_env(0, hosts="whatever[1-2]", tasks="1(x2)"))
+    assert [n.host for n in nodes] == ["alpha", "beta"]  # scontrol's answer, not our parser's
+    nodes, _ = slurm_nodes(step_env(0, hosts="whatever[1-2]", tasks="1(x2)"), use_scontrol=False)
+    assert [n.host for n in nodes] == ["whatever1", "whatever2"]
+
+
+# --------------------------------------------------------------------------- tasks as srun would start them
+
+TRAIN_SCRIPT = r"""
+import json, os, socket, sys, time
+import torch
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+
+model = torch.nn.Linear(8, 1)
+torch.nn.init.constant_(model.weight, float(os.environ["SLURM_PROCID"]))
+conn = DpwaPyTorchAdapter(model)  # no name, no file: the SLURM step gives both
+deadline = time.monotonic() + 60
+for peer in conn.connection.config.peers_of(conn.name):  # start once every peer is bound
+    while True:
+        try:
+            socket.create_connection((peer.host, peer.port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"{peer.name} never bound"
+            time.sleep(0.02)
+mixed = 0
+for step in range(40):
+    conn.update_send(1.0)
+    time.sleep(0.005)
+    mixed += conn.update_wait(1.0) > 0
+print(json.dumps({"name": conn.name, "nodes": [n.name for n in conn.connection.config.nodes], "mixed": mixed}))
+conn.close(linger=2.0, idle=0.5)
+"""
+
+
+def free_base_port(hosts: list[str], tasks: int) -> int:
+    """A base port with ``tasks`` consecutive ports bindable on every host, from 10000-19999 (a range neither
+    the OS's ephemeral ports nor `dpwa run -n` use)."""
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(10000, 20000 - tasks)
+        if all(bindable(host, port) for host in hosts for port in range(base, base + tasks)):
+            return base
+    raise RuntimeError("no free base port in 10000-19999")
+
+
+def bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.integration
+def test_srun_python_train_py_tasks_find_each_other_through_the_adapter(tmp_path: Path) -> None:
+    """3 tasks on one host alias (127.0.0.4), started as `srun -n 3 python train.py` would: each adapter builds
+    the same 3-node list from the step's variables alone and they mix."""
+    pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    base = free_base_port(["127.0.0.4"], 3)
+    settings = tmp_path / "rules.yaml"
+    settings.write_text(f"timeout_ms: 1000\nbase_port: {base}\n")
+    procs = []
+    for procid in range(3):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DPWA_"))}
+        env.update(step_env(procid, hosts="127.0.0.4", tasks="3"), DPWA_CONFIG=str(settings))
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True))
+    outs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    names = ["127.0.0.4-0", "127.0.0.4-1", "127.0.0.4-2"]
+    assert [o["name"] for o in outs] == names and all(o["nodes"] == names for o in outs)
+    assert all(o["mixed"] > 10 for o in outs), outs
+
+
+@pytest.mark.integration
+def test_srun_dpwa_run_on_a_two_host_allocation_mixes_all_four_nodes(tmp_path: Path) -> None:
+    """`srun -n 4 dpwa run rules.yaml node.py` on 2 hosts x 2 tasks (loopback aliases 127.0.0.2 and .3): four
+    launchers, each given only its task's variables, start one node each and all four mix."""
+    from test_launcher import NODE_SCRIPT
+
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT)
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    base = free_base_port(hosts, 2)
+    settings = tmp_path / "rules.yaml"
+    settings.write_text(f"timeout_ms: 1000\nbase_port: {base}\n")
+    run_dir = tmp_path / "run"
+    procs = []
+    for procid in range(4):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DPWA_"))}
+        env.update(step_env(procid), SLURM_JOB_ID="77", SLURM_NTASKS="4")
+        argv = [sys.executable, "-m", "dpwa.cli", "run", str(settings), "--run-dir", str(run_dir), "-q", str(script)]
+        argv += ["--steps", "20", "--barrier", "--sleep", "0.01"]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    names = [f"{h}-{i}" for h in hosts for i in range(2)]
+    resolved = [n.name for n in load_config(run_dir / "cluster.yaml").nodes]
+    assert resolved == names
+    for name in names:
+        steps = [r for r in read_metrics(run_dir / f"{name}.metrics.jsonl") if "event" not in r]
+        assert len(steps) == 20 and steps[-1]["mixes"] > 5, (name, steps[-1])
