@@ -52,10 +52,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from dpwa.adapters.rendezvous import RendezvousError, in_torch_launch, rendezvous
 from dpwa.adapters.torch_state import load_model_arrays, load_optimizer_parts, model_arrays, optimizer_parts
 from dpwa.checkpoint import DpwaState, checkpoint_path, load_latest, write_checkpoint
 from dpwa.config import ClusterConfig, resolve_config
 from dpwa.engines import EngineError, engine_nodes
+from dpwa.engines.local import PortReservation
 from dpwa.engines.slurm import in_slurm_step
 from dpwa.metrics import MetricsWriter
 from dpwa.node.connection import DpwaConnection
@@ -171,6 +173,24 @@ class Restored:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _torch_node(
+    config: ClusterConfig | str | os.PathLike[str] | None,
+) -> tuple[str, ClusterConfig, PortReservation | None]:
+    """Under torchrun / a PyTorchJob without a node name: node number RANK of ``config``'s nodes, or, for a
+    config without nodes (or none: every default), the rendezvous of :mod:`dpwa.adapters.rendezvous`."""
+    settings = resolve_config(config) if config is not None else ClusterConfig(source="torchrun")
+    if settings.nodes:
+        rank = int(os.environ["RANK"])
+        if not 0 <= rank < len(settings.nodes):
+            raise ValueError(f"RANK={rank} but {settings.source} has {len(settings.nodes)} nodes")
+        return settings.nodes[rank].name, settings, None
+    try:
+        met = rendezvous(settings)
+    except RendezvousError as err:
+        raise ValueError(str(err)) from None
+    return met.name, met.config, met.reservation
+
+
 def _slurm_node(config: ClusterConfig | str | os.PathLike[str] | None) -> tuple[str, ClusterConfig]:
     """Under ``srun`` without a node name: node number SLURM_PROCID of ``config``'s nodes, or, for a config
     without nodes (or none: every default), this task's node of the step (:mod:`dpwa.engines.slurm`)."""
@@ -215,8 +235,11 @@ class DpwaPyTorchAdapter:
     ) -> None:
         name = name if name is not None else os.environ.get(ENV_NODE) or None
         config = config if config is not None else os.environ.get(ENV_CONFIG) or None
+        reservation = None
         if name is None and in_slurm_step(os.environ):  # `srun python train.py`: the step says which node
             name, config = _slurm_node(config)
+        elif name is None and in_torch_launch(os.environ):  # torchrun / PyTorchJob: meet in their TCPStore
+            name, config, reservation = _torch_node(config)
         given = ((f"name ({ENV_NODE})", name), (f"config ({ENV_CONFIG})", config))
         missing = [what for what, value in given if value is None or value == ""]
         if missing:
@@ -231,7 +254,11 @@ class DpwaPyTorchAdapter:
         self._staged = [e for e in self._entries if e.staged]
         self._step = 0
         self._closed = False
-        self._conn = DpwaConnection(name, config, seed=seed)
+        try:
+            self._conn = DpwaConnection(name, config, seed=seed)
+        finally:
+            if reservation is not None:  # the node has bound its port (or failed): nobody else may take it now
+                reservation.release()
         self._metrics: MetricsWriter | None = None
         self._model = model
         self._optimizer = optimizer

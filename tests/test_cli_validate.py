@@ -100,7 +100,7 @@ def test_validate_a_file_without_nodes_says_where_they_come_from(tmp_path: Path)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[-2].startswith(f"# {path}: 0 nodes, interpolation pushsum (overlap=0), fetch_probability 1,")
-    engines = f"`dpwa run -n N --config {path}` (local), srun (SLURM)"
+    engines = f"`dpwa run -n N --config {path}` (local), srun (SLURM), torchrun (the adapter)"
     assert lines[-1] == f"# nodes: none in the file; they come from the engine: {engines}"
     assert "nodes" not in yaml.safe_load(result.stdout)
 
@@ -121,3 +121,9 @@ def test_validate_under_srun_prints_the_steps_nodes_or_why_not(tmp_path: Path) -
     result = CliRunner().invoke(cli.main, ["run", str(path)], env={**env, "SLURM_DISTRIBUTION": "cyclic"})
     assert result.exit_code == 2 and result.stderr.count("\n") == 1
     assert result.stderr.startswith(f"error: {path}: SLURM: SLURM_DISTRIBUTION='cyclic': only block placement")
+
+    torch_env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    result = CliRunner().invoke(cli.main, ["validate", str(path)], env=torch_env)
+    assert result.stdout.splitlines()[-1].endswith(
+        "torchrun / PyTorchJob: a rendezvous of 3 workers in the TCPStore at 10.0.0.1:29500"
+    )

@@ -63,8 +63,11 @@ def _engine_source(config: ClusterConfig, cluster: str) -> str:
     from dpwa.engines import EngineError, engine_nodes
     from dpwa.engines.slurm import in_slurm_step
 
+    if all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        return f"torchrun / PyTorchJob: a rendezvous of {os.environ['WORLD_SIZE']} workers in the TCPStore at {where}"
     if not in_slurm_step(os.environ):
-        return f"`dpwa run -n N --config {cluster}` (local), srun (SLURM)"
+        return f"`dpwa run -n N --config {cluster}` (local), srun (SLURM), torchrun (the adapter)"
     try:
         resolved, mine, source = engine_nodes(config, os.environ)
     except EngineError as err:

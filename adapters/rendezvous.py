@@ -1,0 +1,144 @@
+"""torchrun / TorchElastic / Kubernetes PyTorchJob: the node list from a rendezvous in torch's TCPStore.
+
+When RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set (torchrun sets them; so does a Kubeflow
+PyTorchJob in every pod) and the cluster config has no ``nodes``, every worker:
+
+1. takes the store at MASTER_ADDR:MASTER_PORT -- the one torchrun's agent already hosts when
+   ``TORCHELASTIC_USE_AGENT_STORE`` is ``"True"``, else the one rank 0 hosts;
+2. reserves a free port on its *advertised address* (``DPWA_ADVERTISE_ADDR``, else the address it
+   reaches MASTER_ADDR from) and publishes ``name host port`` under
+   ``dpwa/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/<rank>``; the name is
+   ``<address>-<LOCAL_RANK>``, the same after a restart of the run;
+3. waits, at most ``timeout_s``, for all WORLD_SIZE entries (the error names the missing ranks) and
+   builds the cluster in memory.
+
+A restart by TorchElastic (every worker restarted, RESTART_COUNT + 1) meets under a new prefix. The
+core never sees torch: it gets a resolved :class:`~dpwa.config.ClusterConfig`.
+
+Example::
+
+    conn = DpwaPyTorchAdapter(model)     # under torchrun: no name, no file
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dpwa.config import ClusterConfig, NodeSpec
+from dpwa.engines.local import PortReservation, reserve_ports
+
+__all__ = [
+    "ADVERTISE_ENV",
+    "RENDEZVOUS_TIMEOUT_S",
+    "TORCH_VARIABLES",
+    "Rendezvous",
+    "RendezvousError",
+    "in_torch_launch",
+    "rendezvous",
+]
+
+TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ADVERTISE_ENV = "DPWA_ADVERTISE_ADDR"
+RENDEZVOUS_TIMEOUT_S = 300.0
+"""How long a worker waits for every rank to publish its address."""
+POLL_S = 0.05
+"""How often the missing ranks are looked up while waiting (each look is one store round trip)."""
+
+
+class RendezvousError(RuntimeError):
+    """The rendezvous could not complete; ``str()`` is one line (the variable, or the missing ranks)."""
+
+
+@dataclass
+class Rendezvous:
+    """The outcome: the config with every worker's node, this worker's name, and its reserved port."""
+
+    config: ClusterConfig
+    name: str
+    reservation: PortReservation
+
+
+def in_torch_launch(env: Mapping[str, str]) -> bool:
+    """True when RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are all set (torchrun, PyTorchJob)."""
+    return all(env.get(name) for name in TORCH_VARIABLES)
+
+
+def _int(env: Mapping[str, str], name: str, lo: int = 0) -> int:
+    value = env.get(name, "")
+    if not value.strip().isdigit() or int(value) < lo:
+        raise RendezvousError(f"{name}={value!r}: expected an integer >= {lo}")
+    return int(value)
+
+
+def advertised_address(env: Mapping[str, str], master: str, port: int) -> str:
+    """``DPWA_ADVERTISE_ADDR``, else the local address this host reaches ``master:port`` from."""
+    given = env.get(ADVERTISE_ENV)
+    if given:
+        return given
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent: it only routes
+        try:
+            probe.connect((master, port))
+        except OSError as err:
+            raise RendezvousError(f"MASTER_ADDR={master!r}: no route to it ({err.strerror or err})") from None
+        return str(probe.getsockname()[0])
+
+
+def rendezvous(
+    settings: ClusterConfig, env: Mapping[str, str] | None = None, timeout_s: float = RENDEZVOUS_TIMEOUT_S
+) -> Rendezvous:
+    """Meet every worker of this launch in the TCPStore and return the cluster (see the module doc-string)."""
+    from torch.distributed import TCPStore  # the adapter's layer: torch is allowed here
+
+    env = os.environ if env is None else env
+    missing = [name for name in TORCH_VARIABLES if not env.get(name)]
+    if missing:
+        raise RendezvousError(f"{', '.join(missing)}: not set; torchrun and PyTorchJob set all of {TORCH_VARIABLES}")
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE", 1)
+    master, master_port = env["MASTER_ADDR"], _int(env, "MASTER_PORT", 1)
+    if rank >= world:
+        raise RendezvousError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    local_rank = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else rank
+    prefix = f"dpwa/{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    address = advertised_address(env, master, master_port)
+    reservation = reserve_ports(1, address)
+    try:
+        try:
+            store = TCPStore(
+                master, master_port, is_master=rank == 0 and not agent_store,
+                timeout=_dt.timedelta(seconds=timeout_s), wait_for_workers=False,
+            )  # fmt: skip
+        except (RuntimeError, OSError) as err:
+            raise RendezvousError(f"MASTER_ADDR:MASTER_PORT={master}:{master_port}: no store ({err})") from None
+        name = f"{address}-{local_rank}"
+        store.set(f"{prefix}/{rank}", f"{name} {address} {reservation.ports[0]}")
+        deadline = time.monotonic() + timeout_s
+        keys = [f"{prefix}/{r}" for r in range(world)]
+        while True:
+            absent = [r for r, key in enumerate(keys) if not store.check([key])]
+            if not absent:
+                break
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"rendezvous at {master}:{master_port}: after {timeout_s:g} s ranks {absent} of {world} "
+                    "never published their address"
+                )
+            time.sleep(POLL_S)
+        nodes = []
+        for key in keys:
+            entry_name, host, port = store.get(key).decode().split()
+            nodes.append(NodeSpec(entry_name, host, int(port)))
+        # rank 0 hosts the store: it stays until every worker has read it
+        store.add(f"{prefix}/read", 1)
+        if rank == 0 and not agent_store:
+            while store.add(f"{prefix}/read", 0) < world and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        return Rendezvous(settings.with_nodes(nodes), name, reservation)
+    except BaseException:
+        reservation.release()
+        raise

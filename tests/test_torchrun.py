@@ -1,0 +1,130 @@
+"""torchrun, TorchElastic restarts and the environment of a Kubernetes PyTorchJob, run for real on this machine.
+
+A worker built with ``DpwaPyTorchAdapter(model)`` (no name, no file) meets the others in torch's TCPStore at
+MASTER_ADDR:MASTER_PORT (adapters/rendezvous.py). torchrun is part of torch; a PyTorchJob pod gets only
+MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE, which is what the plain processes below get.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import free_ports
+
+pytest.importorskip("torch")
+
+from dpwa.adapters.rendezvous import RendezvousError, in_torch_launch, rendezvous  # noqa: E402
+from dpwa.config import ClusterConfig  # noqa: E402
+
+pytestmark = [pytest.mark.integration]
+
+TRAIN = r"""
+import json, os, socket, sys, time
+import torch
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+
+model = torch.nn.Linear(8, 1)
+torch.nn.init.constant_(model.weight, float(os.environ["RANK"]))
+conn = DpwaPyTorchAdapter(model)  # no name, no file: the launch's rendezvous gives both
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+if restart < int(sys.argv[1]) and os.environ["RANK"] == "1":
+    sys.exit(3)  # a failure TorchElastic answers by restarting every worker
+deadline = time.monotonic() + 60
+for peer in conn.connection.config.peers_of(conn.name):  # train once every peer is bound
+    while True:
+        try:
+            socket.create_connection((peer.host, peer.port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"{peer.name} never bound"
+            time.sleep(0.02)
+mixed = 0
+for step in range(40):
+    conn.update_send(1.0)
+    time.sleep(0.005)
+    mixed += conn.update_wait(1.0) > 0
+result = {"name": conn.name, "rank": int(os.environ["RANK"]), "restart": restart, "mixed": mixed,
+          "nodes": [n.name for n in conn.connection.config.nodes]}
+print("RESULT " + json.dumps(result), flush=True)
+conn.close(linger=2.0, idle=0.5)
+"""
+
+
+def results(text: str) -> list[dict]:
+    return sorted(
+        (json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), key=lambda r: r["rank"]
+    )
+
+
+def clean_env() -> dict[str, str]:
+    skip = ("SLURM_", "DPWA_", "TORCHELASTIC_")
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(skip) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_torchrun_standalone_workers_meet_and_mix(tmp_path: Path, restarts: int) -> None:
+    """`torchrun --standalone --nproc-per-node 3 train.py`: three workers, one node list, all mix; with a worker
+    failing in the first attempt, TorchElastic restarts them all and they meet again under a new prefix."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    argv += ["--max-restarts", str(restarts), "--monitor-interval", "0.1", str(script), str(restarts)]
+    done = subprocess.run(argv, env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = results(done.stdout)
+    names = ["127.0.0.1-0", "127.0.0.1-1", "127.0.0.1-2"]
+    assert [r["name"] for r in got] == names and all(r["nodes"] == names for r in got)
+    assert all(r["restart"] == restarts and r["mixed"] > 10 for r in got), got
+
+
+def test_pytorchjob_pods_get_only_master_addr_port_rank_world_size(tmp_path: Path) -> None:
+    """Three plain processes with only the four variables a PyTorchJob sets; rank 0 hosts the store."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    (port,) = free_ports(1)
+    procs = []
+    for rank in range(3):
+        env = clean_env()
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3")
+        procs.append(subprocess.Popen([sys.executable, str(script), "0"], env=env, stdout=subprocess.PIPE, text=True))
+    out = ""
+    for proc in procs:
+        text, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        out += text
+    got = results(out)
+    assert [r["rank"] for r in got] == [0, 1, 2] and len({tuple(r["nodes"]) for r in got}) == 1
+    assert all(r["mixed"] > 10 for r in got), got
+
+
+def test_a_rank_that_never_comes_is_named_after_the_timeout() -> None:
+    (port,) = free_ports(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "3"}
+    assert in_torch_launch(env) and not in_torch_launch({**env, "RANK": ""})
+    with pytest.raises(RendezvousError) as info:
+        rendezvous(ClusterConfig(), env, timeout_s=1.0)
+    assert "ranks [1, 2] of 3 never published their address" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"RANK": "3"}, "RANK=3 is not below WORLD_SIZE=3"),
+        ({"WORLD_SIZE": "x"}, "WORLD_SIZE='x': expected an integer >= 1"),
+        ({"MASTER_PORT": ""}, "MASTER_PORT: not set"),
+    ],
+)
+def test_bad_launch_variables_are_one_line(change: dict[str, str], says: str) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "RANK": "0", "WORLD_SIZE": "3", **change}
+    with pytest.raises(RendezvousError) as info:
+        rendezvous(ClusterConfig(), env, timeout_s=1.0)
+    assert says in str(info.value) and "\n" not in str(info.value)
