@@ -128,3 +128,54 @@ def test_bad_launch_variables_are_one_line(change: dict[str, str], says: str) ->
     with pytest.raises(RendezvousError) as info:
         rendezvous(ClusterConfig(), env, timeout_s=1.0)
     assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_multi_host_torchrun_across_three_network_namespaces(tmp_path: Path) -> None:
+    """Three "hosts" (namespaces a - b - c, b routing), one torchrun agent each with the c10d rendezvous on a:
+    every worker advertises its namespace's address (the one it reaches MASTER_ADDR from) and mixes with the
+    workers of the other two."""
+    import netns
+
+    reason = netns.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    netns.remove_orphans()
+    lab = netns.Lab()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        a, b, c = lab.namespace("a"), lab.namespace("b"), lab.namespace("c")
+        n = lab.subnet
+        lab.veth(a, "ab", f"{n}.1/30", b, "ba", f"{n}.2/30")
+        lab.veth(b, "bc", f"{n}.5/30", c, "cb", f"{n}.6/30")
+        lab.forwarding(b)
+        lab.route(a, f"{n}.4/30", f"{n}.2")
+        lab.route(c, f"{n}.0/30", f"{n}.5")
+        address = {a: f"{n}.1", b: f"{n}.2", c: f"{n}.6"}
+        for ns in (a, b, c):
+            argv = [*lab.exec_prefix(ns), sys.executable, "-m", "torch.distributed.run", "--nnodes", "3"]
+            argv += ["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{n}.1:29400"]
+            argv += ["--rdzv-id", "dpwa-multi-host", "--rdzv-conf", f"is_host={int(ns == a)}", "--local-addr"]
+            argv += [address[ns], "--monitor-interval", "0.1", str(script), "0"]
+            procs.append(
+                subprocess.Popen(
+                    argv, env=clean_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        out = ""
+        for proc in procs:
+            text, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            out += text
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        lab.close()
+    assert lab.leftovers() == []
+    got = results(out)
+    names = [f"{address[ns]}-0" for ns in (a, b, c)]
+    assert sorted(r["name"] for r in got) == sorted(names) and all(sorted(r["nodes"]) == sorted(names) for r in got)
+    assert all(r["mixed"] > 10 for r in got), got  # every peer of a worker is in another namespace
