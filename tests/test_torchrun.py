@@ -179,3 +179,13 @@ def test_multi_host_torchrun_across_three_network_namespaces(tmp_path: Path) -> 
     names = [f"{address[ns]}-0" for ns in (a, b, c)]
     assert sorted(r["name"] for r in got) == sorted(names) and all(sorted(r["nodes"]) == sorted(names) for r in got)
     assert all(r["mixed"] > 10 for r in got), got  # every peer of a worker is in another namespace
+
+
+def test_the_advertised_address_is_the_route_to_master_addr_unless_given() -> None:
+    from dpwa.adapters.rendezvous import ADVERTISE_ENV, advertised_address
+
+    assert advertised_address({}, "127.0.0.1", 29500) == "127.0.0.1"  # the local address that reaches it
+    assert advertised_address({}, "127.0.0.9", 29500) == "127.0.0.1"
+    assert advertised_address({ADVERTISE_ENV: "10.1.2.3"}, "127.0.0.1", 29500) == "10.1.2.3"
+    with pytest.raises(RendezvousError, match="MASTER_ADDR='no.such.host.invalid': no route"):
+        advertised_address({}, "no.such.host.invalid", 29500)
