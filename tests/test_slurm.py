@@ -146,31 +146,7 @@ def test_scontrol_expands_the_host_list_when_it_is_on_path(tmp_path: Path, monke
 
 # --------------------------------------------------------------------------- tasks as srun would start them
 
-TRAIN_SCRIPT = r"""
-import json, os, socket, sys, time
-import torch
-from dpwa.adapters.pytorch import DpwaPyTorchAdapter
-
-model = torch.nn.Linear(8, 1)
-torch.nn.init.constant_(model.weight, float(os.environ["SLURM_PROCID"]))
-conn = DpwaPyTorchAdapter(model)  # no name, no file: the SLURM step gives both
-deadline = time.monotonic() + 60
-for peer in conn.connection.config.peers_of(conn.name):  # start once every peer is bound
-    while True:
-        try:
-            socket.create_connection((peer.host, peer.port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, f"{peer.name} never bound"
-            time.sleep(0.02)
-mixed = 0
-for step in range(40):
-    conn.update_send(1.0)
-    time.sleep(0.005)
-    mixed += conn.update_wait(1.0) > 0
-print(json.dumps({"name": conn.name, "nodes": [n.name for n in conn.connection.config.nodes], "mixed": mixed}))
-conn.close(linger=2.0, idle=0.5)
-"""
+ENGINE_WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 
 
 def free_base_port(hosts: list[str], tasks: int) -> int:
@@ -198,8 +174,7 @@ def test_srun_python_train_py_tasks_find_each_other_through_the_adapter(tmp_path
     """3 tasks on one host alias (127.0.0.4), started as `srun -n 3 python train.py` would: each adapter builds
     the same 3-node list from the step's variables alone and they mix."""
     pytest.importorskip("torch")
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN_SCRIPT)
+    script = ENGINE_WORKER
     base = free_base_port(["127.0.0.4"], 3)
     settings = tmp_path / "rules.yaml"
     settings.write_text(f"timeout_ms: 1000\nbase_port: {base}\n")
@@ -212,7 +187,7 @@ def test_srun_python_train_py_tasks_find_each_other_through_the_adapter(tmp_path
     for proc in procs:
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+        outs.append(json.loads([line for line in out.splitlines() if line.startswith("RESULT ")][-1][7:]))
     names = ["127.0.0.4-0", "127.0.0.4-1", "127.0.0.4-2"]
     assert [o["name"] for o in outs] == names and all(o["nodes"] == names for o in outs)
     assert all(o["mixed"] > 10 for o in outs), outs

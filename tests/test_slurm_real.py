@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import free_ports, wait_until
 from test_launcher import NODE_SCRIPT
-from test_slurm import TRAIN_SCRIPT, free_base_port
+from test_slurm import ENGINE_WORKER, free_base_port
 
 from dpwa.config import load_config
 from dpwa.metrics import read_metrics
@@ -150,8 +150,7 @@ def test_srun_dpwa_run_with_a_file_without_nodes(slurm: dict[str, str], tmp_path
 
 def test_srun_python_train_py_with_the_adapter_alone(slurm: dict[str, str], tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN_SCRIPT)
+    script = ENGINE_WORKER
     base = free_base_port(["127.0.0.1"], 3)
     rules = tmp_path / "rules.yaml"
     rules.write_text(f"timeout_ms: 1000\nbase_port: {base}\n")
@@ -160,7 +159,7 @@ def test_srun_python_train_py_with_the_adapter_alone(slurm: dict[str, str], tmp_
     started = time.monotonic()
     done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    got = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     names = [f"localhost-{i}" for i in range(3)]
     assert sorted(r["name"] for r in got) == names and all(r["nodes"] == names for r in got)
     assert all(r["mixed"] > 10 for r in got), got

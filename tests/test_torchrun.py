@@ -23,36 +23,7 @@ from dpwa.config import ClusterConfig  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 
-TRAIN = r"""
-import json, os, socket, sys, time
-import torch
-from dpwa.adapters.pytorch import DpwaPyTorchAdapter
-
-model = torch.nn.Linear(8, 1)
-torch.nn.init.constant_(model.weight, float(os.environ["RANK"]))
-conn = DpwaPyTorchAdapter(model)  # no name, no file: the launch's rendezvous gives both
-restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-if restart < int(sys.argv[1]) and os.environ["RANK"] == "1":
-    sys.exit(3)  # a failure TorchElastic answers by restarting every worker
-deadline = time.monotonic() + 60
-for peer in conn.connection.config.peers_of(conn.name):  # train once every peer is bound
-    while True:
-        try:
-            socket.create_connection((peer.host, peer.port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, f"{peer.name} never bound"
-            time.sleep(0.02)
-mixed = 0
-for step in range(40):
-    conn.update_send(1.0)
-    time.sleep(0.005)
-    mixed += conn.update_wait(1.0) > 0
-result = {"name": conn.name, "rank": int(os.environ["RANK"]), "restart": restart, "mixed": mixed,
-          "nodes": [n.name for n in conn.connection.config.nodes]}
-print("RESULT " + json.dumps(result), flush=True)
-conn.close(linger=2.0, idle=0.5)
-"""
+ENGINE_WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 
 
 def results(text: str) -> list[dict]:
@@ -74,8 +45,7 @@ def clean_env() -> dict[str, str]:
 def test_torchrun_standalone_workers_meet_and_mix(tmp_path: Path, restarts: int) -> None:
     """`torchrun --standalone --nproc-per-node 3 train.py`: three workers, one node list, all mix; with a worker
     failing in the first attempt, TorchElastic restarts them all and they meet again under a new prefix."""
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+    script = ENGINE_WORKER
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     argv += ["--max-restarts", str(restarts), "--monitor-interval", "0.1", str(script), str(restarts)]
     done = subprocess.run(argv, env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
@@ -88,8 +58,7 @@ def test_torchrun_standalone_workers_meet_and_mix(tmp_path: Path, restarts: int)
 
 def test_pytorchjob_pods_get_only_master_addr_port_rank_world_size(tmp_path: Path) -> None:
     """Three plain processes with only the four variables a PyTorchJob sets; rank 0 hosts the store."""
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+    script = ENGINE_WORKER
     (port,) = free_ports(1)
     procs = []
     for rank in range(3):
@@ -135,23 +104,19 @@ def test_multi_host_torchrun_across_three_network_namespaces(tmp_path: Path) -> 
     every worker advertises its namespace's address (the one it reaches MASTER_ADDR from) and mixes with the
     workers of the other two."""
     import netns
+    from test_netns import build_chain
 
     reason = netns.unavailable()
     if reason is not None:
         pytest.skip(reason)
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+    script = ENGINE_WORKER
     netns.remove_orphans()
     lab = netns.Lab()
     procs: list[subprocess.Popen[str]] = []
     try:
-        a, b, c = lab.namespace("a"), lab.namespace("b"), lab.namespace("c")
+        spaces = build_chain(lab)  # a - b - c, b routing (the partition test's network)
+        a, b, c = spaces["a"], spaces["b"], spaces["c"]
         n = lab.subnet
-        lab.veth(a, "ab", f"{n}.1/30", b, "ba", f"{n}.2/30")
-        lab.veth(b, "bc", f"{n}.5/30", c, "cb", f"{n}.6/30")
-        lab.forwarding(b)
-        lab.route(a, f"{n}.4/30", f"{n}.2")
-        lab.route(c, f"{n}.0/30", f"{n}.5")
         address = {a: f"{n}.1", b: f"{n}.2", c: f"{n}.6"}
         for ns in (a, b, c):
             argv = [*lab.exec_prefix(ns), sys.executable, "-m", "torch.distributed.run", "--nnodes", "3"]
