@@ -41,7 +41,7 @@ def clean_env() -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("restarts", [0, 1])
+@pytest.mark.parametrize("restarts", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_torchrun_standalone_workers_meet_and_mix(tmp_path: Path, restarts: int) -> None:
     """`torchrun --standalone --nproc-per-node 3 train.py`: three workers, one node list, all mix; with a worker
     failing in the first attempt, TorchElastic restarts them all and they meet again under a new prefix."""
@@ -56,6 +56,7 @@ def test_torchrun_standalone_workers_meet_and_mix(tmp_path: Path, restarts: int)
     assert all(r["restart"] == restarts and r["mixed"] > 10 for r in got), got
 
 
+@pytest.mark.slow
 def test_pytorchjob_pods_get_only_master_addr_port_rank_world_size(tmp_path: Path) -> None:
     """Three plain processes with only the four variables a PyTorchJob sets; rank 0 hosts the store."""
     script = ENGINE_WORKER
@@ -99,6 +100,7 @@ def test_bad_launch_variables_are_one_line(change: dict[str, str], says: str) ->
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_multi_host_torchrun_across_three_network_namespaces(tmp_path: Path) -> None:
     """Three "hosts" (namespaces a - b - c, b routing), one torchrun agent each with the c10d rendezvous on a:
     every worker advertises its namespace's address (the one it reaches MASTER_ADDR from) and mixes with the
