@@ -52,13 +52,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpwa.adapters.rendezvous import RendezvousError, in_torch_launch, rendezvous
+from dpwa.adapters.rendezvous import RendezvousError, rendezvous
 from dpwa.adapters.torch_state import load_model_arrays, load_optimizer_parts, model_arrays, optimizer_parts
 from dpwa.checkpoint import DpwaState, checkpoint_path, load_latest, write_checkpoint
 from dpwa.config import ClusterConfig, resolve_config
 from dpwa.engines import EngineError, engine_nodes
 from dpwa.engines.local import PortReservation
 from dpwa.engines.slurm import in_slurm_step
+from dpwa.engines.variables import in_torch_launch
 from dpwa.metrics import MetricsWriter
 from dpwa.node.connection import DpwaConnection
 from dpwa.utils.bfloat16 import BFLOAT16
@@ -173,39 +174,30 @@ class Restored:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _torch_node(
+def _engine_node(
     config: ClusterConfig | str | os.PathLike[str] | None,
 ) -> tuple[str, ClusterConfig, PortReservation | None]:
-    """Under torchrun / a PyTorchJob without a node name: node number RANK of ``config``'s nodes, or, for a
-    config without nodes (or none: every default), the rendezvous of :mod:`dpwa.adapters.rendezvous`."""
-    settings = resolve_config(config) if config is not None else ClusterConfig(source="torchrun")
+    """Under srun or torchrun / a PyTorchJob, without a node name: node number SLURM_PROCID / RANK of
+    ``config``'s nodes; for a config without nodes (or none: every default), the engine's node list -- the
+    SLURM step (:mod:`dpwa.engines.slurm`) or the rendezvous (:mod:`dpwa.adapters.rendezvous`, whose port
+    reservation is returned: hold it until the node has bound)."""
+    slurm = in_slurm_step(os.environ)
+    settings = resolve_config(config) if config is not None else ClusterConfig(source="srun" if slurm else "torchrun")
     if settings.nodes:
-        rank = int(os.environ["RANK"])
+        variable = "SLURM_PROCID" if slurm else "RANK"
+        rank = int(os.environ[variable])
         if not 0 <= rank < len(settings.nodes):
-            raise ValueError(f"RANK={rank} but {settings.source} has {len(settings.nodes)} nodes")
+            raise ValueError(f"{variable}={rank} but {settings.source} has {len(settings.nodes)} nodes")
         return settings.nodes[rank].name, settings, None
     try:
+        if slurm:
+            resolved, mine, _ = engine_nodes(settings, os.environ)
+            assert mine is not None
+            return mine, resolved, None
         met = rendezvous(settings)
-    except RendezvousError as err:
+    except (EngineError, RendezvousError) as err:
         raise ValueError(str(err)) from None
     return met.name, met.config, met.reservation
-
-
-def _slurm_node(config: ClusterConfig | str | os.PathLike[str] | None) -> tuple[str, ClusterConfig]:
-    """Under ``srun`` without a node name: node number SLURM_PROCID of ``config``'s nodes, or, for a config
-    without nodes (or none: every default), this task's node of the step (:mod:`dpwa.engines.slurm`)."""
-    settings = resolve_config(config) if config is not None else ClusterConfig(source="srun")
-    if settings.nodes:
-        rank = int(os.environ["SLURM_PROCID"])
-        if not 0 <= rank < len(settings.nodes):
-            raise ValueError(f"SLURM_PROCID={rank} but {settings.source} has {len(settings.nodes)} nodes")
-        return settings.nodes[rank].name, settings
-    try:
-        resolved, mine, _ = engine_nodes(settings, os.environ)
-    except EngineError as err:
-        raise ValueError(str(err)) from None
-    assert mine is not None
-    return mine, resolved
 
 
 class DpwaPyTorchAdapter:
@@ -236,10 +228,8 @@ class DpwaPyTorchAdapter:
         name = name if name is not None else os.environ.get(ENV_NODE) or None
         config = config if config is not None else os.environ.get(ENV_CONFIG) or None
         reservation = None
-        if name is None and in_slurm_step(os.environ):  # `srun python train.py`: the step says which node
-            name, config = _slurm_node(config)
-        elif name is None and in_torch_launch(os.environ):  # torchrun / PyTorchJob: meet in their TCPStore
-            name, config, reservation = _torch_node(config)
+        if name is None and (in_slurm_step(os.environ) or in_torch_launch(os.environ)):  # srun, torchrun, PyTorchJob
+            name, config, reservation = _engine_node(config)
         given = ((f"name ({ENV_NODE})", name), (f"config ({ENV_CONFIG})", config))
         missing = [what for what, value in given if value is None or value == ""]
         if missing:

@@ -31,18 +31,10 @@ from dataclasses import dataclass
 
 from dpwa.config import ClusterConfig, NodeSpec
 from dpwa.engines.local import PortReservation, reserve_ports
+from dpwa.engines.variables import TORCH_VARIABLES, env_int
 
-__all__ = [
-    "ADVERTISE_ENV",
-    "RENDEZVOUS_TIMEOUT_S",
-    "TORCH_VARIABLES",
-    "Rendezvous",
-    "RendezvousError",
-    "in_torch_launch",
-    "rendezvous",
-]
+__all__ = ["ADVERTISE_ENV", "RENDEZVOUS_TIMEOUT_S", "Rendezvous", "RendezvousError", "advertised_address", "rendezvous"]
 
-TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ADVERTISE_ENV = "DPWA_ADVERTISE_ADDR"
 RENDEZVOUS_TIMEOUT_S = 300.0
 """How long a worker waits for every rank to publish its address."""
@@ -61,18 +53,6 @@ class Rendezvous:
     config: ClusterConfig
     name: str
     reservation: PortReservation
-
-
-def in_torch_launch(env: Mapping[str, str]) -> bool:
-    """True when RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are all set (torchrun, PyTorchJob)."""
-    return all(env.get(name) for name in TORCH_VARIABLES)
-
-
-def _int(env: Mapping[str, str], name: str, lo: int = 0) -> int:
-    value = env.get(name, "")
-    if not value.strip().isdigit() or int(value) < lo:
-        raise RendezvousError(f"{name}={value!r}: expected an integer >= {lo}")
-    return int(value)
 
 
 def advertised_address(env: Mapping[str, str], master: str, port: int) -> str:
@@ -98,11 +78,11 @@ def rendezvous(
     missing = [name for name in TORCH_VARIABLES if not env.get(name)]
     if missing:
         raise RendezvousError(f"{', '.join(missing)}: not set; torchrun and PyTorchJob set all of {TORCH_VARIABLES}")
-    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE", 1)
-    master, master_port = env["MASTER_ADDR"], _int(env, "MASTER_PORT", 1)
+    rank, world = env_int(env, "RANK", RendezvousError), env_int(env, "WORLD_SIZE", RendezvousError, 1)
+    master, master_port = env["MASTER_ADDR"], env_int(env, "MASTER_PORT", RendezvousError, 1)
     if rank >= world:
         raise RendezvousError(f"RANK={rank} is not below WORLD_SIZE={world}")
-    local_rank = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else rank
+    local_rank = env_int(env, "LOCAL_RANK", RendezvousError) if env.get("LOCAL_RANK") else rank
     prefix = f"dpwa/{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     address = advertised_address(env, master, master_port)

@@ -71,12 +71,12 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def port_is_free(port: int) -> bool:
-    """True when 127.0.0.1:port can be bound right now, as a server (and ZeroMQ) binds: with SO_REUSEADDR."""
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when host:port can be bound right now, as a server (and ZeroMQ) binds: with SO_REUSEADDR."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        s.bind(("127.0.0.1", port))
+        s.bind((host, port))
         return True
     except OSError:
         return False

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import port_is_free
 
 from dpwa.config import load_config
 from dpwa.engines.slurm import SlurmError, expand_hostlist, expand_tasks_per_node, in_slurm_step, slurm_nodes
@@ -155,18 +155,9 @@ def free_base_port(hosts: list[str], tasks: int) -> int:
     rng = random.Random()
     for _ in range(100):
         base = rng.randrange(10000, 20000 - tasks)
-        if all(bindable(host, port) for host in hosts for port in range(base, base + tasks)):
+        if all(port_is_free(port, host) for host in hosts for port in range(base, base + tasks)):
             return base
     raise RuntimeError("no free base port in 10000-19999")
-
-
-def bindable(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.mark.integration

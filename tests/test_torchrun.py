@@ -18,8 +18,9 @@ from conftest import free_ports
 
 pytest.importorskip("torch")
 
-from dpwa.adapters.rendezvous import RendezvousError, in_torch_launch, rendezvous  # noqa: E402
+from dpwa.adapters.rendezvous import RendezvousError, rendezvous  # noqa: E402
 from dpwa.config import ClusterConfig  # noqa: E402
+from dpwa.engines.variables import in_torch_launch  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 

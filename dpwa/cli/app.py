@@ -62,8 +62,9 @@ def _engine_source(config: ClusterConfig, cluster: str) -> str:
     """Which engine would give ``config`` its nodes here, and the nodes when this process can compute them."""
     from dpwa.engines import EngineError, engine_nodes
     from dpwa.engines.slurm import in_slurm_step
+    from dpwa.engines.variables import in_torch_launch
 
-    if all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+    if in_torch_launch(os.environ):
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         return f"torchrun / PyTorchJob: a rendezvous of {os.environ['WORLD_SIZE']} workers in the TCPStore at {where}"
     if not in_slurm_step(os.environ):

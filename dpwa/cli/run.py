@@ -16,7 +16,6 @@ from dpwa.cli.common import fail
 from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
 from dpwa.engines import EngineError, engine_nodes
 from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
-from dpwa.engines.slurm import in_slurm_step
 from dpwa.launcher.job import DEMO_MODULE, Job, run_job
 from dpwa.launcher.placement import select_nodes, threads_per_node
 from dpwa.launcher.progress import Progress
@@ -190,11 +189,6 @@ def run(
         except ConfigError as err:
             fail(err)
         if not config.nodes:
-            if not in_slurm_step(os.environ):
-                fail(
-                    f"{cluster}: no `nodes` in the file and no engine gave any: run `dpwa run -n N --config "
-                    f"{cluster}` for local nodes, start it with srun, or list the nodes"
-                )
             try:
                 config, mine, _ = engine_nodes(config, os.environ)
             except EngineError as err:

@@ -46,6 +46,6 @@ def engine_nodes(config: ClusterConfig, env: Mapping[str, str]) -> tuple[Cluster
             raise EngineError(f"SLURM: {err}") from None
         return config.with_nodes(nodes), mine, f"the SLURM step ({len(nodes)} tasks)"
     raise EngineError(
-        "no nodes: the cluster file has no `nodes` and no engine gives them; use `dpwa run -n N`, srun, "
-        "or list the nodes"
+        f"no `nodes` in the file and no engine gave any: run `dpwa run -n N --config {config.source}` for local "
+        "nodes, start it with srun, or list the nodes"
     )

@@ -21,6 +21,7 @@ import subprocess
 from collections.abc import Mapping
 
 from dpwa.config import NodeSpec
+from dpwa.engines.variables import env_int
 
 __all__ = [
     "DEFAULT_BASE_PORT",
@@ -124,13 +125,6 @@ def _hosts(text: str, use_scontrol: bool) -> list[str]:
     return expand_hostlist(text)
 
 
-def _int(env: Mapping[str, str], name: str) -> int:
-    value = env.get(name)
-    if value is None or not value.strip().isdigit():
-        raise SlurmError(f"{name}={value!r}: expected a non-negative integer")
-    return int(value)
-
-
 def _first(env: Mapping[str, str], *names: str) -> tuple[str, str]:
     for name in names:
         if env.get(name):
@@ -148,7 +142,7 @@ def slurm_nodes(
     distribution = env.get("SLURM_DISTRIBUTION", "")
     if distribution.split(":")[0] not in ("", "block"):
         raise SlurmError(f"SLURM_DISTRIBUTION={distribution!r}: only block placement; srun -m block, or list the nodes")
-    procid, localid, nodeid = (_int(env, name) for name in _STEP_VARIABLES)
+    procid, localid, nodeid = (env_int(env, name, SlurmError) for name in _STEP_VARIABLES)
     list_name, list_text = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
     tasks_name, tasks_text = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
     hosts = _hosts(list_text, use_scontrol)
@@ -156,7 +150,7 @@ def slurm_nodes(
     if len(counts) != len(hosts):
         raise SlurmError(f"{tasks_name}={tasks_text!r} gives {len(counts)} hosts but {list_name} has {len(hosts)}")
     for total_name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
-        if env.get(total_name) and _int(env, total_name) != sum(counts):
+        if env.get(total_name) and env_int(env, total_name, SlurmError) != sum(counts):
             raise SlurmError(f"{total_name}={env[total_name]!r} but {tasks_name}={tasks_text!r} sums to {sum(counts)}")
     if base_port + max(counts) - 1 > 65535:
         raise SlurmError(f"{tasks_name}={tasks_text!r}: base port {base_port} + {max(counts) - 1} tasks exceeds 65535")

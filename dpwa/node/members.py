@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from dpwa.config import NodeSpec
+from dpwa.config import ConfigError, NodeSpec
 
 __all__ = ["STATES", "Member", "MemberTable", "newer"]
 
@@ -53,16 +53,14 @@ def newer(a: Member, b: Member) -> bool:
 
 
 def _valid(m: Member) -> bool:
-    return (
-        m.state in STATES
-        and isinstance(m.version, int)
-        and 0 <= m.version <= MAX_VERSION
-        and isinstance(m.port, int)
-        and 1 <= m.port <= 65535
-        and bool(m.name)
-        and not any(c.isspace() for c in m.name)
-        and bool(m.host)
-    )
+    """A known state, a version a JSON number holds exactly, and a name and address a cluster file could list."""
+    if m.state not in STATES or not isinstance(m.version, int) or not 0 <= m.version <= MAX_VERSION:
+        return False
+    try:
+        m.spec()  # NodeSpec checks the name, host and port as it does for a cluster file
+    except ConfigError:
+        return False
+    return True
 
 
 class MemberTable:
