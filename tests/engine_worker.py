@@ -36,6 +36,10 @@ for _ in range(40):
     time.sleep(0.005)
     mixed += conn.update_wait(1.0) > 0
 nodes = [n.name for n in conn.connection.config.nodes]
-print("RESULT " + json.dumps({"name": conn.name, "rank": rank, "restart": restart, "mixed": mixed, "nodes": nodes}))
+result = {"name": conn.name, "rank": rank, "restart": restart, "mixed": mixed, "nodes": nodes}
+# One write of the whole line: torchrun's and srun's workers share one pipe, and under PYTHONUNBUFFERED (set
+# on this machine) print() issues the text and its newline as two write(2) calls, between which another
+# worker's line can land (seen once: two results on one line).
+sys.stdout.write("RESULT " + json.dumps(result) + "\n")
 sys.stdout.flush()
 conn.close(linger=2.0, idle=0.5)
