@@ -43,6 +43,8 @@ __all__ = [
     "ConstantSettings",
     "GemSettings",
     "GroupSettings",
+    "JoinAddress",
+    "MAX_JOINED",
     "LeaderSettings",
     "PushSumSettings",
     "BOOTSTRAP_MODES",
@@ -55,6 +57,7 @@ __all__ = [
     "choice",
     "load_config",
     "parse_config",
+    "parse_join",
     "resolve_config",
     "setting",
 ]
@@ -176,6 +179,47 @@ class _Word(_Spec):
     def check(self, value: object) -> Iterator[tuple[str, str]]:
         if not isinstance(value, str) or not value or any(c.isspace() for c in value):
             yield "", f"must be a non-empty string without spaces, got {_show(value)}"
+
+
+MAX_JOINED = 1024
+"""The largest ``max_members``: the whole table must fit a message header (64 KiB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinAddress:
+    """A ``join`` setting parsed: the member to ask (``name`` given only where CURVE needs its key)."""
+
+    host: str
+    port: int
+    name: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name + '@' if self.name else ''}{self.host}:{self.port}"
+
+
+def parse_join(value: str) -> JoinAddress:
+    """``[NAME@]HOST:PORT`` -> :class:`JoinAddress`; ValueError saying what is wrong."""
+    name, _, address = value.rpartition("@") if "@" in value else ("", "", value)
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or any(c.isspace() for c in value) or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"must be [NAME@]HOST:PORT with a port in [1, 65535], got {value!r}")
+    if "@" in value and not name:
+        raise ValueError(f"an empty NAME before '@' in {value!r}")
+    return JoinAddress(host, int(port), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _JoinAddress(_Spec):
+    """ "" (no join) or ``[NAME@]HOST:PORT``."""
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if not isinstance(value, str):
+            yield "", f"must be [NAME@]HOST:PORT, got {_show(value)}"
+        elif value:
+            try:
+                parse_join(value)
+            except ValueError as err:
+                yield "", str(err)
 
 
 def setting(
@@ -504,6 +548,21 @@ class ClusterConfig:
     base_port: int = dataclasses.field(
         default=45000, metadata={_SPEC: _Number(lo=1, hi=65535, integer=True), _OMIT_DEFAULT: True}
     )
+    #: ``[NAME@]HOST:PORT`` of any member of a running cluster: this file's nodes join it (docs/membership.md);
+    #: ``nodes`` then lists only the joining nodes' own addresses (or is left out: the engine gives them).
+    join: str = dataclasses.field(default="", metadata={_SPEC: _JoinAddress(), _OMIT_DEFAULT: True})
+    #: How long a joining node keeps asking the member at ``join`` before it gives up (an error).
+    join_timeout_s: float = dataclasses.field(
+        default=30.0, metadata={_SPEC: _Number(lo=0, lo_open=True), _OMIT_DEFAULT: True}
+    )
+    #: A joined member down (suspected or left) this long is forgotten; the file's nodes never are.
+    forget_after_s: float = dataclasses.field(
+        default=60.0, metadata={_SPEC: _Number(lo=0, lo_open=True), _OMIT_DEFAULT: True}
+    )
+    #: At most this many joined members in a node's table (a flood of forged entries costs no more).
+    max_members: int = dataclasses.field(
+        default=256, metadata={_SPEC: _Number(lo=0, hi=MAX_JOINED, integer=True), _OMIT_DEFAULT: True}
+    )
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     source: str = dataclasses.field(default=MEMORY, compare=False)
     #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.
@@ -512,6 +571,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "marks", MappingProxyType(dict(self.marks)))
         _validate(self, self.error)
+        if self.join and self.security.curve and not parse_join(self.join).name:
+            raise self.error("join", "with security.curve on, name the member to join: NAME@HOST:PORT (its key)")
         if self.inbox_per_sender > self.inbox_slots:
             raise self.error(
                 "inbox_per_sender", f"must be at most inbox_slots ({self.inbox_slots}), got {self.inbox_per_sender}"
@@ -608,6 +669,15 @@ class ClusterConfig:
     def error(self, key: str, reason: str) -> ConfigError:
         """A ConfigError for ``key`` at its line in ``source`` (else at its closest enclosing key's)."""
         return ConfigError(reason, self.source, _line_of(self.marks, key), key)
+
+    @property
+    def join_address(self) -> JoinAddress | None:
+        """The member to join (the ``join`` setting), or None: this file's nodes are the cluster."""
+        return parse_join(self.join) if self.join else None
+
+    def with_join(self, join: str) -> ClusterConfig:
+        """This config joining the cluster at ``join`` (``[NAME@]HOST:PORT``; ConfigError when malformed)."""
+        return dataclasses.replace(self, join=join)
 
     def with_nodes(self, nodes: Sequence[NodeSpec]) -> ClusterConfig:
         """This config with ``nodes`` (from an engine), validated like a file's (ConfigError)."""

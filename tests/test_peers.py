@@ -77,11 +77,22 @@ def test_constructor_and_unknown_peer_errors():
     with pytest.raises(ValueError, match="reward and penalty"):
         make(penalty=-1)
     fc = make()
-    for op in (fc.success, fc.failure, fc.is_up):
-        with pytest.raises(KeyError, match="unknown peer 'zz'"):
-            op("zz")
     with pytest.raises(ValueError, match="k must be"):
         fc.choose(-1)
+
+
+def test_members_come_and_go_and_a_verdict_on_a_removed_peer_is_ignored() -> None:
+    """Membership changes while fetches are in flight: a late verdict on a removed peer changes nothing."""
+    fc = make(peers=["a", "b"])
+    fc.add("c")
+    fc.add("c")  # known already: unchanged
+    assert set(fc.scores()) == {"a", "b", "c"} and fc.is_up("c")
+    fc.remove("a")
+    fc.success("a")
+    fc.failure("a")
+    assert set(fc.scores()) == {"b", "c"} and not fc.is_up("a")
+    assert "a" not in {p for _ in range(50) for p in fc.choose(2)}
+    assert fc.admit(["a", "b", "zz"]) == ["b"]
 
 
 # --------------------------------------------------------------- selection

@@ -351,7 +351,11 @@ class TcpTap:
         while not self._stop.is_set():
             if select.select([self._listener], [], [], 0.05)[0]:
                 inbound, _ = self._listener.accept()
-                outbound = socket.create_connection(("127.0.0.1", self.target))
+                try:
+                    outbound = socket.create_connection(("127.0.0.1", self.target))
+                except OSError:  # the target has closed (a node's leave announcement after its peer went)
+                    inbound.close()
+                    continue
                 t = threading.Thread(target=self._pump, args=(inbound, outbound), daemon=True)
                 self._threads.append(t)
                 t.start()

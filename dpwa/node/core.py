@@ -27,25 +27,29 @@ import numpy as np
 import zmq
 
 from dpwa.checkpoint import DpwaState
-from dpwa.config import ClusterConfig
+from dpwa.config import ClusterConfig, JoinAddress
 from dpwa.node import recovery, wire
 from dpwa.node.inbox import InboxSlot, PushReceiver
+from dpwa.node.members import JoinRefused, Member
+from dpwa.node.membership import Membership
 from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push, PushLedger
 from dpwa.node.snapshots import Snapshot, SnapshotPool
 from dpwa.node.stats import NodeStats, OnceLog
-from dpwa.node.transport import VERDICT_SLACK_S, FetchJob, FetchTarget, Reply, RxServer, TxFetcher
-from dpwa.node.wire import ErrorCode, Header, Layout
+from dpwa.node.transport import VERDICT_SLACK_S, FetchJob, FetchTarget, Reply, RxServer, TxFetcher, _common_options
+from dpwa.node.wire import ErrorCode, Header, Kind, Layout
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.schedules import Round, Schedule
 from dpwa.security.curve import NodeSecurity, warn_if_exposed
 
-__all__ = ["JOIN_S", "Node", "bind_endpoint"]
+__all__ = ["ANNOUNCE_S", "JOIN_S", "Node", "bind_endpoint"]
 
 log = logging.getLogger(__name__)
 
 JOIN_S = 1.0
 """How long :meth:`Node.close` waits for each dpwa thread to end, and the trainer for a dead one to close."""
+ANNOUNCE_S = 0.5
+"""How long a leaving node waits for its members' answers to its leave announcement (live ones answer at once)."""
 
 
 def _as_loss(loss: Any) -> float:
@@ -77,8 +81,19 @@ class Node:
         self.name = name
         self.config = config
         me = config.node(name)
-        peers = config.peers_of(name)
-        self.names = tuple(n.name for n in config.nodes)
+        joining = config.join_address
+        self.synced = False
+        self.membership = Membership(
+            me,
+            () if joining is not None else config.nodes,
+            config.max_members,
+            config.forget_after_s,
+            self.sync_members,
+        )
+        self.sync_lock = threading.Lock()
+        self.endpoints: dict[str, str] = {}
+        peers = [m.spec() for m in self.membership.peers()]
+        self.names = self.membership.order()
         self.rule = rule
         self.schedule = schedule
         self.rng = random.Random(seed)
@@ -123,7 +138,12 @@ class Node:
         try:
             if config.security.curve:  # reads the keys and starts the ZAP handler: before the ROUTER binds
                 self.security = NodeSecurity(
-                    name, config.check_secret_key(name), config.public_key_files(), self.ctx, self.on_auth_denied
+                    name,
+                    config.check_secret_key(name),
+                    config.public_key_files(),
+                    self.ctx,
+                    self.on_auth_denied,
+                    keys_dir=config.security.keys,
                 )
             self.rx = RxServer(
                 self.ctx,
@@ -134,6 +154,7 @@ class Node:
                 setup=self.security.server if self.security is not None else None,
                 pushes=self.inbox,
                 node=name,
+                membership=self.on_membership_message,
             )
         except BaseException:  # a busy port, a missing key: stop what started, then raise
             if self.security is not None:
@@ -153,9 +174,18 @@ class Node:
             on_push=self.on_push if self.inbox is not None else None,
             on_push_unknown=self.on_push_unknown,
             retry_s=config.timeout_ms / 1000.0,
+            news=self.membership.news_for,
         )
+        self.endpoints = {p.name: p.endpoint for p in peers}
         self.rx.start()
         self.tx.start()
+        self.synced = True
+        if joining is not None:
+            try:
+                self.join(joining, config.join_timeout_s)
+            except BaseException:
+                self.close(announce=False)
+                raise
         log.info(
             "node %s listening on %s with %d peers, rule %s, schedule %s",
             name,
@@ -252,6 +282,7 @@ class Node:
         self.take_params(params)
         with self.state_lock:
             self.state.loss = value
+        self.membership.expire()
         snapshot = self.publish(tick=True)
         if self.rule.transfer == "push":
             self.start_push(snapshot)
@@ -541,8 +572,16 @@ class Node:
         """Count a finished fetch and feed flow control."""
         peer = target.peer
         self.stats.peer_outcome(peer, target.status)
-        # a peer starting up, or whose inbox is full, is alive: no penalty, ask again next time
-        not_ready = target.status == "refused" and target.code in (ErrorCode.NOT_READY.value, ErrorCode.BUSY.value)
+        if target.header is not None and target.status in ("ok", "refused"):
+            self.membership.observe(target.header)
+        # a peer starting up, or whose inbox is full, is alive: no penalty, ask again next time; one that left
+        # has said so (its table, just merged, removes it): no penalty either
+        not_ready = target.status == "refused" and target.code in (
+            ErrorCode.NOT_READY.value,
+            ErrorCode.BUSY.value,
+            ErrorCode.LEFT.value,
+            "not-a-member",
+        )
         if target.status == "ok":
             self.stats.fetch_done(target.ms, target.nbytes)
             with self.flow_lock:
@@ -554,6 +593,9 @@ class Node:
         if not not_ready:
             with self.flow_lock:
                 self.flow.failure(peer)
+                down = not self.flow.is_up(peer)
+            if down:
+                self.membership.suspect(peer)
         if target.status == "timeout" and target.late:
             self.stats.add("fetches_timed_out")
             self.stats.add("fetches_late")
@@ -629,10 +671,18 @@ class Node:
     # ------------------------------------------------------------ RX thread
 
     def serve(self, request: Header) -> Reply:
-        """Answer a FETCH with the current snapshot, or an error naming why not."""
+        """Answer a FETCH with the current snapshot, or an error naming why not; both carry member news."""
+        self.membership.observe(request)
+        if self.membership.leaving:
+            self.stats.add("left_answers")
+            detail = "this node has left the cluster"
+            return Reply(wire.encode_error(self.name, request.req, ErrorCode.LEFT, detail, self.membership.full_news()))
+        news = self.membership.reply_news(request)
         layout, pool = self.wire_layout, self.pool
         if layout is None or pool is None:
-            return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
+            return Reply(
+                wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet", news)
+            )
         if request.fingerprint != layout.fingerprint:
             detail = (
                 f"{self.name} has layout {layout.fingerprint} ({len(layout.shapes)} arrays, "
@@ -644,7 +694,9 @@ class Node:
             return Reply(wire.encode_error(self.name, request.req, ErrorCode.LAYOUT, detail))
         snapshot = pool.lease()
         if snapshot is None:
-            return Reply(wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet"))
+            return Reply(
+                wire.encode_error(self.name, request.req, ErrorCode.NOT_READY, "no snapshot published yet", news)
+            )
         if request.exchange >= 0:  # AD-PSGD: the push that came just before keeps this snapshot as its pair
             if self.inbox is None:
                 pool.release(snapshot)
@@ -672,6 +724,18 @@ class Node:
                 extras={**snapshot.extras, **given},
                 layout=layout,
                 stream=stream,
+                news=news,
+            )
+        except ValueError:  # the member table does not fit a header: its digest goes alone
+            header = wire.encode_state(
+                self.name,
+                request.req,
+                clock=snapshot.clock,
+                loss=snapshot.loss,
+                extras={**snapshot.extras, **given},
+                layout=layout,
+                stream=stream,
+                news=wire.MemberNews(news.digest),
             )
         except BaseException:
             pool.release(snapshot)
@@ -688,6 +752,221 @@ class Node:
 
         return Reply(header, snapshot.frames, sent, prepare, stream, request.req)
 
+    # ------------------------------------------------------------ membership (docs/membership.md)
+
+    def sync_members(self) -> None:
+        """The member table changed (any thread): fetch from, push to and take pushes from its members now."""
+        if not self.synced:
+            return
+        with self.sync_lock:
+            peers = {m.name: m for m in self.membership.peers()}
+            order = self.membership.order()
+            with self.flow_lock:
+                known = set(self.flow.scores())
+                for name in known - peers.keys():
+                    self.flow.remove(name)
+                for name in peers.keys() - known:
+                    self.flow.add(name)
+            for name, member in peers.items():
+                endpoint = member.spec().endpoint
+                if self.endpoints.get(name) != endpoint:
+                    self.endpoints[name] = endpoint
+                    self.tx.set_peer(name, endpoint)
+            for name in set(self.endpoints) - peers.keys():
+                del self.endpoints[name]
+                self.tx.set_peer(name, None)
+            if self.inbox is not None:
+                self.inbox.set_senders(list(peers))
+            self.names = order
+            with self.state_lock:
+                self.rule.on_members(self.name, order, float(self.membership.incarnations()))
+
+    def on_membership_message(self, header: Header, user: str | None) -> bytes | None:
+        """RX thread: a PUSH's member news (no answer), a JOIN (answered MEMBERS or ERROR join-refused), or a
+        MEMBERS announcement (answered with this node's table)."""
+        if header.kind is Kind.PUSH:
+            self.membership.observe(header)
+            return None
+        if header.kind is Kind.MEMBERS:
+            self.membership.observe(header)
+            return wire.encode_members(self.name, header.req, self.membership.full_news())
+        refused = None
+        if self.membership.leaving:
+            refused = f"{self.name} is leaving the cluster; join through another member"
+        elif self.security is not None and user != header.node:
+            refused = f"the joining node calls itself {header.node!r} but its CURVE key is {user!r}'s"
+        else:
+            try:
+                entry = self.membership.admit(header.node, header.host, header.port)
+            except JoinRefused as err:
+                refused = str(err)
+        if refused is not None:
+            self.stats.add("joins_refused")
+            log.warning("node %s: refused a join of %s: %s", self.name, header.node, refused)
+            return wire.encode_error(self.name, header.req, ErrorCode.JOIN_REFUSED, refused)
+        self.stats.add("joins_admitted")
+        log.info(
+            "node %s: %s joined from %s:%d (version %d)", self.name, entry.name, entry.host, entry.port, entry.version
+        )
+        return wire.encode_members(
+            self.name, header.req, self.membership.full_news(), permanent=self.membership.permanent()
+        )
+
+    def join(self, address: JoinAddress, timeout_s: float) -> Member:
+        """Trainer thread, before the first step: ask the member at ``address`` to admit this node (a JOIN,
+        repeated every ``timeout_ms`` until ``timeout_s``), then take the cluster's table from its answer.
+
+        JoinRefused (the member's reason: a name clash, a file node's name) or TimeoutError (no answer; with
+        CURVE, an unlisted key looks the same)."""
+        me = self.membership.me
+        sock = self.ctx.socket(zmq.DEALER)
+        _common_options(sock)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        deadline = time.monotonic() + timeout_s
+        retry_s = self.config.timeout_ms / 1000.0
+        try:
+            if self.security is not None:
+                self.security.client(sock, address.name)
+            sock.connect(f"tcp://{address.host}:{address.port}")
+            while True:
+                req = next(self.requests)
+                try:
+                    sock.send(wire.encode_join(self.name, req, me.host, me.port), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # not connected yet: ask again after retry_s
+                until = min(deadline, time.monotonic() + retry_s)
+                while (left := until - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    answer = self.join_answer(sock.recv_multipart(zmq.NOBLOCK), req, address)
+                    if answer is not None:
+                        return answer
+                if time.monotonic() >= deadline:
+                    hint = (
+                        f"; with security.curve on, is {self.name}.key in every member's key directory?"
+                        if self.security is not None
+                        else ""
+                    )
+                    raise TimeoutError(
+                        f"node {self.name}: no answer to its JOIN from {address} in {timeout_s:g} s"
+                        f" (is a member listening there?){hint}"
+                    )
+        finally:
+            sock.close(linger=0)
+
+    def join_answer(self, frames: list[bytes], req: int, address: JoinAddress) -> Member | None:
+        """The answer to JOIN ``req``: this node's entry once the table is taken; None for an unrelated message."""
+        try:
+            header = wire.decode_header(frames[0]) if len(frames) == 1 else None
+        except wire.WireError:
+            header = None
+        if header is None or header.req != req:
+            self.stats.add("stale_replies")
+            return None
+        if header.kind is Kind.ERROR:
+            raise JoinRefused(f"node {self.name}: the member at {address} refused to admit it: {header.detail}")
+        if header.kind is not Kind.MEMBERS or header.members is None:
+            self.stats.add("stale_replies")
+            return None
+        fixed = [m.spec() for m in header.members if m.name in header.permanent]
+        own = self.membership.adopt(fixed, header.members)
+        log.info(
+            "node %s: joined the cluster through %s (%s) as version %d; %d members",
+            self.name,
+            header.node,
+            address,
+            own.version,
+            len(self.membership.order()),
+        )
+        return own
+
+    def leave(self, timeout_s: float) -> None:
+        """Trainer thread, at a clean close: hand what the rule holds to a member (push-sum: its mass), mark this
+        node ``left`` and tell every member (waiting at most ``ANNOUNCE_S`` for their answers); from then on
+        every request is answered ``left``, with the table. Bounded by ``timeout_s`` in all."""
+        deadline = time.monotonic() + timeout_s
+        if self.ledger is not None and self.params is not None:
+            self.hand_off(deadline)
+        self.membership.leave()
+        self.announce(min(deadline, time.monotonic() + ANNOUNCE_S))
+
+    def hand_off(self, deadline: float) -> None:
+        """Push rules: settle every push, fold in what arrived, then push the rule's hand-off (push-sum: the whole
+        ``(x, w)``) to one member after another until one takes it."""
+        assert self.ledger is not None and self.inbox is not None and self.pool is not None
+        self.inbox.closing = True
+        self.ledger.wait_settled(max(0.0, deadline - time.monotonic()))
+        while self.inbox.receiving() and time.monotonic() < deadline:
+            time.sleep(0.01)  # a push already arriving completes or expires within timeout_ms
+        self.wait_and_mix(None)  # fold the inbox and the pushes that came back
+        with self.state_lock:
+            given = self.rule.hand_off(self.state)
+        if given is None:
+            return
+        with self.flow_lock:
+            candidates = self.flow.choose(len(self.flow.scores()))
+        for peer in candidates:
+            snapshot = self.publish(tick=False)
+            if snapshot is None or time.monotonic() >= deadline:
+                break
+            self.pool.retain(snapshot)
+            push = Push(
+                peer,
+                next(self.requests),
+                given,
+                snapshot,
+                min(deadline, time.monotonic() + self.config.timeout_ms / 1000.0),
+                prepare=functools.partial(self.pool.prepare_push, snapshot),
+            )
+            self.ledger.open(push)
+            self.tx.submit_push(push)
+            self.ledger.wait_settled(max(0.0, deadline - time.monotonic()))
+            if push.status == "delivered":
+                log.info("node %s: handed its mass %s to %s", self.name, given, peer)
+                self.wait_pushes()
+                self.stats.add("hand_offs")
+                return
+            self.wait_and_mix(None)  # refused: the mass came back; try the next member
+            with self.state_lock:
+                given = self.rule.hand_off(self.state)
+            assert given is not None
+        if candidates:
+            log.warning("node %s: no member took its mass %s before it left; it leaves with it", self.name, given)
+        else:
+            log.info("node %s: the last member leaves with the mass %s", self.name, given)
+
+    def announce(self, deadline: float) -> None:
+        """Send this node's table (which says it left) to every member; wait for their answers until
+        ``deadline``."""
+        news = self.membership.full_news()
+        with self.flow_lock:
+            members = [m for m in self.membership.peers() if self.flow.is_up(m.name)]
+        socks = []
+        try:
+            for m in members:
+                sock = self.ctx.socket(zmq.DEALER)
+                socks.append(sock)
+                _common_options(sock)
+                sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+                try:
+                    if self.security is not None:
+                        self.security.client(sock, m.name)
+                    sock.connect(m.spec().endpoint)
+                    sock.send(wire.encode_members(self.name, next(self.requests), news), zmq.NOBLOCK)
+                except (zmq.ZMQError, KeyError, OSError, ValueError):
+                    continue
+            poller = zmq.Poller()
+            for sock in socks:
+                poller.register(sock, zmq.POLLIN)
+            waiting = set(socks)
+            while waiting and (left := deadline - time.monotonic()) > 0:
+                for sock, _ in poller.poll(int(min(left, 0.1) * 1000) + 1):
+                    sock.recv_multipart(zmq.NOBLOCK)
+                    if sock in waiting:
+                        waiting.discard(sock)
+                        self.stats.add("leave_acknowledged")
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+
     # ------------------------------------------------------------ any thread
 
     def snapshot_stats(self) -> dict[str, Any]:
@@ -699,6 +978,7 @@ class Node:
             out["clock"] = self.state.clock
             out["extras"] = dict(self.state.extras)
         out["node"] = self.name
+        out.update(self.membership.snapshot())
         out["rule"] = self.rule.name
         out["schedule"] = self.schedule.name
         out["snapshot_buffers"] = len(self.pool) if self.pool is not None else 0
@@ -732,13 +1012,19 @@ class Node:
                 served, last = current, time.monotonic()
         return time.monotonic() - start
 
-    def close(self) -> None:
-        """Stop both threads (within about a second) and free the port."""
+    def close(self, announce: bool = True) -> None:
+        """Leave cleanly (``announce``: :meth:`leave`, bounded by ``2 * timeout_ms`` + 1 s), then stop both threads
+        (within about a second) and free the port. A node whose threads died leaves without announcing."""
         if self.closed:
             return
-        self.closed = True
         if threading.current_thread() in (self.rx, self.tx):  # pragma: no cover - misuse
             raise RuntimeError("close() called from a dpwa thread")
+        if announce and self.tx.failure is None and self.rx.failure is None and not self.membership.leaving:
+            try:
+                self.leave(2 * self.config.timeout_ms / 1000.0)
+            except Exception:  # leaving is a courtesy: the node still closes
+                log.exception("node %s: leaving the cluster failed", self.name)
+        self.closed = True
         self.rx.stop()
         self.tx.stop()
         if self.pool is not None:

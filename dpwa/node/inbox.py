@@ -119,8 +119,14 @@ class PushReceiver:
         """Test hook: ``drop("push")`` True ignores a push header (as if lost); ``drop("ack")`` True loses an ACK."""
         self.ack_delay_s = 0.0
         """Test hook: hold every ACK this long (a slow receiver)."""
+        self.closing = False
+        """Set when the node leaves: every new push is refused busy (the sender keeps its mass)."""
 
     # ------------------------------------------------------------ set-up (trainer thread)
+
+    def set_senders(self, names: Sequence[str]) -> None:
+        """The members pushes are taken from (any thread): the table changed."""
+        self._senders = frozenset(n for n in names if n != self.name)
 
     def allocate(self, local: Layout) -> None:
         """Allocate the slots for ``local`` (once, at the node's first publish)."""
@@ -178,6 +184,10 @@ class PushReceiver:
             if header.req <= last:  # a repeat or an old push: it has (or will get) the verdict of record
                 self._on_event("pushes_stale", 1)
                 return self._verdict_reply(header.req, last, verdict)
+            if self.closing:  # the node is leaving: it takes no more mass, the sender keeps it
+                self._verdicts[sender] = (header.req, False)
+                self._on_event("pushes_busy", 1)
+                return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "this node is leaving")
             if sum(s.state != "free" and s.sender == sender for s in self._slots) >= self._per_sender:
                 self._verdicts[sender] = (header.req, False)
                 self._on_event("pushes_busy", 1)
@@ -363,6 +373,11 @@ class PushReceiver:
         with self._lock:
             held = [s.header.extras for s in self._slots if s.state in ("full", "committed") and s.header is not None]
         return wire.extras_sum(held, key)
+
+    def receiving(self) -> int:
+        """Pushes still arriving (any thread)."""
+        with self._lock:
+            return sum(s.state == "receiving" for s in self._slots)
 
     def occupied(self) -> int:
         """Slots not free (any thread)."""

@@ -10,22 +10,37 @@ gossip of whole tables converges: merging is commutative, associative and idempo
 Members from the cluster file are *permanent*: their address is the file's, an entry from the network never
 changes it and never removes them. The table holds at most ``capacity`` joined members; beyond that, new
 names are refused (counted), so a flood of forged entries costs bounded memory. Joined members that have
-been ``suspected`` or ``left`` for ``forget_after_s`` are forgotten (:meth:`MemberTable.expire`).
+been ``suspected`` or ``left`` for ``forget_after_s`` are forgotten (:meth:`MemberTable.expire`); a forgotten
+name is remembered as a *tombstone* (name and version, within the capacity) for another ``forget_after_s``, so that a
+peer that has not forgotten it yet cannot gossip it back: only a newer incarnation (a new join) is taken.
+
+On the wire an entry is the JSON list ``[name, host, port, state, version]`` (:func:`to_wire`, :func:`from_wire`);
+:meth:`MemberTable.digest` names a whole table in 16 hex digits, so that two nodes whose tables agree send
+nothing more.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from dpwa.config import ConfigError, NodeSpec
 
-__all__ = ["STATES", "Member", "MemberTable", "newer"]
+__all__ = ["MAX_WIRE_MEMBERS", "STATES", "JoinRefused", "Member", "MemberTable", "from_wire", "newer", "to_wire"]
 
 STATES = ("alive", "suspected", "left")
 """Member states, weakest first: at equal versions the later one wins."""
 MAX_VERSION = 2**53
 """Versions above this (not exact in a JSON number) are refused."""
+MAX_WIRE_MEMBERS = 4096
+"""A member list on the wire longer than this is malformed (the table's own bound is the capacity setting)."""
+
+
+class JoinRefused(Exception):
+    """A JOIN this table does not admit; the message says why (a clash of names, a permanent name)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,29 @@ def newer(a: Member, b: Member) -> bool:
     return (a.host, a.port) > (b.host, b.port)
 
 
+def to_wire(members: Iterable[Member]) -> list[list[Any]]:
+    """The JSON form of ``members``: ``[[name, host, port, state, version], ...]``."""
+    return [[m.name, m.host, m.port, m.state, m.version] for m in members]
+
+
+def from_wire(raw: Any) -> list[Member] | None:
+    """The entries of a member list from the wire, or None when its shape is wrong (not a list of 5-lists of
+    str, str, int, str, int; more than :data:`MAX_WIRE_MEMBERS`). Values are checked by :meth:`MemberTable.merge`."""
+    if not isinstance(raw, list) or len(raw) > MAX_WIRE_MEMBERS:
+        return None
+    out = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 5:
+            return None
+        name, host, port, state, version = item
+        if not (isinstance(name, str) and isinstance(host, str) and isinstance(state, str)):
+            return None
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (port, version)):
+            return None
+        out.append(Member(name, host, port, state, version))
+    return out
+
+
 def _valid(m: Member) -> bool:
     """A known state, a version a JSON number holds exactly, and a name and address a cluster file could list."""
     if m.state not in STATES or not isinstance(m.version, int) or not 0 <= m.version <= MAX_VERSION:
@@ -64,7 +102,8 @@ def _valid(m: Member) -> bool:
 
 
 class MemberTable:
-    """The members one node knows; ``permanent``: the cluster file's nodes. Not thread-safe (the caller locks)."""
+    """The members one node knows; ``permanent``: the cluster file's nodes, in file order. Not thread-safe (the
+    caller locks)."""
 
     def __init__(self, permanent: Sequence[NodeSpec], capacity: int, forget_after_s: float) -> None:
         if capacity < 0 or forget_after_s <= 0:
@@ -72,10 +111,16 @@ class MemberTable:
         self._permanent = {n.name: n for n in permanent}
         self._entries: dict[str, Member] = {n.name: Member(n.name, n.host, n.port) for n in permanent}
         self._down_since: dict[str, float] = {}
+        self._tombstones: dict[str, tuple[int, float]] = {}
+        """Forgotten joined members: name -> (the version forgotten, when)."""
+        self._digest: str | None = None
         self.capacity = capacity
         self.forget_after_s = forget_after_s
         self.refused = 0
         """Entries from the network that were not taken: invalid, a permanent member's address, over capacity."""
+        self.incarnations = len(self._permanent)
+        """Distinct (name, version) entries ever taken: a bound on the push-sum mass in the cluster (each
+        admitted member brings one unit; a refutation or a leave also counts, which only loosens the bound)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,16 +128,33 @@ class MemberTable:
     def get(self, name: str) -> Member | None:
         return self._entries.get(name)
 
+    def is_permanent(self, name: str) -> bool:
+        return name in self._permanent
+
     def members(self) -> list[Member]:
-        """Every entry, in a stable order (by name): the order schedules that depend on N use."""
+        """Every entry, in a stable order (by name)."""
         return [self._entries[n] for n in sorted(self._entries)]
 
     def alive(self) -> list[Member]:
         """The members to exchange with: not ``left`` (a ``suspected`` one may still answer)."""
         return [m for m in self.members() if m.state != "left"]
 
+    def order(self) -> tuple[str, ...]:
+        """The members that are not ``left`` in the order schedules use: the file's nodes in file order, then
+        joined members by name. Every node with the same table computes the same order."""
+        fixed = [n for n in self._permanent if self._entries[n].state != "left"]
+        joined = [m.name for m in self.members() if m.name not in self._permanent and m.state != "left"]
+        return (*fixed, *joined)
+
     def joined(self) -> int:
         return sum(name not in self._permanent for name in self._entries)
+
+    def digest(self) -> str:
+        """16 hex digits naming the whole table: equal tables, equal digests."""
+        if self._digest is None:
+            data = json.dumps(to_wire(self.members()), separators=(",", ":")).encode()
+            self._digest = hashlib.blake2b(data, digest_size=8).hexdigest()
+        return self._digest
 
     def merge(self, entries: Iterable[Member], now: float) -> list[Member]:
         """Take every entry that supersedes what is known; returns the entries that changed the table."""
@@ -106,18 +168,51 @@ class MemberTable:
                 self.refused += 1  # a permanent member's address is the file's
                 continue
             known = self._entries.get(entry.name)
-            if known is None and fixed is None and self.joined() >= self.capacity:
+            tomb = self._tombstones.get(entry.name)
+            if known is None and tomb is not None:
+                if entry.version <= tomb[0]:
+                    continue  # gossip of a member this node forgot: not taken again
+                del self._tombstones[entry.name]
+            if known is None and fixed is None and self.joined() + len(self._tombstones) >= self.capacity:
                 self.refused += 1
                 continue
             if known is not None and not newer(entry, known):
                 continue
+            if known is None or known.version != entry.version:
+                self.incarnations += 1
             self._entries[entry.name] = entry
             if entry.state == "alive":
                 self._down_since.pop(entry.name, None)
             elif known is None or known.state == "alive":
                 self._down_since[entry.name] = now
             changed.append(entry)
+        if changed:
+            self._digest = None
         return changed
+
+    def admit(self, name: str, host: str, port: int, now: float) -> Member:
+        """A JOIN of ``name`` at ``host:port``: the entry it joins as (taken into the table), or JoinRefused.
+
+        Refused: a name of the cluster file, and a name another member holds (alive or suspected at another
+        address). A name that left, or that asks again from the same address (a restart), joins as the next
+        incarnation, so its entry supersedes the old one everywhere."""
+        if name in self._permanent:
+            raise JoinRefused(f"{name!r} is a node of the cluster file; it starts from the file, it does not join")
+        try:
+            Member(name, host, port).spec()
+        except ConfigError as err:
+            raise JoinRefused(f"not a valid member: {err.reason}") from None
+        known = self._entries.get(name)
+        if known is not None and known.state != "left" and (known.host, known.port) != (host, port):
+            raise JoinRefused(
+                f"the name {name!r} is taken by the member at {known.host}:{known.port} ({known.state}); "
+                "choose another name"
+            )
+        versions = [known.version if known is not None else -1, self._tombstones.get(name, (-1, 0.0))[0]]
+        entry = Member(name, host, port, "alive", max(versions) + 1)
+        if not self.merge([entry], now):
+            raise JoinRefused(f"the member table is full ({self.capacity} joined members, the max_members setting)")
+        return entry
 
     def suspect(self, name: str, now: float) -> Member | None:
         """This node could not reach ``name``: mark it suspected at its current version (None if unknown/left)."""
@@ -126,14 +221,27 @@ class MemberTable:
             return None
         return (self.merge([replace(known, state="suspected")], now) or [None])[0]
 
+    def assert_self(self, name: str, state: str, now: float) -> Member | None:
+        """This node is ``name`` and is ``state`` (alive, or left when it goes): when its entry says otherwise,
+        supersede it with the next version (a refutation, or the leave announcement). The new entry, or None."""
+        known = self._entries.get(name)
+        if known is None or known.state == state:
+            return None
+        return (self.merge([replace(known, state=state, version=known.version + 1)], now) or [None])[0]
+
     def expire(self, now: float) -> list[str]:
-        """Forget joined members down (suspected or left) for ``forget_after_s``; returns their names."""
+        """Forget joined members down (suspected or left) for ``forget_after_s``; returns their names. Their
+        tombstones are dropped ``forget_after_s`` later."""
+        for name in [n for n, (_, t) in self._tombstones.items() if now - t >= self.forget_after_s]:
+            del self._tombstones[name]
         gone = [
             name
             for name, since in self._down_since.items()
             if name not in self._permanent and now - since >= self.forget_after_s
         ]
         for name in gone:
-            del self._entries[name]
+            self._tombstones[name] = (self._entries.pop(name).version, now)
             del self._down_since[name]
+        if gone:
+            self._digest = None
         return gone

@@ -77,11 +77,13 @@ class FlowControl:
         self._backoff_cap = float(cap)
         self._peers: dict[str, _Peer] = {name: _Peer(score=self._initial) for name in names}
 
-    def _get(self, peer: str) -> _Peer:
-        try:
-            return self._peers[peer]
-        except KeyError:
-            raise KeyError(f"unknown peer {peer!r}") from None
+    def add(self, peer: str) -> None:
+        """A new member: up, at ``initial`` score (nothing if known already)."""
+        self._peers.setdefault(peer, _Peer(score=self._initial))
+
+    def remove(self, peer: str) -> None:
+        """A member that left or was forgotten: never chosen or probed again (nothing if unknown)."""
+        self._peers.pop(peer, None)
 
     def choose(self, k: int = 1) -> list[str]:
         """Up to ``k`` distinct peers to fetch from, best first.
@@ -123,7 +125,9 @@ class FlowControl:
         now = self._now()
         admitted = []
         for name in peers:
-            p = self._get(name)
+            p = self._peers.get(name)
+            if p is None:  # not (or no longer) a member
+                continue
             if not p.down:
                 admitted.append(name)
             elif now >= p.next_probe:
@@ -132,8 +136,11 @@ class FlowControl:
         return admitted
 
     def success(self, peer: str) -> None:
-        """A good fetch: ``score += reward`` (clamped); a down peer comes back up at ``initial``, backoff reset."""
-        p = self._get(peer)
+        """A good fetch: ``score += reward`` (clamped); a down peer comes back up at ``initial``, backoff reset.
+        A peer removed meanwhile is ignored."""
+        p = self._peers.get(peer)
+        if p is None:
+            return
         if p.down:
             p.down, p.score, p.backoff, p.next_probe = False, self._initial, 0.0, 0.0
         else:
@@ -143,9 +150,11 @@ class FlowControl:
     def failure(self, peer: str) -> None:
         """A timeout, refusal or rejected reply: ``score -= penalty`` (clamped); down after ``down_after`` in a row.
 
-        A failure of a down peer (a failed probe) doubles its backoff, up to the cap.
+        A failure of a down peer (a failed probe) doubles its backoff, up to the cap. A removed peer is ignored.
         """
-        p = self._get(peer)
+        p = self._peers.get(peer)
+        if p is None:
+            return
         p.score = max(self._floor, p.score - self._penalty)
         p.failures += 1
         if p.down:
@@ -161,7 +170,8 @@ class FlowControl:
 
     def is_up(self, peer: str) -> bool:
         """False while ``peer`` is down (``down_after`` consecutive failures, not yet answered a probe)."""
-        return not self._get(peer).down
+        p = self._peers.get(peer)
+        return p is not None and not p.down
 
     def up_peers(self) -> list[str]:
         """The peers that are up, in construction order."""

@@ -94,6 +94,18 @@ class PushLedger:
                 push.status = "unknown"
             self._cond.notify_all()
 
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Block until every push has its verdict (SETTLE queries answer the unknown ones), at most
+        ``timeout_s``; True if reached."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._open:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
     def unresolved(self) -> list[Push]:
         """The pushes without a verdict yet."""
         with self._cond:

@@ -48,6 +48,13 @@ COUNTERS = (
     "exchanges_committed",  # AD-PSGD exchanges confirmed by the fetcher: mixed at the next update_wait
     "exchanges_aborted",  # exchanges the fetcher withdrew (its reply was lost or rejected)
     "exchanges_expired",  # exchanges neither committed nor aborted in time: dropped, not mixed
+    # membership (docs/membership.md)
+    "joins_admitted",  # JOINs this node answered with its table
+    "joins_refused",  # JOINs refused (name clash, a file node's name, a full table, a key of another name)
+    "left_answers",  # requests answered "left" while this node was leaving
+    "leave_acknowledged",  # members that answered this node's leave announcement
+    "hand_offs",  # push rules: the leave's hand-off of the node's mass taken by a member
+    "peer_setup_failed",  # connections to a member not opened (no public key file for a joined member)
 )
 
 

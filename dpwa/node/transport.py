@@ -21,6 +21,7 @@ Every wait here is a poll with a timeout; ``stop()`` ends a thread within
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -36,7 +37,7 @@ from dpwa.node import wire
 from dpwa.node.frames import discard_rest, receive_payload
 from dpwa.node.inbox import PushReceiver
 from dpwa.node.pushes import Push
-from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Kind, Layout, PayloadReader, WireError
+from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Kind, Layout, MemberNews, PayloadReader, WireError
 from dpwa.utils.socket_thread import POLL_MS, SocketThread
 
 __all__ = [
@@ -110,6 +111,14 @@ class Reply:
     req: int = 0
 
 
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The CURVE identity ZAP gave the connection ``frame`` came on (None without CURVE)."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+
+
 class RxServer(SocketThread):
     """Serves FETCH requests on a bound ROUTER socket by calling ``serve(header) -> Reply``.
 
@@ -133,6 +142,7 @@ class RxServer(SocketThread):
         pushes: PushReceiver | None = None,
         chunk: int = CHUNK_BYTES,
         node: str = "-",
+        membership: Callable[[Header, str | None], bytes | None] | None = None,
     ) -> None:
         # Bind here, in the caller's thread, so that a busy port fails the constructor loudly.
         super().__init__(ctx.socket(zmq.ROUTER), name=name)
@@ -142,6 +152,7 @@ class RxServer(SocketThread):
         self._on_event = on_event
         self._pushes = pushes
         self._node = node
+        self._membership = membership
         self._next_tick = 0.0
         _common_options(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -198,11 +209,15 @@ class RxServer(SocketThread):
             return
         try:
             header = wire.decode_header(head.buffer)
-            if header.kind not in (Kind.FETCH, Kind.PUSH, Kind.SETTLE):
-                raise WireError("header", f"expected FETCH, PUSH or SETTLE, got {header.kind.name}")
+            if header.kind not in (Kind.FETCH, Kind.PUSH, Kind.SETTLE, Kind.JOIN, Kind.MEMBERS):
+                raise WireError("header", f"expected FETCH, PUSH, SETTLE, JOIN or MEMBERS, got {header.kind.name}")
         except WireError as exc:
             log.debug("dropping bad request: %s", exc)
             self._on_event("requests_rejected", 1)
+            return
+        if header.kind in (Kind.JOIN, Kind.MEMBERS):
+            answer = self._membership(header, _user_id(head)) if self._membership is not None else None
+            self._answer(sock, identity, answer)
             return
         if header.kind is not Kind.FETCH:
             self._push_message(sock, identity, header, head)
@@ -262,10 +277,9 @@ class RxServer(SocketThread):
             )
             self._answer(sock, identity, answer)
             return
-        try:
-            user: str | None = head.get("User-Id")  # the CURVE identity ZAP gave the connection
-        except zmq.ZMQError:
-            user = None
+        user = _user_id(head)
+        if header.kind is Kind.PUSH and self._membership is not None:
+            self._membership(header, user)  # the member news it carries
         if whole:
             self._answer(sock, identity, self._pushes.whole(identity, header, user, sock))
         elif header.kind is Kind.PUSH:
@@ -425,12 +439,15 @@ class TxFetcher(threading.Thread):
         on_push: Callable[[Push, str, str], None] | None = None,
         on_push_unknown: Callable[[Push], None] | None = None,
         retry_s: float = 1.0,
+        news: Callable[[str], MemberNews | None] | None = None,
     ) -> None:
         super().__init__(name=name, daemon=True)
         self._ctx = ctx
         self._setup = setup  # (socket, peer) before connect, e.g. make it a CURVE client (dpwa.security.curve)
         self._node = node
         self._endpoints = dict(endpoints)
+        self._peer_changes: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
+        self._news = news or (lambda peer: None)
         self._layouts = layouts
         self._on_target = on_target
         self._on_event = on_event
@@ -463,6 +480,12 @@ class TxFetcher(threading.Thread):
     def submit(self, job: FetchJob) -> None:
         """Queue a job and wake the thread."""
         self._jobs.put(job)
+        self._wake()
+
+    def set_peer(self, peer: str, endpoint: str | None) -> None:
+        """A member joined (or moved): fetch ``peer`` at ``endpoint`` from now on; None: it is gone. Applied by
+        the thread at its next wake; a fetch or push to a peer without an endpoint fails as refused."""
+        self._peer_changes.put((peer, endpoint))
         self._wake()
 
     def submit_push(self, push: Push) -> None:
@@ -498,6 +521,7 @@ class TxFetcher(threading.Thread):
                 if self._wake_rx in events:
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
+                self._apply_peer_changes(poller)
                 for peer, sock in list(self._sockets.items()):
                     if events.get(sock, 0) & zmq.POLLIN:
                         self._receive(poller, job, peer, sock)
@@ -538,6 +562,20 @@ class TxFetcher(threading.Thread):
                 sock.close(linger=0)
             self._wake_rx.close(linger=0)
 
+    def _apply_peer_changes(self, poller: zmq.Poller) -> None:
+        while True:
+            try:
+                peer, endpoint = self._peer_changes.get_nowait()
+            except queue.Empty:
+                return
+            if self._endpoints.get(peer) == endpoint:
+                continue
+            self._reset(poller, peer)
+            if endpoint is None:
+                self._endpoints.pop(peer, None)
+            else:
+                self._endpoints[peer] = endpoint
+
     def _poll_timeout(self, job: FetchJob | None) -> int:
         """Milliseconds until the next deadline of the fetch job or of a push (at most POLL_MS)."""
         due = [job.deadline] if job is not None else []
@@ -577,8 +615,12 @@ class TxFetcher(threading.Thread):
 
     def _send_settles(self, poller: zmq.Poller) -> None:
         for peer, seq, op in self._settles:
+            sock = self._socket(poller, peer)
+            if sock is None:  # no member any more: nobody left to answer
+                self._on_event("settles_dropped", 1)
+                continue
             try:
-                self._socket(poller, peer).send(wire.encode_settle(self._node, seq, op), zmq.NOBLOCK)
+                sock.send(wire.encode_settle(self._node, seq, op), zmq.NOBLOCK)
             except zmq.Again:
                 self._on_event("settles_dropped", 1)  # a query is asked again; an unsent abort expires there
         self._settles.clear()
@@ -590,7 +632,9 @@ class TxFetcher(threading.Thread):
         False when not even the header could be queued (nothing went out). A queue that fills after the
         header leaves the push cut short: the receiver drops it, and a SETTLE settles it."""
         snap = push.snapshot
-        header = wire.encode_push(
+        news = self._news(push.peer)
+        encode = functools.partial(
+            wire.encode_push,
             self._node,
             push.seq,
             clock=snap.clock,
@@ -601,6 +645,10 @@ class TxFetcher(threading.Thread):
             hold=hold,
             whole=len(snap.frames) == 1,
         )
+        try:
+            header = encode(news=news)
+        except ValueError:  # the member table does not fit a header: its digest goes alone
+            header = encode(news=MemberNews(news.digest) if news is not None else None)
         frames: list[zmq.Frame] = []
         started = False
         try:
@@ -632,6 +680,9 @@ class TxFetcher(threading.Thread):
             self._settle_push(push, "refused", "layout")
             return
         sock = self._socket(poller, push.peer)
+        if sock is None:
+            self._settle_push(push, "refused", "not-a-member")  # it left: the mass comes back
+            return
         self._pushes[(push.peer, push.seq)] = push
         if not self._push_frames(sock, push, layouts[0], hold=False):
             self._settle_push(push, "refused", "send-queue-full")  # nothing left: the mass comes back
@@ -660,16 +711,25 @@ class TxFetcher(threading.Thread):
             self._limit_frames(poller, wire_layout)
         return layouts
 
-    def _socket(self, poller: zmq.Poller, peer: str) -> zmq.Socket:
+    def _socket(self, poller: zmq.Poller, peer: str) -> zmq.Socket | None:
+        """The DEALER connected to ``peer`` (opened now if needed); None when ``peer`` is no member any more."""
         sock = self._sockets.get(peer)
         if sock is None:
+            if peer not in self._endpoints:
+                return None
             sock = self._ctx.socket(zmq.DEALER)
             _common_options(sock)
             sock.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             tune_data_socket(sock)
             if self._setup is not None:
-                self._setup(sock, peer)
+                try:
+                    self._setup(sock, peer)
+                except (KeyError, OSError, ValueError) as exc:  # e.g. no public key file for a joined member
+                    sock.close(linger=0)
+                    log.warning("cannot connect to %s: %s", peer, exc)
+                    self._on_event("peer_setup_failed", 1)
+                    return None
             sock.connect(self._endpoints[peer])
             poller.register(sock, zmq.POLLIN)
             self._sockets[peer] = sock
@@ -690,15 +750,12 @@ class TxFetcher(threading.Thread):
             return
         wire_layout = layouts[0]
         exchange = job.push.seq if job.push is not None else -1
-        try:
-            request = wire.encode_fetch(
-                self._node, job.req, wire_layout.fingerprint, job.extras, stream=True, exchange=exchange
-            )
-        except (TypeError, ValueError) as exc:  # a rule's extras too big or not JSON: fetch without them
-            log.warning("request extras dropped: %s", exc)
-            request = wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, stream=True, exchange=exchange)
         for target in job.targets:
+            request = self._fetch_request(job, wire_layout, exchange, self._news(target.peer))
             sock = self._socket(poller, target.peer)
+            if sock is None:
+                self._finish(job, target, "refused", "not-a-member", f"{target.peer} is no member any more")
+                continue
             if job.push is not None and target.peer == job.push.peer:  # the exchange's push goes first
                 job.push.status = "sending"
                 if not self._push_frames(sock, job.push, wire_layout, hold=True):
@@ -711,6 +768,18 @@ class TxFetcher(threading.Thread):
             except zmq.Again:
                 self._finish(job, target, "timeout", "send-queue-full", "send queue full")
                 self._reset(poller, target.peer)
+
+    def _fetch_request(self, job: FetchJob, wire_layout: Layout, exchange: int, news: MemberNews | None) -> bytes:
+        """The FETCH of ``job``; without the rule's extras when they do not encode, without the member table
+        when it does not fit a header (the digest still goes)."""
+        for extras, sent in ((job.extras, news), (None, news), (None, MemberNews(news.digest) if news else None)):
+            try:
+                return wire.encode_fetch(
+                    self._node, job.req, wire_layout.fingerprint, extras, stream=True, exchange=exchange, news=sent
+                )
+            except (TypeError, ValueError) as exc:  # too big, or extras not JSON: try with less
+                log.warning("request extras or member table dropped: %s", exc)
+        return wire.encode_fetch(self._node, job.req, wire_layout.fingerprint, stream=True, exchange=exchange)
 
     def _limit_frames(self, poller: zmq.Poller, wire_layout: Layout) -> None:
         """ZMQ_MAXMSGSIZE of the DEALERs from the layout replies must have (libzmq applies it to every frame).

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from dpwa.node.members import Member, from_wire, to_wire
 from dpwa.utils.bfloat16 import BFLOAT16, from_float32, is_bfloat16
 from dpwa.utils.bfloat16 import isfinite as bf16_isfinite
 
@@ -55,6 +56,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_NAME_CHARS",
     "MAX_REQ",
+    "MemberNews",
     "PROTOCOL_VERSION",
     "SUPPORTED_DTYPES",
     "WIRE_DTYPES",
@@ -77,6 +79,8 @@ __all__ = [
     "encode_ack",
     "encode_error",
     "encode_fetch",
+    "encode_join",
+    "encode_members",
     "encode_push",
     "encode_settle",
     "encode_state",
@@ -108,7 +112,8 @@ BLOCK = 1 << 17
 
 
 class Kind(enum.IntEnum):
-    """What a message is: a fetch request, a state reply, an error reply, a push, its ack, or a settle."""
+    """What a message is: a fetch request, a state reply, an error reply, a push, its ack, a settle, a join
+    request, or a member table (the answer to a join, or a leave announcement)."""
 
     FETCH = 1
     STATE = 2
@@ -116,6 +121,8 @@ class Kind(enum.IntEnum):
     PUSH = 4
     ACK = 5
     SETTLE = 6
+    JOIN = 7
+    MEMBERS = 8
 
 
 SETTLE_OPS = ("query", "commit", "abort")
@@ -134,6 +141,10 @@ class ErrorCode(str, enum.Enum):
     """A push (or settle) sent to a node whose rule takes none."""
     NOT_DELIVERED = "not-delivered"
     """A push that did not arrive whole and never will: the answer to a SETTLE about it."""
+    JOIN_REFUSED = "join-refused"
+    """A JOIN this node does not admit (a name clash, a file node's name, a full table); the detail says which."""
+    LEFT = "left"
+    """The node has left the cluster (a clean close); the error carries its member table saying so."""
 
 
 class WireError(Exception):
@@ -295,9 +306,31 @@ class Header:
     """FETCH: the sequence number of the PUSH this fetch answers (an exchange), -1 for a plain fetch."""
     op: str = ""
     """SETTLE: one of :data:`SETTLE_OPS`."""
+    digest: str = ""
+    """The sender's member table digest (:meth:`~dpwa.node.members.MemberTable.digest`); "" when not sent."""
+    members: tuple[Member, ...] | None = None
+    """The sender's whole member table, sent when it believes the receiver's differs (shape-checked here)."""
+    host: str = ""
+    port: int = 0
+    """JOIN: where the joining node listens."""
+    permanent: tuple[str, ...] = ()
+    """MEMBERS answering a JOIN: the names of the cluster file's nodes (members never forgotten)."""
 
 
-def _encode(kind: Kind, body: dict[str, Any]) -> bytes:
+@dataclass(frozen=True)
+class MemberNews:
+    """What a message says about the sender's member table: its digest, and the whole table when the sender
+    believes the receiver's differs (``members`` None: digest only)."""
+
+    digest: str
+    members: Sequence[Member] | None = None
+
+
+def _encode(kind: Kind, body: dict[str, Any], news: MemberNews | None = None) -> bytes:
+    if news is not None:
+        body["md"] = news.digest
+        if news.members is not None:
+            body["members"] = to_wire(news.members)
     data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     if len(data) + _PREFIX.size > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -312,6 +345,7 @@ def encode_fetch(
     *,
     stream: bool = False,
     exchange: int = -1,
+    news: MemberNews | None = None,
 ) -> bytes:
     """A request for the peer's latest snapshot, optionally carrying the requester's rule extras.
 
@@ -324,7 +358,7 @@ def encode_fetch(
         body["stream"] = True
     if exchange >= 0:
         body["exchange"] = exchange
-    return _encode(Kind.FETCH, body)
+    return _encode(Kind.FETCH, body, news)
 
 
 def encode_push(
@@ -338,6 +372,7 @@ def encode_push(
     chunk: int = CHUNK_BYTES,
     hold: bool = False,
     whole: bool = False,
+    news: MemberNews | None = None,
 ) -> bytes:
     """The header of push ``seq`` of a snapshot of (wire) ``layout``; its chunks follow as tagged messages,
     or, ``whole`` (a layout of one chunk), its one chunk follows in the same message.
@@ -348,7 +383,7 @@ def encode_push(
         body["stream"] = True
     if hold:
         body["hold"] = True
-    return _encode(Kind.PUSH, body)
+    return _encode(Kind.PUSH, body, news)
 
 
 def encode_ack(node: str, seq: int) -> bytes:
@@ -373,12 +408,13 @@ def encode_state(
     layout: Layout,
     chunk: int = CHUNK_BYTES,
     stream: bool = False,
+    news: MemberNews | None = None,
 ) -> bytes:
     """The header of a reply carrying a snapshot of (wire) ``layout``; ``stream``: the chunks follow as messages."""
     body = _payload_body(node, req, clock, loss, extras, layout, chunk)
     if stream:
         body["stream"] = True
-    return _encode(Kind.STATE, body)
+    return _encode(Kind.STATE, body, news)
 
 
 def _payload_body(
@@ -416,9 +452,25 @@ def decode_chunk_tag(frame: bytes | memoryview) -> tuple[int, int] | None:
     return req, index
 
 
-def encode_error(node: str, req: int, code: ErrorCode, detail: str = "") -> bytes:
+def encode_error(node: str, req: int, code: ErrorCode, detail: str = "", news: MemberNews | None = None) -> bytes:
     """A refusal, e.g. no snapshot published yet or a layout mismatch."""
-    return _encode(Kind.ERROR, {"node": node, "req": req, "code": code.value, "detail": detail[:1000]})
+    return _encode(Kind.ERROR, {"node": node, "req": req, "code": code.value, "detail": detail[:1000]}, news)
+
+
+def encode_join(node: str, req: int, host: str, port: int) -> bytes:
+    """Node ``node``, listening on ``host:port``, asks to join; the answer is MEMBERS or ERROR join-refused."""
+    return _encode(Kind.JOIN, {"node": node, "req": req, "host": host, "port": port})
+
+
+def encode_members(node: str, req: int, news: MemberNews, permanent: Sequence[str] = ()) -> bytes:
+    """``node``'s member table (``news.members`` must be set): a join's answer (with the names of the cluster
+    file's nodes, ``permanent``), or a leave announcement."""
+    if news.members is None:
+        raise ValueError("a MEMBERS message carries the whole table")
+    body: dict[str, Any] = {"node": node, "req": req}
+    if permanent:
+        body["permanent"] = list(permanent)
+    return _encode(Kind.MEMBERS, body, news)
 
 
 def _reject_constant(name: str) -> float:
@@ -456,6 +508,16 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if not 0 < len(node) <= MAX_NAME_CHARS:
         raise WireError("header", "bad node name")
     req = _field(body, "req", int)
+    digest, members = _member_news(body)
+    if kind is Kind.JOIN:
+        return Header(kind, node, req, host=_field(body, "host", str)[:MAX_NAME_CHARS], port=_field(body, "port", int))
+    if kind is Kind.MEMBERS:
+        if members is None:
+            raise WireError("header", "a MEMBERS message without members")
+        permanent = body.get("permanent", [])
+        if not isinstance(permanent, list) or not all(isinstance(n, str) for n in permanent):
+            raise WireError("header", "field 'permanent' of the wrong type")
+        return Header(kind, node, req, digest=digest, members=members, permanent=tuple(permanent))
     if kind is Kind.FETCH:
         extras = body.get("extras", {})
         if not isinstance(extras, dict):
@@ -471,9 +533,19 @@ def decode_header(frame: bytes | memoryview) -> Header:
             extras=extras,
             stream=_flag(body, "stream"),
             exchange=exchange,
+            digest=digest,
+            members=members,
         )
     if kind is Kind.ERROR:
-        return Header(kind, node, req, code=_field(body, "code", str), detail=str(body.get("detail", ""))[:1000])
+        return Header(
+            kind,
+            node,
+            req,
+            code=_field(body, "code", str),
+            detail=str(body.get("detail", ""))[:1000],
+            digest=digest,
+            members=members,
+        )
     if kind is Kind.ACK:
         return Header(kind, node, req)
     if kind is Kind.SETTLE:
@@ -502,7 +574,22 @@ def decode_header(frame: bytes | memoryview) -> Header:
         nframes=_field(body, "nframes", int),
         stream=_flag(body, "stream"),
         hold=_flag(body, "hold") if kind is Kind.PUSH else False,
+        digest=digest,
+        members=members,
     )
+
+
+def _member_news(body: dict[str, Any]) -> tuple[str, tuple[Member, ...] | None]:
+    """The optional ``md`` (a digest: 16 hex digits) and ``members`` (see :func:`~dpwa.node.members.from_wire`)."""
+    digest = body.get("md", "")
+    if not isinstance(digest, str) or len(digest) > 16:
+        raise WireError("header", "field 'md' of the wrong type")
+    if "members" not in body:
+        return digest, None
+    members = from_wire(body["members"])
+    if members is None:
+        raise WireError("header", "field 'members' malformed")
+    return digest, tuple(members)
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:

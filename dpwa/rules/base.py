@@ -14,6 +14,8 @@ or ``exchange`` (a fetch that carries one's own snapshot: both ends of the pair 
 Which thread calls what (the connection and the simulator guarantee it):
 
 * :meth:`Rule.initial_extras` -- once, when the node starts;
+* :meth:`Rule.on_members` -- any thread, under the state lock, when the member table changed;
+* :meth:`Rule.hand_off` -- trainer thread, under the state lock, once, when the node leaves cleanly;
 * :meth:`Rule.on_publish` -- trainer thread, at ``update_send``, after the snapshot is published;
 * :meth:`Rule.request_extras` -- trainer thread, when a fetch starts (sent with the request);
 * :meth:`Rule.push_shares` -- trainer thread, under the state lock, when pushes start (``push`` rules);
@@ -120,6 +122,18 @@ class Rule(ABC):
         Returns the rule's part of the node's state (push-sum: ``{"weight": 1.0}``); default ``{}``.
         """
         return {}
+
+    def on_members(self, me: str, names: Sequence[str], mass: float) -> None:  # noqa: B027 - optional hook
+        """Under the state lock, when the members changed (a join, a leave, a member forgotten): ``names`` are the
+        members now (schedule order, ``me`` included), ``mass`` a bound on the cluster's push-sum mass (one unit
+        per member ever admitted). Rules that keep per-member state (groups, leader tables) follow; default no-op.
+        """
+
+    def hand_off(self, own: NodeState) -> dict[str, Any] | None:
+        """Under the state lock, when the node leaves cleanly: the extras of one last push that hands what the
+        node holds to a member (push-sum: its whole weight, ``w <- 0``), or None when leaving loses nothing.
+        A refused hand-off comes back as a returned push, like any other."""
+        return None
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:  # noqa: B027 - optional hook
         """At ``update_send``: ``published`` are read-only views of the parameters just published.

@@ -70,8 +70,12 @@ class DpsgdRule(Rule):
         }
 
     def initial_extras(self, me: str, names: Sequence[str]) -> dict[str, Any]:
-        self._degree = len(neighbours(list(names).index(me), len(names), self.graph)) if me in names else 0
+        self.on_members(me, names, float(len(names)))
         return {}
+
+    def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
+        """My degree on the graph of the current members (left-out counts follow it)."""
+        self._degree = len(neighbours(list(names).index(me), len(names), self.graph)) if me in names else 0
 
     def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
         """Average the fresh neighbours in with weight ``1/(d+1)`` each; the factor is their total weight."""

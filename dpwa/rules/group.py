@@ -102,6 +102,10 @@ class GroupRule(Rule):
         self._rank = {n: i for i, n in enumerate(names)}
         return {}
 
+    def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
+        """Ranks follow the members' order (groups are recomputed from it every step)."""
+        self._rank = {n: i for i, n in enumerate(names)}
+
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         """Keep the views of ``x_pub`` (valid until the next ``update_send``) and count the step."""
         self._published = list(published)

@@ -167,6 +167,14 @@ class LeaderRule(Rule):
             self._group = frozenset({me})
         return {"leaders": {}, "pull": None}
 
+    def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
+        """Members came or went: entries of every member are taken; my group is recomputed on the new order."""
+        names = list(names) if me in names else [me, *names]
+        self._names = frozenset(names)
+        if self.group_size:
+            g = names.index(me) // self.group_size
+            self._group = frozenset(n for i, n in enumerate(names) if i // self.group_size == g)
+
     def mean_loss(self) -> float:
         """Mean of the last ``window`` losses; inf before any, :data:`UNKNOWN_LOSS` if one is not finite."""
         if not self._losses:

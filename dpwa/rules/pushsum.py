@@ -16,6 +16,11 @@ snapshot back in with the weight it gave), and a push whose ACK was lost is sett
 sequence number (``dpwa.node.pushes``). So ``sum(w) + in_flight == N`` at all times, and
 ``sum(w) == N`` once no push is in flight and every inbox is drained.
 
+Members that come and go (docs/membership.md): a joining node brings its own unit (``w = 1``, its model
+counted like a founding node's), so ``N`` is the number of members ever admitted; a node leaving cleanly
+first hands its whole ``(x, w)`` to a member (:meth:`PushSumRule.hand_off`), so no mass leaves with it.
+Only a node that dies takes its mass along (as in any push-sum).
+
 ``overlap`` (OSGP's tau): ``update_wait`` returns while at most ``overlap`` of the node's
 pushes still await their ACK; 0 is SGP (every push acknowledged by the step's end).
 """
@@ -87,6 +92,16 @@ class PushSumRule(Rule):
     def initial_extras(self, me: str, names: Sequence[str]) -> dict[str, Any]:
         self._n_nodes = float(max(1, len(names)))
         return {"weight": 1.0}
+
+    def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
+        """A member joined with its own unit of mass: the sanity bound on a message's weight follows."""
+        self._n_nodes = max(self._n_nodes if math.isfinite(self._n_nodes) else 1.0, float(mass))
+
+    def hand_off(self, own: NodeState) -> dict[str, Any] | None:
+        """Leaving: hand the whole ``(x, w)`` to one member (``{"w_given": w}``), ``w <- 0``."""
+        given = self.weight(own)
+        own.extras["weight"] = 0.0
+        return {"w_given": given}
 
     def push_shares(self, own: NodeState, targets: int) -> list[dict[str, Any]]:
         """``w <- w/(k+1)``; each of the ``k`` pushes carries ``{"w_given": w/(k+1)}``."""

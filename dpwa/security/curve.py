@@ -12,7 +12,11 @@ context; every node has its own, so nodes in one process never share a handler).
 before the ROUTER and kept until the ROUTER is closed: a CURVE server without a ZAP handler
 admits any client that knows its public key. :class:`NodeSecurity` does both in that order.
 
-Keys are read once, when the node starts; new keys need a restart.
+The key directory is the membership list: besides the cluster file's nodes, the handler admits
+any key ``NAME.key`` in the directory, re-reading it when an unknown key knocks (at most once a
+second), so a node joining a running cluster (docs/membership.md) needs only its public key
+placed in the directory every member reads. A joined member's public key is read from the same
+directory when a node first connects to it.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import zmq
 from zmq.utils import z85
 
-from dpwa.security.keyfiles import read_key_file
+from dpwa.security.keyfiles import PUBLIC_SUFFIX, KeyFileError, public_path, read_key_file
 from dpwa.security.zap import ZAP_DOMAIN, ZapHandler
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,7 @@ class NodeSecurity:
         public_files: Mapping[str, str | os.PathLike[str]],
         ctx: zmq.Context,
         on_denied: Callable[[str], None],
+        keys_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.public, secret = read_key_file(secret_file, secret=True)
         assert secret is not None
@@ -61,10 +67,36 @@ class NodeSecurity:
         self.peers = {peer: read_key_file(path)[0] for peer, path in public_files.items()}
         _warn_if_readable(secret_file)
         self.name = name
+        self._keys_dir = keys_dir
         self.zap = ZapHandler(
-            ctx, {z85.decode(key): peer for peer, key in self.peers.items()}, on_denied, name=f"dpwa-zap-{name}"
+            ctx,
+            {z85.decode(key): peer for peer, key in self.peers.items()},
+            on_denied,
+            name=f"dpwa-zap-{name}",
+            reload=self.allowed_keys if keys_dir is not None else None,
         )
         self.zap.start()
+
+    def allowed_keys(self) -> dict[bytes, str]:
+        """Every public key the node admits: the cluster file's, and every ``NAME.key`` in the key directory."""
+        allowed = {z85.decode(key): peer for peer, key in self.peers.items()}
+        if self._keys_dir is not None:
+            for path in sorted(Path(self._keys_dir).glob(f"*{PUBLIC_SUFFIX}")):
+                member = path.name[: -len(PUBLIC_SUFFIX)]
+                try:
+                    allowed.setdefault(z85.decode(read_key_file(path)[0]), member)
+                except (KeyFileError, ValueError):
+                    continue  # not a key file: not a member
+        return allowed
+
+    def peer_key(self, peer: str) -> bytes:
+        """``peer``'s public key: the file's, else ``NAME.key`` from the key directory (KeyFileError if none)."""
+        key = self.peers.get(peer)
+        if key is None:
+            if self._keys_dir is None:
+                raise KeyFileError(f"no public key for {peer!r}")
+            key = self.peers[peer] = read_key_file(public_path(self._keys_dir, peer))[0]
+        return key
 
     def server(self, sock: zmq.Socket) -> None:
         """Make ``sock`` (not yet bound) a CURVE server with this node's secret key, authenticated by ZAP."""
@@ -74,7 +106,7 @@ class NodeSecurity:
 
     def client(self, sock: zmq.Socket, peer: str) -> None:
         """Make ``sock`` (not yet connected) a CURVE client of ``peer`` with this node's key pair."""
-        sock.setsockopt(zmq.CURVE_SERVERKEY, self.peers[peer])
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.peer_key(peer))
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)
 

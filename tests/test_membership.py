@@ -1,0 +1,382 @@
+"""Elastic membership on the network: joining, leaving cleanly, dying, push-sum mass, forged tables, CURVE joins.
+
+Nodes run in this process (one trainer thread each), on free ports of 127.0.0.1; every wait is on a
+condition with a deadline. "Killed" nodes stop without a word (``close(announce=False)`` on the node
+underneath: its threads end and its port closes, exactly what its peers see of a SIGKILL).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from conftest import free_ports, port_is_free, wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpwa.config import ClusterConfig, NodeSpec, SecurityConfig
+from dpwa.node import wire
+from dpwa.node.connection import DpwaConnection
+from dpwa.node.members import JoinRefused, Member
+from dpwa.security.keys import generate_keys
+
+pytestmark = [pytest.mark.integration]
+
+FAST = {"timeout_ms": 1000.0, "forget_after_s": 2.0}
+
+
+class Trainers:
+    """One thread per connection running update_send / a short step / update_wait until stopped."""
+
+    def __init__(self) -> None:
+        self.stops: dict[str, threading.Event] = {}
+        self.threads: dict[str, threading.Thread] = {}
+        self.params: dict[str, list[np.ndarray]] = {}
+        self.errors: list[BaseException] = []
+
+    def start(self, conn: DpwaConnection, value: float, step_s: float = 0.004) -> None:
+        params = [np.full(64, value), np.full((3, 3), value)]
+        self.params[conn.name] = params
+        stop = self.stops[conn.name] = threading.Event()
+
+        def loop() -> None:
+            try:
+                while not stop.is_set():
+                    conn.update_send(params, 1.0)
+                    time.sleep(step_s)
+                    conn.update_wait(1.0)
+            except BaseException as exc:  # surfaced by halt()
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=loop, name=f"trainer-{conn.name}")
+        self.threads[conn.name] = thread
+        thread.start()
+
+    def halt(self, names: Sequence[str] | None = None) -> None:
+        """Stop the trainers (``names``, else all) and wait for them."""
+        names = list(self.threads) if names is None else names
+        for name in names:
+            self.stops[name].set()
+        for name in names:
+            self.threads[name].join(timeout=30)
+            assert not self.threads[name].is_alive(), f"trainer {name} hung"
+        assert not self.errors, self.errors
+
+
+def founders(n: int, ports: Sequence[int], **settings: Any) -> tuple[ClusterConfig, list[DpwaConnection]]:
+    nodes = tuple(NodeSpec(f"w{i + 1}", "127.0.0.1", p) for i, p in enumerate(ports[:n]))
+    cfg = ClusterConfig(nodes=nodes, **{**FAST, **settings})
+    return cfg, [DpwaConnection(node.name, cfg, seed=i) for i, node in enumerate(nodes)]
+
+
+def joiner(name: str, port: int, via: int, **settings: Any) -> DpwaConnection:
+    cfg = ClusterConfig(nodes=(NodeSpec(name, "127.0.0.1", port),), **{"join": f"127.0.0.1:{via}", **FAST, **settings})
+    return DpwaConnection(name, cfg, seed=hash(name) % 1000)
+
+
+def states(conn: DpwaConnection) -> dict[str, str]:
+    return {name: m["state"] for name, m in conn.stats()["members"].items()}
+
+
+def fetched_ok(conn: DpwaConnection, peer: str) -> int:
+    return conn.stats()["by_peer"].get(peer, {}).get("ok", 0)
+
+
+def flat(params: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([a.ravel() for a in params])
+
+
+def close_all(conns: Sequence[DpwaConnection]) -> None:
+    for c in conns:
+        c.close()
+
+
+# --------------------------------------------------------------------------- joining
+
+
+def test_two_nodes_join_a_running_cluster_every_node_lists_five_and_mixes_with_them() -> None:
+    ports = free_ports(5)
+    _, conns = founders(3, ports)
+    trainers = Trainers()
+    joiners: list[DpwaConnection] = []
+    try:
+        for i, c in enumerate(conns):
+            trainers.start(c, float(i))
+        wait_until(lambda: all(fetched_ok(c, p) > 5 for c in conns for p in ("w1", "w2", "w3") if p != c.name), 20)
+        joiners = [joiner("j1", ports[3], via=ports[0]), joiner("j2", ports[4], via=ports[2])]
+        for j, value in zip(joiners, (100.0, -100.0)):
+            trainers.start(j, value)
+        everyone = conns + joiners
+        names = {"w1", "w2", "w3", "j1", "j2"}
+        wait_until(
+            lambda: all(set(states(c)) == names and set(states(c).values()) == {"alive"} for c in everyone),
+            20,
+            message="every node lists all five alive",
+        )
+        wait_until(
+            lambda: all(fetched_ok(c, j.name) > 0 for c in conns for j in joiners), 20, message="mixed with joiners"
+        )
+        # the joiners started 100 away from the cluster; they end up within its spread
+        wait_until(
+            lambda: np.ptp([flat(trainers.params[c.name]).mean() for c in everyone]) < 1.0,
+            30,
+            message="joiners reach the cluster's spread",
+        )
+        trainers.halt()
+        assert all(c.stats()["members_alive"] == 5 for c in everyone)
+        digests = {c.stats()["members_digest"] for c in everyone}
+        assert len(digests) == 1  # one table everywhere
+    finally:
+        trainers.halt()
+        close_all(joiners + conns)
+
+
+def test_a_name_clash_and_a_file_nodes_name_are_refused_with_the_reason() -> None:
+    ports = free_ports(4)
+    _, conns = founders(2, ports)
+    try:
+        first = joiner("j1", ports[2], via=ports[0])
+        try:
+            with pytest.raises(JoinRefused, match="name 'j1' is taken by the member at 127.0.0.1"):
+                joiner("j1", ports[3], via=ports[0])
+            with pytest.raises(JoinRefused, match="'w2' is a node of the cluster file"):
+                joiner("w2", ports[3], via=ports[0])
+        finally:
+            first.close()
+        # j1 left cleanly: its name is free again, at any address, as its next incarnation
+        wait_until(lambda: states(conns[1]).get("j1") == "left", 10)
+        again = joiner("j1", ports[3], via=ports[1])
+        try:
+            assert again.stats()["members"]["j1"]["version"] == 2  # joined 0, left 1, joined again 2
+        finally:
+            again.close()
+        assert port_is_free(ports[2]) and port_is_free(ports[3])
+    finally:
+        close_all(conns)
+
+
+def test_joining_nowhere_times_out_with_a_clear_error() -> None:
+    (port, nobody) = free_ports(2)
+    with pytest.raises(TimeoutError, match=r"no answer to its JOIN from 127\.0\.0\.1:\d+ in 1 s"):
+        joiner("j1", port, via=nobody, join_timeout_s=1.0)
+    assert port_is_free(port)
+
+
+# --------------------------------------------------------------------------- leaving and dying
+
+
+def test_a_clean_leave_is_known_everywhere_and_nobody_times_out_on_it() -> None:
+    ports = free_ports(4)
+    _, conns = founders(3, ports)
+    trainers = Trainers()
+    leaver = joiner("j1", ports[3], via=ports[1])
+    try:
+        for i, c in enumerate([*conns, leaver]):
+            trainers.start(c, float(i))
+        wait_until(lambda: all(fetched_ok(c, "j1") > 3 for c in conns), 20, message="everyone fetches j1")
+        trainers.halt(["j1"])
+        leaver.close()
+        wait_until(lambda: all(states(c).get("j1") in ("left", None) for c in conns), 5, message="j1 left everywhere")
+        before = {c.name: dict(c.stats()["by_peer"].get("j1", {})) for c in conns}
+        time.sleep(0.5)  # the others keep training: none may ask j1 again
+        trainers.halt()
+        for c in conns:
+            after = c.stats()["by_peer"].get("j1", {})
+            assert after == before[c.name], f"{c.name} still fetched j1 after it left"
+            assert after.get("timeout", 0) == 0, f"{c.name} timed out on j1"
+            assert "j1" not in c.stats()["scores"]
+    finally:
+        trainers.halt()
+        close_all(conns)
+
+
+def test_a_killed_member_is_suspected_then_forgotten_and_probing_stops() -> None:
+    ports = free_ports(4)
+    _, conns = founders(3, ports, forget_after_s=2.0)
+    trainers = Trainers()
+    victim = joiner("j9", ports[3], via=ports[0])
+    try:
+        for i, c in enumerate(conns):
+            trainers.start(c, float(i))
+        wait_until(lambda: all(states(c).get("j9") == "alive" for c in conns), 10)
+        victim._node.close(announce=False)  # no leave announced: what its peers see of a SIGKILL
+        wait_until(lambda: all(states(c).get("j9") == "suspected" for c in conns), 15, message="suspected everywhere")
+        wait_until(lambda: all("j9" not in states(c) for c in conns), 15, message="forgotten everywhere")
+        asked = [sum(c.stats()["by_peer"].get("j9", {}).values()) for c in conns]
+        time.sleep(1.5)  # a down peer is probed every second or more: long enough to see a probe
+        assert [sum(c.stats()["by_peer"].get("j9", {}).values()) for c in conns] == asked
+        assert all("j9" not in c.stats()["scores"] for c in conns)
+    finally:
+        trainers.halt()
+        victim.close()
+        close_all(conns)
+
+
+# --------------------------------------------------------------------------- push-sum mass
+
+
+def quiesce(conns: Sequence[DpwaConnection], timeout: float = 20.0) -> None:
+    """Let every push settle and every inbox drain (update_wait without update_send folds what arrived)."""
+
+    def quiet() -> bool:
+        for c in conns:
+            c.update_wait(1.0)
+        stats = [c.stats() for c in conns]
+        return all(s.get("pushes_unsettled", 0) == 0 and s.get("inbox_occupied", 0) == 0 for s in stats)
+
+    wait_until(quiet, timeout, message="pushes settled and inboxes drained")
+
+
+def weight(conn: DpwaConnection) -> float:
+    return float(conn.dpwa_state().extras["weight"])
+
+
+def test_pushsum_mass_stays_exact_across_a_join_and_a_clean_leave() -> None:
+    """A joiner brings one unit; a leaver hands its whole mass to a member: sum(w) == members admitted (1e-9)."""
+    ports = free_ports(5)
+    _, conns = founders(3, ports, interpolation="pushsum")
+    trainers = Trainers()
+    joiners: list[DpwaConnection] = []
+    try:
+        for i, c in enumerate(conns):
+            trainers.start(c, float(i))
+        wait_until(lambda: all(c.stats()["pushes_delivered"] > 10 for c in conns), 20)
+        joiners = [
+            joiner("j1", ports[3], via=ports[0], interpolation="pushsum"),
+            joiner("j2", ports[4], via=ports[1], interpolation="pushsum"),
+        ]
+        for j in joiners:
+            trainers.start(j, 10.0)
+        everyone = conns + joiners
+        wait_until(lambda: all(c.stats()["pushes_delivered"] > 10 for c in joiners), 20, message="joiners push")
+        wait_until(lambda: all(c.stats()["pushes_received"] > 5 for c in joiners), 20, message="joiners receive")
+        trainers.halt()
+        quiesce(everyone)
+        assert math.fsum(weight(c) for c in everyone) == pytest.approx(5.0, abs=1e-9)
+        # j1 leaves cleanly: its mass goes to a member, nothing is lost
+        joiners[0].close()
+        rest = conns + joiners[1:]
+        assert weight(joiners[0]) == 0.0 and joiners[0].stats()["hand_offs"] == 1
+        quiesce(rest)
+        assert math.fsum(weight(c) for c in rest) == pytest.approx(5.0, abs=1e-9)
+        wait_until(lambda: all(states(c).get("j1") == "left" for c in rest), 5)
+    finally:
+        trainers.halt()
+        close_all(joiners + conns)
+
+
+# --------------------------------------------------------------------------- hostile tables
+
+entries = st.builds(
+    Member,
+    name=st.one_of(st.sampled_from(["w1", "w2", "j1"]), st.from_regex(r"[a-z][a-z0-9]{0,6}", fullmatch=True)),
+    host=st.sampled_from(["127.0.0.1", "10.66.0.1", "evil.example"]),
+    port=st.integers(1, 65535),
+    state=st.sampled_from(["alive", "suspected", "left"]),
+    version=st.one_of(st.integers(0, 3), st.just(2**53), st.integers(2**40, 2**53)),
+)
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    """A two-node cluster (w1 is attacked) with a small table: at most 8 joined members."""
+    ports = free_ports(2)
+    _, conns = founders(2, ports, max_members=8)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{ports[0]}")
+    yield conns, sock, ports
+    sock.close(linger=0)
+    ctx.term()
+    close_all(conns)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flood=st.lists(st.lists(entries, min_size=1, max_size=40), min_size=1, max_size=5))
+def test_forged_tables_cost_bounded_memory_and_never_move_or_remove_a_file_node(target: Any, flood: Any) -> None:
+    conns, sock, ports = target
+    w1 = conns[0]
+    for i, batch in enumerate(flood):
+        news = wire.MemberNews("0" * 16, batch)
+        kind = i % 2
+        message = (
+            wire.encode_members("mallory", i, news)
+            if kind
+            else wire.encode_fetch("mallory", i, "fp", news=news)  # a FETCH carrying a forged table
+        )
+        sock.send(message)
+    sock.send(wire.encode_members("mallory", 10**6, wire.MemberNews("0" * 16, [])))
+    wait_until(lambda: sock.poll(0) or sock.poll(50), 10, message="the node answered the last message")
+    while sock.poll(0):
+        sock.recv_multipart()
+    table = w1.stats()["members"]
+    assert len(table) <= 2 + 8  # the file's nodes + max_members
+    assert table["w1"]["host"] == "127.0.0.1" and table["w1"]["port"] == ports[0]
+    assert table["w2"]["host"] == "127.0.0.1" and table["w2"]["port"] == ports[1]
+    assert table["w1"]["state"] == "alive"  # a forged "w1 left" is refuted at once by w1 itself
+    assert w1.stats()["rx_alive"] and w1.stats()["tx_alive"]
+
+
+def test_member_lists_of_the_wrong_shape_are_dropped_as_malformed() -> None:
+    good = wire.encode_members("w1", 1, wire.MemberNews("ab" * 8, [Member("j1", "127.0.0.1", 5000, "alive", 3)]))
+    header = wire.decode_header(good)
+    assert header.members == (Member("j1", "127.0.0.1", 5000, "alive", 3),) and header.digest == "ab" * 8
+    for raw in (
+        {"node": "x", "req": 1, "members": [["j1", "h", 1, "alive"]]},  # four fields
+        {"node": "x", "req": 1, "members": [["j1", "h", "1", "alive", 0]]},  # a port as text
+        {"node": "x", "req": 1, "members": [["j1", "h", 1, "alive", True]]},  # a bool version
+        {"node": "x", "req": 1, "members": "all"},
+        {"node": "x", "req": 1, "members": [], "md": 7},
+    ):
+        with pytest.raises(wire.WireError):
+            wire.decode_header(wire._encode(wire.Kind.MEMBERS, raw))
+    with pytest.raises(wire.WireError, match="without members"):
+        wire.decode_header(wire._encode(wire.Kind.MEMBERS, {"node": "x", "req": 1}))
+
+
+# --------------------------------------------------------------------------- CURVE
+
+
+def test_with_curve_the_key_directory_is_the_membership_list(tmp_path: Path) -> None:
+    """A joiner whose key is not in the directory is never admitted; once its key file is there, it joins."""
+    keys = tmp_path / "keys"
+    generate_keys(["w1", "w2"], keys)
+    ports = free_ports(3)
+    security = SecurityConfig(True, str(keys))
+    _, conns = founders(2, ports, security=security)
+    outsider_keys = tmp_path / "outsider"
+    generate_keys(["j1"], outsider_keys)
+    for name in ("w1", "w2"):  # the outsider knows the members' public keys, not the other way round
+        (outsider_keys / f"{name}.key").write_text((keys / f"{name}.key").read_text())
+    try:
+        with pytest.raises(TimeoutError, match="is j1.key in every member's key directory"):
+            joiner(
+                "j1",
+                ports[2],
+                via=ports[0],
+                join=f"w1@127.0.0.1:{ports[0]}",
+                join_timeout_s=1.5,
+                security=SecurityConfig(True, str(outsider_keys)),
+            )
+        assert conns[0].stats()["auth_denied"] > 0 and "j1" not in states(conns[0])
+        (keys / "j1.key").write_text((outsider_keys / "j1.key").read_text())  # now listed
+        j1 = joiner(
+            "j1",
+            ports[2],
+            via=ports[0],
+            join=f"w1@127.0.0.1:{ports[0]}",
+            security=SecurityConfig(True, str(outsider_keys)),
+        )
+        try:
+            assert states(conns[0])["j1"] == "alive"
+        finally:
+            j1.close()
+    finally:
+        close_all(conns)
