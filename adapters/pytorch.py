@@ -55,9 +55,10 @@ import torch
 from dpwa.adapters.rendezvous import RendezvousError, rendezvous
 from dpwa.adapters.torch_state import load_model_arrays, load_optimizer_parts, model_arrays, optimizer_parts
 from dpwa.checkpoint import DpwaState, checkpoint_path, load_latest, write_checkpoint
-from dpwa.config import ClusterConfig, resolve_config
+from dpwa.config import ClusterConfig, ConfigError, NodeSpec, resolve_config
 from dpwa.engines import EngineError, engine_nodes
-from dpwa.engines.local import PortReservation
+from dpwa.engines.join import JOIN_ENV, joining_nodes
+from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.engines.slurm import in_slurm_step
 from dpwa.engines.variables import in_torch_launch
 from dpwa.metrics import MetricsWriter
@@ -174,6 +175,34 @@ class Restored:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _joining_node(
+    name: str | None, config: ClusterConfig | str | os.PathLike[str] | None, join: str
+) -> tuple[str, ClusterConfig, PortReservation | None]:
+    """``DPWA_JOIN=[NAME@]HOST:PORT``: this node joins the running cluster of that member (docs/membership.md).
+
+    The settings are ``config``'s (else every default); a config that lists this node keeps its address,
+    else the node listens on a reserved port of its advertised address (:mod:`dpwa.engines.join`), named
+    ``name`` or ``<host>-<port>``. The reservation is returned: hold it until the node has bound."""
+    settings = resolve_config(config) if config is not None else ClusterConfig(source=JOIN_ENV)
+    try:
+        settings = settings.with_join(join)
+    except ConfigError as err:
+        raise ValueError(f"{JOIN_ENV}={join!r}: {err.reason}") from None
+    address = settings.join_address
+    assert address is not None
+    if name is not None and any(n.name == name for n in settings.nodes):
+        return name, settings, None
+    reservation = reserve_ports(1)
+    try:
+        (node,) = joining_nodes(address, reservation.ports, os.environ)
+        if name is not None:
+            node = NodeSpec(name, node.host, node.port)
+        return node.name, settings.with_nodes([node]), reservation
+    except (OSError, ConfigError) as err:
+        reservation.release()
+        raise ValueError(f"{JOIN_ENV}={join!r}: {err}") from None
+
+
 def _engine_node(
     config: ClusterConfig | str | os.PathLike[str] | None,
 ) -> tuple[str, ClusterConfig, PortReservation | None]:
@@ -228,7 +257,10 @@ class DpwaPyTorchAdapter:
         name = name if name is not None else os.environ.get(ENV_NODE) or None
         config = config if config is not None else os.environ.get(ENV_CONFIG) or None
         reservation = None
-        if name is None and (in_slurm_step(os.environ) or in_torch_launch(os.environ)):  # srun, torchrun, PyTorchJob
+        join = os.environ.get(JOIN_ENV)
+        if join:  # a node joining a running cluster
+            name, config, reservation = _joining_node(name, config, join)
+        elif name is None and (in_slurm_step(os.environ) or in_torch_launch(os.environ)):  # srun, torchrun, Job
             name, config, reservation = _engine_node(config)
         given = ((f"name ({ENV_NODE})", name), (f"config ({ENV_CONFIG})", config))
         missing = [what for what, value in given if value is None or value == ""]
@@ -328,6 +360,7 @@ class DpwaPyTorchAdapter:
         self._step += 1
         if self._metrics is not None:
             self._metrics.write(self._exchange_record(value))
+            self._member_events()
         if self._checkpoint_every and self._step % self._checkpoint_every == 0:
             self.save_checkpoint()
         return factor
@@ -487,6 +520,12 @@ class DpwaPyTorchAdapter:
             loaded.meta if loaded is not None else {},
         )
 
+    def _member_events(self) -> None:
+        """One ``"event": "member"`` record per membership change the node saw (docs/membership.md)."""
+        assert self._metrics is not None
+        for change in self._conn.member_events():
+            self._metrics.write({**change.record(), "node": self.name})
+
     def _event(self, event: str, **values: Any) -> None:
         if self._metrics is not None:
             self._metrics.write({"time": time.time(), "node": self.name, "event": event, **values})
@@ -514,6 +553,7 @@ class DpwaPyTorchAdapter:
             self._conn.close(linger=linger, idle=idle)
         finally:
             if self._metrics is not None:
+                self._member_events()  # its own leave
                 self._metrics.close()
 
     @property

@@ -24,18 +24,18 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dpwa.config import ClusterConfig, NodeSpec
+from dpwa.engines.join import ADVERTISE_ENV
+from dpwa.engines.join import advertised_address as engine_address
 from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.engines.variables import TORCH_VARIABLES, env_int
 
 __all__ = ["ADVERTISE_ENV", "RENDEZVOUS_TIMEOUT_S", "Rendezvous", "RendezvousError", "advertised_address", "rendezvous"]
 
-ADVERTISE_ENV = "DPWA_ADVERTISE_ADDR"
 RENDEZVOUS_TIMEOUT_S = 300.0
 """How long a worker waits for every rank to publish its address."""
 POLL_S = 0.05
@@ -57,15 +57,10 @@ class Rendezvous:
 
 def advertised_address(env: Mapping[str, str], master: str, port: int) -> str:
     """``DPWA_ADVERTISE_ADDR``, else the local address this host reaches ``master:port`` from."""
-    given = env.get(ADVERTISE_ENV)
-    if given:
-        return given
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent: it only routes
-        try:
-            probe.connect((master, port))
-        except OSError as err:
-            raise RendezvousError(f"MASTER_ADDR={master!r}: no route to it ({err.strerror or err})") from None
-        return str(probe.getsockname()[0])
+    try:
+        return engine_address(env, master, port)
+    except OSError as err:
+        raise RendezvousError(f"MASTER_ADDR={master!r}: {err}") from None
 
 
 def rendezvous(

@@ -7,7 +7,11 @@ underneath: its threads end and its port closes, exactly what its peers see of a
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -41,8 +45,12 @@ class Trainers:
         self.params: dict[str, list[np.ndarray]] = {}
         self.errors: list[BaseException] = []
 
-    def start(self, conn: DpwaConnection, value: float, step_s: float = 0.004) -> None:
-        params = [np.full(64, value), np.full((3, 3), value)]
+    def start(self, conn: DpwaConnection, value: float, step_s: float = 0.004, linear: bool = False) -> None:
+        """``linear``: the layout of ``torch.nn.Linear(8, 1)`` (tests/join_worker.py), else two float64 arrays."""
+        if linear:
+            params = [np.full((1, 8), value, np.float32), np.full(1, value, np.float32)]
+        else:
+            params = [np.full(64, value), np.full((3, 3), value)]
         self.params[conn.name] = params
         stop = self.stops[conn.name] = threading.Event()
 
@@ -167,6 +175,70 @@ def test_joining_nowhere_times_out_with_a_clear_error() -> None:
     with pytest.raises(TimeoutError, match=r"no answer to its JOIN from 127\.0\.0\.1:\d+ in 1 s"):
         joiner("j1", port, via=nobody, join_timeout_s=1.0)
     assert port_is_free(port)
+
+
+JOIN_WORKER = Path(__file__).with_name("join_worker.py")
+
+
+@pytest.mark.slow
+def test_a_dpwa_run_joiner_and_an_adapter_joiner_join_train_and_leave(tmp_path: Path) -> None:
+    """Three nodes train; `dpwa run -n 1 --join` and a script with only DPWA_JOIN join them (separate
+    processes), every node lists five and mixes with both, the joiners reach the cluster, and leave cleanly."""
+    ports = free_ports(3)
+    _, conns = founders(3, ports)
+    trainers = Trainers()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DPWA_", "RANK", "MASTER_"))}
+    try:
+        for i, c in enumerate(conns):
+            trainers.start(c, float(i), linear=True)
+        settings = tmp_path / "settings.yaml"
+        settings.write_text("timeout_ms: 1000\nforget_after_s: 2\n")
+        run_dir = tmp_path / "run"
+        go = tmp_path / "go"
+        with open(tmp_path / "run.out", "wb") as out, open(tmp_path / "adapter.out", "wb") as adapter_out:
+            by_run = subprocess.Popen(
+                [sys.executable, "-m", "dpwa.cli", "run", "-n", "1", "--join", f"127.0.0.1:{ports[0]}", "--config",
+                 str(settings), "--run-dir", str(run_dir), "-q", str(JOIN_WORKER), "50", "5", str(go)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+            )  # fmt: skip
+            by_adapter = subprocess.Popen(
+                [sys.executable, str(JOIN_WORKER), "-50", "5", str(go)],
+                stdout=adapter_out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                env={**env, "DPWA_JOIN": f"127.0.0.1:{ports[2]}", "DPWA_CONFIG": str(settings)},
+            )  # fmt: skip
+            try:
+                wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, 90, message="both joiners saw five")
+                go.touch()
+                assert by_run.wait(timeout=120) == 0, (tmp_path / "run.out").read_text()
+                assert by_adapter.wait(timeout=120) == 0, (tmp_path / "adapter.out").read_text()
+            finally:
+                for proc in (by_run, by_adapter):
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait(timeout=10)
+        (joined_log,) = run_dir.glob("*.log")
+        results = [json.loads(line.split(" ", 1)[1]) for line in
+                   [*joined_log.read_text().splitlines(), *(tmp_path / "adapter.out").read_text().splitlines()]
+                   if line.startswith("RESULT ")]  # fmt: skip
+        assert len(results) == 2, results
+        names = {r["name"] for r in results}
+        for r in results:
+            assert r["seen"] == 5 and r["mixed"] >= 30, r
+        # they started at +50 and -50, the founders at 0, 1, 2: all five now agree (the cluster's spread)
+        founders_now = [float(flat(trainers.params[c.name]).mean()) for c in conns]
+        assert np.ptp([*founders_now, *(r["weight"] for r in results)]) < 1.0, (founders_now, results)
+        for c in conns:  # every founder fetched from both joiners, and knows they left
+            assert all(fetched_ok(c, name) > 0 for name in names), (c.name, c.stats()["by_peer"])
+        wait_until(lambda: all(states(c).get(n) in ("left", None) for c in conns for n in names), 5)
+        for c in conns:
+            assert all(c.stats()["by_peer"].get(n, {}).get("timeout", 0) == 0 for n in names)
+        metrics = [json.loads(line) for line in next(run_dir.glob("*.metrics.jsonl")).read_text().splitlines()]
+        events = [(m["state"], m["member"]) for m in metrics if m.get("event") == "member"]
+        assert events[0][0] == "started" and ("joined", results[0]["name"]) in events or events
+        assert any(state == "left" for state, _ in events)  # its own leave is the last record
+    finally:
+        trainers.halt()
+        close_all(conns)
 
 
 # --------------------------------------------------------------------------- leaving and dying

@@ -15,6 +15,7 @@ import click
 from dpwa.cli.common import fail
 from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
 from dpwa.engines import EngineError, engine_nodes
+from dpwa.engines.join import joining_nodes
 from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
 from dpwa.launcher.job import DEMO_MODULE, Job, run_job
 from dpwa.launcher.placement import select_nodes, threads_per_node
@@ -87,6 +88,12 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
     type=click.Path(dir_okay=False),
     help="With -n: the cluster file of the settings (no `nodes`)  [default: every setting's default]",
 )
+@click.option(
+    "--join",
+    "join",
+    metavar="[NAME@]HOST:PORT",
+    help="With -n: the N nodes join the running cluster that has a member at HOST:PORT (docs/membership.md).",
+)
 @click.option("--steps", type=click.IntRange(min=1), help="Batches per node of the built-in demo (not with SCRIPT).")
 @click.option(
     "--node",
@@ -127,6 +134,7 @@ def run(
     script_args: tuple[str, ...],
     node_count: int | None,
     settings_file: str | None,
+    join: str | None,
     steps: int | None,
     node_names: tuple[str, ...],
     run_dir: Path | None,
@@ -141,7 +149,8 @@ def run(
 
     `dpwa run -n N [--config SETTINGS.yaml] [SCRIPT [ARGS]]` needs no cluster file: N nodes w1..wN on
     127.0.0.1, on ports no other `dpwa run -n` holds; the resolved cluster file is written into the run
-    directory.
+    directory. With `--join [NAME@]HOST:PORT` the N nodes (named `<host>-<port>`) join the running cluster
+    that has a member at HOST:PORT instead of forming one.
 
     A node runs here when its host is this machine (localhost, 127.x, this host's names and addresses),
     or when named with --node. Under SLURM (SLURM_PROCID and SLURM_NTASKS set, no --node) each task
@@ -170,6 +179,8 @@ def run(
             raise click.UsageError("-n N starts every node here; --node is for a cluster file's nodes")
     elif settings_file is not None:
         raise click.UsageError("--config goes with -n N; without -n the cluster file is the first argument")
+    elif join is not None:
+        raise click.UsageError("--join goes with -n N; in a cluster file, write `join: HOST:PORT`")
     reservation = None
     if resume is not None:
         if node_count is not None:
@@ -180,7 +191,7 @@ def run(
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, True,
                quiet)  # fmt: skip
     if node_count is not None:
-        config, reservation = _local_cluster(node_count, settings_file)
+        config, reservation = _local_cluster(node_count, settings_file, join)
     elif cluster is None:
         raise click.UsageError("missing CLUSTER.yaml (or -n N, or --resume RUN_DIR)")
     else:
@@ -211,7 +222,7 @@ def run(
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
     directory = RunDir(run_dir if run_dir is not None else default_run_dir())
-    evaluate = script is None and len(nodes) == len(config.nodes)
+    evaluate = script is None and len(nodes) == len(config.nodes) and not config.join
     per_node = threads if threads is not None else threads_per_node(len(nodes))
     try:  # the reserved ports stay locked until the job is over (and the process exits)
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, False,
@@ -221,24 +232,30 @@ def run(
             reservation.release()
 
 
-def _local_cluster(n: int, settings_file: str | None) -> tuple[ClusterConfig, PortReservation]:
+def _local_cluster(n: int, settings_file: str | None, join: str | None = None) -> tuple[ClusterConfig, PortReservation]:
     """``-n N``: the settings (``settings_file`` without ``nodes``, or the defaults) with N local nodes on ports
-    reserved for this run."""
+    reserved for this run; with ``join``, nodes that join the cluster of the member at ``join``."""
+    source = f"dpwa run -n {n}" + (f" --join {join}" if join else "")
     try:
-        settings = load_config(settings_file) if settings_file is not None else ClusterConfig(source=f"dpwa run -n {n}")
+        settings = load_config(settings_file) if settings_file is not None else ClusterConfig(source=source)
+        if join is not None:
+            settings = settings.with_join(join)
     except ConfigError as err:
         fail(err)
     if settings.nodes:
         fail(settings.error("nodes", "with -n N the nodes are chosen here: leave `nodes` out of the file, or drop -n"))
+    address = settings.join_address
     try:
         reservation = reserve_ports(n)
     except OSError as err:
         fail(f"-n {n}: cannot reserve {n} free ports on {LOCAL_HOST}: {err.strerror or err}")
     try:
-        return settings.with_nodes(local_nodes(reservation.ports)), reservation
-    except ConfigError as err:
+        if address is None:
+            return settings.with_nodes(local_nodes(reservation.ports)), reservation
+        return settings.with_nodes(joining_nodes(address, reservation.ports, os.environ)), reservation
+    except (ConfigError, OSError) as err:
         reservation.release()
-        fail(err)
+        fail(f"--join {join}: {err}" if isinstance(err, OSError) else err)
 
 
 def _start(

@@ -219,6 +219,8 @@ class NodeMetrics:
     first_time: float | None = None
     last_time: float | None = None
     report: dict[str, Any] = dataclasses.field(default_factory=dict)
+    members: int | None = None
+    """Members the node sees (from its latest ``"event": "member"`` record); None before any change."""
 
     @classmethod
     def of(cls, records: Iterable[Mapping[str, Any]]) -> NodeMetrics:
@@ -238,6 +240,11 @@ class NodeMetrics:
             self.last_time = t if self.last_time is None else max(self.last_time, t)
         if record.get("event") == "report":
             self.report.update({k: v for k, v in record.items() if k not in ("event", "time", "node")})
+            return
+        if record.get("event") == "member":
+            count = record.get("members")
+            if isinstance(count, int) and not isinstance(count, bool):
+                self.members = count
             return
         if record.get("event") is not None:
             return

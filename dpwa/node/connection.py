@@ -22,6 +22,7 @@ import numpy as np
 from dpwa.checkpoint import DpwaState
 from dpwa.config import ClusterConfig, resolve_config
 from dpwa.node.core import Node
+from dpwa.node.membership import MemberEvent
 from dpwa.rules import Rule, make_rule
 from dpwa.rules.schedules import make_schedule
 
@@ -130,11 +131,17 @@ class DpwaConnection:
         """
         return self._node.snapshot_stats()
 
+    def member_events(self) -> list[MemberEvent]:
+        """The membership changes this node saw since the last call, oldest first (docs/membership.md)."""
+        return self._node.membership.events()
+
     def close(self, linger: float = 0.0, idle: float = 1.0) -> None:
         """Stop the RX/TX threads and free the port; idempotent.
 
         ``linger`` > 0: first keep serving peers that still fetch, for at most that many seconds,
         returning early once nobody fetched for ``idle`` seconds (set it above a peer's step time).
+        Then the node leaves cleanly: a push-sum node hands its mass to a member, and every member
+        learns at once that it left (docs/membership.md).
         """
         if linger > 0 and not self.closed:
             spent = self._node.linger(linger, idle)

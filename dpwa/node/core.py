@@ -775,6 +775,11 @@ class Node:
             for name in set(self.endpoints) - peers.keys():
                 del self.endpoints[name]
                 self.tx.set_peer(name, None)
+                if self.ledger is not None and self.membership.get(name) is None:  # forgotten: nobody will answer
+                    push = self.ledger.abandon(name)
+                    if push is not None:
+                        self.stats.add("pushes_lost")
+                        self.release_snapshot(push.snapshot, push.tracker)
             if self.inbox is not None:
                 self.inbox.set_senders(list(peers))
             self.names = order
@@ -789,6 +794,8 @@ class Node:
             return None
         if header.kind is Kind.MEMBERS:
             self.membership.observe(header)
+            if header.settled is not None:
+                self.settle_with_leaver(header.node, *header.settled)
             return wire.encode_members(self.name, header.req, self.membership.full_news())
         refused = None
         if self.membership.leaving:
@@ -811,6 +818,16 @@ class Node:
         return wire.encode_members(
             self.name, header.req, self.membership.full_news(), permanent=self.membership.permanent()
         )
+
+    def settle_with_leaver(self, peer: str, last: int, verdict: bool | None) -> None:
+        """``peer`` left and says the latest push of this node it saw was ``last``, taken (True) or not: settle an
+        open push to it (taken: delivered; refused, never arrived, or still arriving when it left: the mass
+        comes back)."""
+        push = self.ledger.open_push(peer) if self.ledger is not None else None
+        if push is None:
+            return
+        delivered = last == push.seq and verdict is True
+        self.ledger.settle(push, "delivered" if delivered else "refused", "left")  # type: ignore[union-attr]
 
     def join(self, address: JoinAddress, timeout_s: float) -> Member:
         """Trainer thread, before the first step: ask the member at ``address`` to admit this node (a JOIN,
@@ -946,11 +963,13 @@ class Node:
                 socks.append(sock)
                 _common_options(sock)
                 sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+                settled = self.inbox.verdict_for(m.name) if self.inbox is not None else None
                 try:
                     if self.security is not None:
                         self.security.client(sock, m.name)
                     sock.connect(m.spec().endpoint)
-                    sock.send(wire.encode_members(self.name, next(self.requests), news), zmq.NOBLOCK)
+                    message = wire.encode_members(self.name, next(self.requests), news, settled=settled)
+                    sock.send(message, zmq.NOBLOCK)
                 except (zmq.ZMQError, KeyError, OSError, ValueError):
                     continue
             poller = zmq.Poller()

@@ -374,6 +374,13 @@ class PushReceiver:
             held = [s.header.extras for s in self._slots if s.state in ("full", "committed") and s.header is not None]
         return wire.extras_sum(held, key)
 
+    def verdict_for(self, sender: str) -> tuple[int, bool | None]:
+        """``sender``'s latest sequence number here and its verdict (True taken, False refused, None pending);
+        ``(-1, None)`` for a sender never seen. A leaving node sends it in its announcement: final once
+        ``closing`` is set and nothing is arriving."""
+        with self._lock:
+            return self._verdicts.get(sender, (-1, None))
+
     def receiving(self) -> int:
         """Pushes still arriving (any thread)."""
         with self._lock:

@@ -32,7 +32,8 @@ MAX_EVENTS = 4096
 
 @dataclass(frozen=True)
 class MemberEvent:
-    """A change of the table as this node saw it: ``what`` is joined / alive / suspected / left / forgotten."""
+    """A change of the table as this node saw it: ``what`` is started (this node, the table it starts with),
+    joined, alive, suspected, refuted, left or forgotten."""
 
     time: float
     name: str
@@ -79,6 +80,7 @@ class Membership:
         self._peer_digest: dict[str, str] = {}
         self._events: deque[MemberEvent] = deque(maxlen=MAX_EVENTS)
         self.leaving = False
+        self._event(me.name, "started", 0)  # the first record: the members a node starts with
 
     # ------------------------------------------------------------ reading
 

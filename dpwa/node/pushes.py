@@ -106,6 +106,22 @@ class PushLedger:
                 self._cond.wait(left)
             return True
 
+    def open_push(self, peer: str) -> Push | None:
+        """The push to ``peer`` without a verdict, if any."""
+        with self._cond:
+            return self._open.get(peer)
+
+    def abandon(self, peer: str) -> Push | None:
+        """``peer`` is gone without a word (forgotten): its open push will never be answered. It is closed as
+        ``lost`` (its mass is neither back nor known delivered: a dead member's mass is lost, as in any
+        push-sum) and not collected; returned for its snapshot's release."""
+        with self._cond:
+            push = self._open.pop(peer, None)
+            if push is not None:
+                push.status, push.code = "lost", "member-gone"
+                self._cond.notify_all()
+            return push
+
     def unresolved(self) -> list[Push]:
         """The pushes without a verdict yet."""
         with self._cond:

@@ -54,6 +54,7 @@ COUNTERS = (
     "left_answers",  # requests answered "left" while this node was leaving
     "leave_acknowledged",  # members that answered this node's leave announcement
     "hand_offs",  # push rules: the leave's hand-off of the node's mass taken by a member
+    "pushes_lost",  # pushes to a member forgotten without a word (it died): never answered, mass lost
     "peer_setup_failed",  # connections to a member not opened (no public key file for a joined member)
 )
 

@@ -521,7 +521,7 @@ class TxFetcher(threading.Thread):
                 if self._wake_rx in events:
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
-                self._apply_peer_changes(poller)
+                self._apply_peer_changes(poller, job)
                 for peer, sock in list(self._sockets.items()):
                     if events.get(sock, 0) & zmq.POLLIN:
                         self._receive(poller, job, peer, sock)
@@ -562,7 +562,10 @@ class TxFetcher(threading.Thread):
                 sock.close(linger=0)
             self._wake_rx.close(linger=0)
 
-    def _apply_peer_changes(self, poller: zmq.Poller) -> None:
+    def _apply_peer_changes(self, poller: zmq.Poller, job: FetchJob | None) -> None:
+        """Take the members that came, moved or went. A fetch from a member that went ends at once (refused
+        ``not-a-member``: it said it left, or was forgotten); its pushes are no longer asked about (the node
+        settles them from the leave announcement, or abandons them when the member is forgotten)."""
         while True:
             try:
                 peer, endpoint = self._peer_changes.get_nowait()
@@ -571,10 +574,15 @@ class TxFetcher(threading.Thread):
             if self._endpoints.get(peer) == endpoint:
                 continue
             self._reset(poller, peer)
-            if endpoint is None:
-                self._endpoints.pop(peer, None)
-            else:
+            if endpoint is not None:
                 self._endpoints[peer] = endpoint
+                continue
+            self._endpoints.pop(peer, None)
+            for key in [key for key in self._pushes if key[0] == peer]:
+                del self._pushes[key]
+            for target in job.targets if job is not None else ():
+                if target.peer == peer and target.status == "pending":
+                    self._finish(job, target, "refused", "not-a-member", f"{peer} is no member any more")
 
     def _poll_timeout(self, job: FetchJob | None) -> int:
         """Milliseconds until the next deadline of the fetch job or of a push (at most POLL_MS)."""

@@ -315,6 +315,8 @@ class Header:
     """JOIN: where the joining node listens."""
     permanent: tuple[str, ...] = ()
     """MEMBERS answering a JOIN: the names of the cluster file's nodes (members never forgotten)."""
+    settled: tuple[int, bool | None] | None = None
+    """MEMBERS announcing a leave: the receiver's latest push sequence number there and its final verdict."""
 
 
 @dataclass(frozen=True)
@@ -462,14 +464,23 @@ def encode_join(node: str, req: int, host: str, port: int) -> bytes:
     return _encode(Kind.JOIN, {"node": node, "req": req, "host": host, "port": port})
 
 
-def encode_members(node: str, req: int, news: MemberNews, permanent: Sequence[str] = ()) -> bytes:
+def encode_members(
+    node: str,
+    req: int,
+    news: MemberNews,
+    permanent: Sequence[str] = (),
+    settled: tuple[int, bool | None] | None = None,
+) -> bytes:
     """``node``'s member table (``news.members`` must be set): a join's answer (with the names of the cluster
-    file's nodes, ``permanent``), or a leave announcement."""
+    file's nodes, ``permanent``), or a leave announcement (with ``settled``: the receiver's latest push
+    sequence number at ``node`` and its final verdict, so the receiver settles a push that is still open)."""
     if news.members is None:
         raise ValueError("a MEMBERS message carries the whole table")
     body: dict[str, Any] = {"node": node, "req": req}
     if permanent:
         body["permanent"] = list(permanent)
+    if settled is not None:
+        body["settled"] = [settled[0], settled[1]]
     return _encode(Kind.MEMBERS, body, news)
 
 
@@ -517,7 +528,24 @@ def decode_header(frame: bytes | memoryview) -> Header:
         permanent = body.get("permanent", [])
         if not isinstance(permanent, list) or not all(isinstance(n, str) for n in permanent):
             raise WireError("header", "field 'permanent' of the wrong type")
-        return Header(kind, node, req, digest=digest, members=members, permanent=tuple(permanent))
+        settled = body.get("settled")
+        if settled is not None and not (
+            isinstance(settled, list)
+            and len(settled) == 2
+            and isinstance(settled[0], int)
+            and not isinstance(settled[0], bool)
+            and (settled[1] is None or isinstance(settled[1], bool))
+        ):
+            raise WireError("header", "field 'settled' malformed")
+        return Header(
+            kind,
+            node,
+            req,
+            digest=digest,
+            members=members,
+            permanent=tuple(permanent),
+            settled=(settled[0], settled[1]) if settled is not None else None,
+        )
     if kind is Kind.FETCH:
         extras = body.get("extras", {})
         if not isinstance(extras, dict):
