@@ -116,3 +116,32 @@ def test_bench_scale_two_nodes_writes_a_table_json_and_plot(tmp_path: Path) -> N
     assert len(row["spread_over_time"]) == 20
     assert all(math.isfinite(b["relative"]) for b in row["spread_over_time"])
     assert (run_dir / "scale.png").stat().st_size > 0
+
+
+def test_spread_over_time_counts_a_visiting_node_only_while_it_is_a_member() -> None:
+    a = _records(100.0, [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    visitor = _records(100.5, [[5.0, 5.0]])  # joined at 100.5, left at once
+    alone, counted = (spread_over_time([a, visitor], 100.0, 102.0, 2, visiting) for visiting in ([1], []))
+    assert alone[1]["distance"] == 0.0  # at 102 the visitor has left: a alone
+    assert counted[1]["distance"] > 0.0  # without the window its last model would still count
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_bench_scale_with_churn_joins_and_leaves_mid_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["scale", "--nodes", "4", "--churn", "2", "--steps", "60", "--record-every", "5", "--sample-s", "0.1"]
+    result = CliRunner().invoke(bench, [*args, "--timeout-s", "150", "--run-dir", str(run_dir)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((run_dir / "scale.json").read_text())["rows"]
+    assert row["churn"] == 2 and row["steps_total"] == 2 * 60 + 2 * 20
+    steps = run_dir / "nodes-4"
+    for joiner in ("j1", "j2"):
+        report = [r for r in map(json.loads, (steps / f"{joiner}.metrics.jsonl").read_text().splitlines())
+                  if r.get("event") == "report"]  # fmt: skip
+        assert report and report[0]["joined"] and report[0]["mixes_total"] > 0, report
+    events = [r for r in map(json.loads, (steps / "w1.metrics.jsonl").read_text().splitlines())
+              if r.get("event") == "member"]  # fmt: skip
+    seen = {(e["member"], e["state"]) for e in events}
+    assert {("j1", "joined"), ("j2", "joined"), ("j1", "left"), ("j2", "left")} <= seen, seen
+    assert math.isfinite(row["spread_max"]) and "churn" in result.output

@@ -139,3 +139,52 @@ def test_gossip_across_namespaces_survives_a_partition(lab: netns.Lab, tmp_path:
     finally:
         for node in nodes.values():
             node.kill()
+
+
+def test_a_node_in_a_fourth_namespace_joins_the_running_cluster_and_mixes_across_the_link(
+    lab: netns.Lab, tmp_path: Path
+) -> None:
+    """a - b - c train; d, in a namespace of its own behind b (``d --db/bd-- b``), joins through a's address
+    (two hops away) with only `join:` in its file, and gossips with all three: every node lists four members,
+    and d fetches from a and c through b's routing and they from d."""
+    spaces = build_chain(lab)
+    n = lab.subnet
+    d = lab.namespace("d")
+    lab.veth(d, "db", f"{n}.10/30", spaces["b"], "bd", f"{n}.9/30")
+    lab.route(d, f"{n}.0/28", f"{n}.9")  # a's and c's links, through b
+    lab.route(spaces["a"], f"{n}.8/30", f"{n}.2")
+    lab.route(spaces["c"], f"{n}.8/30", f"{n}.5")
+    spaces["d"] = d
+    hosts = {"a": f"{n}.1", "b": f"{n}.2", "c": f"{n}.6"}
+    cluster = tmp_path / "cluster.yaml"
+    doc = {"nodes": [{"name": k, "host": h, "port": PORT} for k, h in hosts.items()], "timeout_ms": TIMEOUT_MS}
+    cluster.write_text(yaml.safe_dump(doc, sort_keys=False))
+    joining = tmp_path / "join.yaml"
+    join_doc = {"nodes": [{"name": "d", "host": f"{n}.10", "port": PORT}], "join": f"{n}.1:{PORT}"}
+    joining.write_text(yaml.safe_dump({**join_doc, "timeout_ms": TIMEOUT_MS}, sort_keys=False))
+
+    nodes: dict[str, FaultNode] = {}
+    try:
+        for i, name in enumerate(hosts):
+            nodes[name] = FaultNode(name, cluster, seed=i + 1, prefix=netns.Lab.exec_prefix(spaces[name]))
+        for node in nodes.values():
+            node.send("run_for 1.0")
+        nodes["d"] = FaultNode("d", joining, seed=9, prefix=netns.Lab.exec_prefix(d))  # joins while they train
+        assert nodes["d"].ready["ready"] == f"tcp://{n}.10:{PORT}"
+        for name in hosts:
+            nodes[name].read(timeout=60)
+        everyone = list(nodes.values())
+        for node in everyone:
+            node.send("run_for 4.0")
+        for node in everyone:
+            node.read(timeout=70)
+        stats = {node.name: node.call("stats") for node in everyone}
+        for name, s in stats.items():
+            alive = {m for m, e in s["members"].items() if e["state"] == "alive"}
+            assert alive == {"a", "b", "c", "d"}, (name, s["members"])
+        for other in ("a", "c"):  # two hops each way, through b
+            assert stats["d"]["by_peer"].get(other, {}).get("ok", 0) >= 5, stats["d"]["by_peer"]
+            assert stats[other]["by_peer"].get("d", {}).get("ok", 0) >= 5, (other, stats[other]["by_peer"])
+    finally:
+        for node in nodes.values():
+            node.kill()

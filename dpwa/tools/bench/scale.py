@@ -25,6 +25,13 @@ spread
     node to that mean, relative to the mean's norm.  Reported: the largest over the run, and at the
     end (final models).  The nodes start from the same weights (spread 0).
 
+churn
+    with ``--churn K``, K of the N nodes are not in the cluster file: each joins the running cluster
+    (through the first node) once that node has done a third of its steps, trains a third of the steps,
+    and leaves cleanly (docs/membership.md). The spread at a time counts the members of that time
+    (a joiner from its join to its leave); ``timeouts`` counts every node's, joiners' included, so the
+    table shows what joining and leaving cost next to the same N without churn.
+
 Output: a table on stdout, ``scale.json`` (rows, settings, machine) and with ``--plot``
 ``scale.png`` (spread over time per N; latency, mixes/s and memory against N) in the run
 directory; each N's logs, metrics and parameter records under ``<run_dir>/nodes-<N>/``.
@@ -61,6 +68,7 @@ KIB_PER_MB = 1024.0
 
 COLUMNS = [
     Column("nodes", "nodes", "d"),
+    Column("churn", "churn", "d"),
     Column("startup_s", "start s", ".1f"),
     Column("train_s", "train s", ".1f"),
     Column("rss_mb_mean", "RSS MB/node", ".0f"),
@@ -83,11 +91,19 @@ COLUMNS = [
 # --------------------------------------------------------------------------- analysis (pure)
 
 
-def spread_over_time(records: Sequence[np.ndarray], start: float, end: float, buckets: int) -> list[dict[str, float]]:
-    """Spread at the end of each of ``buckets`` equal time buckets of [start, end] (seconds since start)."""
+def spread_over_time(
+    records: Sequence[np.ndarray], start: float, end: float, buckets: int, visiting: Sequence[int] = ()
+) -> list[dict[str, float]]:
+    """Spread at the end of each of ``buckets`` equal time buckets of [start, end] (seconds since start).
+
+    ``visiting``: indices of records of members that joined and left (churn): counted only between their
+    first and last record."""
     out = []
     for edge in np.linspace(start, end, buckets + 1)[1:]:
-        stacked, mean = mean_state_at(records, float(edge))
+        present = [
+            r for i, r in enumerate(records) if i not in visiting or (len(r) and r["time"][0] <= edge <= r["time"][-1])
+        ]
+        stacked, mean = mean_state_at(present, float(edge))
         distance, relative = spread(stacked, mean)
         out.append({"t": float(edge - start), "distance": distance, "relative": relative})
     return out
@@ -112,8 +128,10 @@ def summarize(
     rss_kib: dict[str, list[int]],
     go_time: float,
     records: Sequence[np.ndarray],
+    visiting: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """One table row for N nodes from their metrics records, ready files, RSS samples and parameter records."""
+    """One table row for N nodes from their metrics records, ready files, RSS samples and parameter records
+    (``visiting``: the records of nodes that joined and left mid-run)."""
     fetch_ms: list[float] = []
     reports: dict[str, dict[str, Any]] = {}
     last_time = go_time
@@ -131,11 +149,13 @@ def summarize(
     peaks = [max(v) for v in rss_kib.values() if v]
     added = [max(v) - int(ready[name]["rss_base_kib"]) for name, v in rss_kib.items() if v and name in ready]
     cpu_per_step = [1000.0 * float(r["cpu_s"]) / int(r["steps"]) for r in reports.values() if r.get("steps")]
-    timeline = spread_over_time(records, go_time, last_time, SPREAD_BUCKETS) if records else []
-    final_stack = np.stack([r["params"][-1].astype(np.float64) for r in records]) if records else None
+    timeline = spread_over_time(records, go_time, last_time, SPREAD_BUCKETS, visiting) if records else []
+    staying = [r for i, r in enumerate(records) if i not in visiting]
+    final_stack = np.stack([r["params"][-1].astype(np.float64) for r in staying]) if staying else None
     final = spread(final_stack, final_stack.mean(axis=0))[1] if final_stack is not None else None
     return {
         "nodes": n,
+        "churn": len(visiting),
         "train_s": train_s,
         "steps_total": steps_total,
         "rss_mb_mean": float(np.mean(peaks)) / KIB_PER_MB if peaks else None,
@@ -178,15 +198,31 @@ def averaged_accuracy(config: dict[str, Any], records: Sequence[np.ndarray]) -> 
 
 
 def run_step(
-    directory: Path, n: int, config: dict[str, Any], *, record_every: int, timeout_s: float, sample_s: float
+    directory: Path,
+    n: int,
+    config: dict[str, Any],
+    *,
+    record_every: int,
+    timeout_s: float,
+    sample_s: float,
+    churn: int = 0,
 ) -> dict[str, Any]:
-    """Run N nodes to completion in ``directory`` and return their table row (plus timings)."""
+    """Run N nodes to completion in ``directory`` and return their table row (plus timings); ``churn`` of them
+    join mid-run and leave (see the module doc-string)."""
     directory.mkdir(parents=True, exist_ok=True)
-    names = node_names(n)
+    founders = node_names(n - churn)
+    joiners = [f"j{i + 1}" for i in range(churn)]
+    names = founders + joiners
     cluster = directory / "cluster.yaml"
-    write_cluster(cluster, free_ports(n))
+    ports = free_ports(n - churn)
+    write_cluster(cluster, ports)
+    steps = int(config["steps"])
     spec = {
         "names": names,
+        "joiners": joiners,
+        "join": f"127.0.0.1:{ports[0]}",
+        "join_at": steps // 3,
+        "join_steps": max(1, steps // 3),
         "cluster": str(cluster.absolute()),
         "run_dir": str(directory.absolute()),
         "config": config,
@@ -220,8 +256,9 @@ def run_step(
     go_elapsed = released["elapsed"]
     samples_per_s = 1.0 / sample_s
     training_rss = {name: v[int(go_elapsed * samples_per_s) :] or v for name, v in run.rss_kib.items()}
-    row = summarize(n, metrics, ready, training_rss, released["time"], records)
-    row["accuracy"] = averaged_accuracy(config, records)
+    visiting = [names.index(name) for name in joiners]
+    row = summarize(n, metrics, ready, training_rss, released["time"], records, visiting)
+    row["accuracy"] = averaged_accuracy(config, [r for i, r in enumerate(records) if i not in visiting])
     row["fds_per_node_max"] = max(run.fds_max.values())
     row["startup_s"] = go_elapsed
     row["total_s"] = run.wall_s
@@ -282,6 +319,8 @@ def plot_scale(path: Path, rows: list[dict[str, Any]]) -> Path:
               help="Seconds between RSS samples.")  # fmt: skip
 @click.option("--timeout-s", type=click.FloatRange(min=1), help="Per N  [default: 120 + 10 s per node].")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="[default: runs/bench-scale-<time>]")
+@click.option("--churn", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Of each N, this many nodes join mid-run and leave (docs/membership.md).")  # fmt: skip
 @click.option("--plot", is_flag=True, help="Also write scale.png.")
 def scale(
     counts: str,
@@ -293,6 +332,7 @@ def scale(
     sample_s: float,
     timeout_s: float | None,
     run_dir: Path | None,
+    churn: int,
     plot: bool,
 ) -> None:
     """The demo job with a small model on N local nodes for each N: memory, fetch latency, mixes/s, spread.
@@ -302,6 +342,8 @@ def scale(
     from dpwa.tools.demo import TrainConfig  # torch only once the options are checked
 
     ns = _counts(counts)
+    if churn and min(ns) - churn < 2:
+        raise click.BadParameter(f"--churn {churn} leaves fewer than 2 founding nodes of {min(ns)}")
     config = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, hidden=hidden)
     if batch_size * max(ns) > config.data.n_train:
         raise click.BadParameter(f"{max(ns)} nodes x batch {batch_size} exceed the {config.data.n_train} samples")
@@ -313,7 +355,7 @@ def scale(
         click.echo(f"  {n} nodes ...", err=True)
         try:
             row = run_step(directory / f"nodes-{n}", n, config.to_dict(), record_every=record_every,
-                           timeout_s=limit, sample_s=sample_s)  # fmt: skip
+                           timeout_s=limit, sample_s=sample_s, churn=churn)  # fmt: skip
         except WorkerFailed as err:
             click.echo(f"error: {n} nodes: {err}", err=True)
             sys.exit(1)
@@ -331,6 +373,7 @@ def scale(
         "seed": seed,
         "record_every": record_every,
         "sample_s": sample_s,
+        "churn": churn,
         "interpolation": "constant 0.5",
         "spread_buckets": SPREAD_BUCKETS,
         "command": " ".join(sys.argv),

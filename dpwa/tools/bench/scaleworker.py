@@ -11,7 +11,11 @@ final ``report`` line in its metrics file, lingering for peers at the end -- plu
   ``start_timeout_s`` (exit status 3 after that): 32 processes importing torch on 2 cores take tens of
   seconds to start, and the measurement should begin when all of them train;
 * every ``record_every`` steps (and before the first and after the last) it appends its flat
-  parameters to ``<node>.params.bin`` (:mod:`dpwa.tools.bench.fingerprint`) for the spread over time.
+  parameters to ``<node>.params.bin`` (:mod:`dpwa.tools.bench.fingerprint`) for the spread over time;
+* with churn (``joiners`` in the spec), a joiner writes its ready file at once, waits for ``go``, then
+  until the first node of the file has done ``join_at`` steps (its metrics file), then joins the running
+  cluster (``join``: that node's address; docs/membership.md), trains ``join_steps`` steps and leaves
+  cleanly (its records span its membership only).
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ __all__ = [
     "flat",
     "main",
     "run",
+    "run_joiner",
+    "steps_done",
     "wait_for_go",
+    "wait_for_steps",
 ]
 
 log = logging.getLogger("dpwa.tools.bench.scaleworker")
@@ -86,11 +93,83 @@ def wait_for_go(path: Path, timeout_s: float) -> bool:
     return True
 
 
+def steps_done(metrics: Path) -> int:
+    """Exchange records in a node's metrics file so far (0 before it exists)."""
+    try:
+        with open(metrics, encoding="utf-8") as handle:
+            return sum(1 for line in handle if line.endswith("\n") and '"event"' not in line)
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_steps(metrics: Path, steps: int, timeout_s: float) -> bool:
+    """Poll ``metrics`` every 20 ms until it holds ``steps`` exchange records; False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while steps_done(metrics) < steps:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(GO_POLL_S)
+    return True
+
+
+def run_joiner(spec: dict[str, Any], rank: int) -> int:
+    """A node that joins the running cluster mid-run, trains ``join_steps`` steps, and leaves cleanly."""
+    from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+    from dpwa.config import load_config
+
+    names: list[str] = spec["names"]
+    name, run_dir = names[rank], Path(spec["run_dir"])
+    config = demo.TrainConfig.from_dict(spec["config"])
+    data = demo.make_dataset(config.seed, config.data)
+    indices = demo.shard_indices(config.data.n_train, rank, len(names))
+    model = demo.build_model(config)
+    optimizer = demo.make_optimizer(model, config)
+    size = sum(p.numel() for p in model.parameters())
+    rss_base = read_rss_kib(os.getpid())
+    write_atomically(run_dir / f"{name}{READY_SUFFIX}", json.dumps({"pid": os.getpid(), "params": size,
+                                                                    "rss_base_kib": rss_base}))  # fmt: skip
+    timeout_s = float(spec["start_timeout_s"])
+    if not wait_for_go(run_dir / GO_FILE, timeout_s):
+        return EXIT_NO_GO
+    first = names[0]
+    if not wait_for_steps(run_dir / f"{first}.metrics.jsonl", int(spec["join_at"]), timeout_s):
+        log.error("node %s: %s never reached step %s", name, first, spec["join_at"])
+        return EXIT_NO_GO
+    os.environ["DPWA_JOIN"] = spec["join"]
+    settings = load_config(spec["cluster"])
+    with DpwaPyTorchAdapter(model, name, settings, seed=config.seed * 1000 + rank, run_dir=run_dir) as conn:
+        conn.restore(resume=False, bootstrap=True)  # copy a member's model before the first step
+        recorder = ParamRecorder(run_dir / f"{name}{SUFFIX}", size, int(spec["record_every"]))
+        recorder.record(0, flat(model))
+        cpu = time.process_time()
+        exchange = RecordingExchange(conn, recorder, model)
+        steps = int(spec["join_steps"])
+        result = demo.train(model, optimizer, data, indices, config, steps, (config.seed, rank + 1), exchange)
+        recorder.record(result.steps, flat(model))
+        recorder.close()
+        stats = conn.stats()
+        conn.report(
+            joined=True,
+            steps=result.steps,
+            seconds=result.seconds,
+            cpu_s=time.process_time() - cpu,
+            mixes_total=stats["mixes"],
+            fetches_timed_out=stats["fetches_timed_out"],
+            fetches_refused=stats["fetches_refused"],
+            served=stats["served"],
+            members_seen=stats["members_alive"],
+        )
+        log.info("node %s: joined, %d steps, %d mixes, leaving", name, result.steps, stats["mixes"])
+    return 0
+
+
 def run(spec: dict[str, Any], rank: int) -> int:
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
     names: list[str] = spec["names"]
     name, run_dir = names[rank], Path(spec["run_dir"])
+    if name in spec.get("joiners", ()):
+        return run_joiner(spec, rank)
     config = demo.TrainConfig.from_dict(spec["config"])
     data = demo.make_dataset(config.seed, config.data)
     indices = demo.shard_indices(config.data.n_train, rank, len(names))
