@@ -1,7 +1,8 @@
 """Peer schedules: whom a node fetches in a round (SGP's graph manager; the rules are its mixing manager).
 
-A schedule is a pure function of the round: the node's name, every node's name
-in file order, the node's step index and its state. It returns the peers to
+A schedule is a pure function of the round: the node's name, every member's name
+(the cluster file's nodes in file order, then joined members by name; members that
+left are not there), the node's step index and its state. It returns the peers to
 fetch, or None to let flow control pick ``fanout`` peers. The connection then
 drops scheduled peers that flow control knows to be down (unless a probe is
 due), so a dead peer in a fixed schedule costs a skipped round, not a timeout.
@@ -48,7 +49,7 @@ class Round:
     """What a schedule may look at: who I am, who exists, which step this is, my state."""
 
     me: str
-    names: tuple[str, ...]  # every node of the cluster file, in file order (me included)
+    names: tuple[str, ...]  # the members: file nodes in file order, then joined ones by name (me included)
     index: int  # this node's step: update_send calls before this one
     own: NodeState
 
