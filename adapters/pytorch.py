@@ -359,8 +359,8 @@ class DpwaPyTorchAdapter:
             self._to_device()
         self._step += 1
         if self._metrics is not None:
+            self._member_events()  # first: they happened before this record's time
             self._metrics.write(self._exchange_record(value))
-            self._member_events()
         if self._checkpoint_every and self._step % self._checkpoint_every == 0:
             self.save_checkpoint()
         return factor

@@ -418,8 +418,10 @@ def test_metrics_file_follows_docs_metrics_md(adapters, tmp_path: Path):
     with pytest.raises(ValueError, match="0-dim"):
         a.report(accuracy=torch.ones(2))
     records = read_metrics(run_dir / "w1.metrics.jsonl")
-    assert len(records) == 4
-    exchanges, report = records[:3], records[3]
+    assert len(records) == 5
+    started, exchanges, report = records[0], records[1:4], records[4]
+    assert started == {"time": started["time"], "node": "w1", "event": "member", "member": "w1", "state": "started",
+                       "version": 0, "members": 2}  # fmt: skip
     for i, record in enumerate(exchanges, start=1):
         for key, types in EXCHANGE_KEYS.items():
             assert isinstance(record[key], types) or (types is float and isinstance(record[key], int)), (key, record)
@@ -440,7 +442,8 @@ def test_metrics_record_without_a_fetch(solo: Path, tmp_path: Path):
         assert a.update_wait(2.0) == 0.0
         a.update_wait(3.0)  # without update_send: still one record, step counts update_wait calls
         a.report(accuracy=0.5)
-    r1, r2, rep = read_metrics(tmp_path / "w1.metrics.jsonl")
+    started, r1, r2, rep, left = read_metrics(tmp_path / "w1.metrics.jsonl")
+    assert (started["state"], left["state"]) == ("started", "left")  # the node's own membership, first and last
     assert (r1["step"], r2["step"]) == (1, 2) and (r1["loss"], r2["loss"]) == (2.0, 3.0)
     for r in (r1, r2):
         assert set(EXCHANGE_KEYS) <= set(r)

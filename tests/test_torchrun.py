@@ -51,10 +51,12 @@ def test_torchrun_standalone_workers_meet_and_mix(tmp_path: Path, restarts: int)
     argv += ["--max-restarts", str(restarts), "--monitor-interval", "0.1", str(script), str(restarts)]
     done = subprocess.run(argv, env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = results(done.stdout)
+    # A failed attempt's other workers may finish before TorchElastic stops them (the failed worker left
+    # cleanly, so they lose no time on it): the last attempt's results are the ones to check.
+    got = [r for r in results(done.stdout) if r["restart"] == restarts]
     names = ["127.0.0.1-0", "127.0.0.1-1", "127.0.0.1-2"]
     assert [r["name"] for r in got] == names and all(r["nodes"] == names for r in got)
-    assert all(r["restart"] == restarts and r["mixed"] > 10 for r in got), got
+    assert all(r["mixed"] > 10 for r in got), got
 
 
 @pytest.mark.slow
