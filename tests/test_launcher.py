@@ -287,6 +287,18 @@ def test_progress_redraws_on_a_terminal_and_prints_compact_lines_otherwise() -> 
     assert "step       9" in text and "2.00 MB/s" in text  # 2 MB received in one second
 
 
+def test_progress_shows_the_members_a_node_sees_from_its_member_records() -> None:
+    metrics = NodeMetrics()
+    metrics.add({"time": 1.0, "event": "member", "member": "w1", "state": "started", "version": 0, "members": 3})
+    metrics.add({"time": 2.0, "event": "member", "member": "j1", "state": "joined", "version": 0, "members": 4})
+    metrics.add({"time": 3.0, "event": "member", "member": "j1", "state": "left", "version": 1, "members": True})
+    assert metrics.members == 4  # a malformed count is ignored
+    out = io.StringIO()
+    Progress(out, interactive=True, clock=lambda: 0.0).update([NodeView("w1", "running", metrics)])
+    assert "members   4" in out.getvalue()
+    assert "members" not in Progress.__dict__ and NodeMetrics().members is None
+
+
 def test_summary_table_has_a_row_per_node() -> None:
     rows = {
         "w1": {"status": "ok", "steps": 100, "final_loss": 0.5, "accuracy": 0.91, "mixes": 97, "timeouts": 1,

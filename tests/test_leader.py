@@ -425,3 +425,17 @@ def test_a_request_table_is_merged_and_garbage_in_it_counted():
     out = rule.mix(own, [np.zeros(2)], [])
     assert out.metrics["leader_bad_entries"] == 2.0
     assert rule.request_extras(own)["leaders"]["c"] == [0.1, 3.0]
+
+
+def test_a_joined_member_is_a_leader_candidate_and_group_mates_follow_the_members():
+    """on_members (a join): entries of the new member are taken, and groups are recomputed on the new order."""
+    rule = LeaderRule(group_size=2)
+    own = NodeState("a", extras=rule.initial_extras("a", ["a", "b", "c"]))
+    rule.on_request(own, {"leaders": {"zz": [0.0, 1.0]}})
+    assert "zz" not in rule.table()  # not a member yet: garbage
+    rule.on_members("a", ["a", "b", "c", "zz"], 4.0)
+    rule.on_request(own, {"leaders": {"zz": [0.0, 2.0]}})
+    assert rule.table()["zz"] == (0.0, 2.0) and rule.leader() == "zz"
+    rule.on_members("a", ["c", "a", "b", "zz"], 4.0)  # a is second now: its group is {c, a}
+    rule.on_request(own, {"leaders": {"c": [0.0, 5.0], "b": [0.0, 5.0]}})
+    assert rule.leader("group") == "c"

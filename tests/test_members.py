@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpwa.config import NodeSpec
-from dpwa.node.members import STATES, Member, MemberTable, newer
+from dpwa.node.members import STATES, JoinRefused, Member, MemberTable, newer
+from dpwa.node.membership import Membership
+from dpwa.node.wire import Header, Kind
 
 FILE = [NodeSpec("w1", "127.0.0.1", 4001), NodeSpec("w2", "127.0.0.1", 4002)]
 
@@ -94,3 +98,74 @@ def test_two_claims_of_one_name_and_version_resolve_the_same_way_everywhere() ->
     a.merge([x, y], now=0.0)
     b.merge([y, x], now=0.0)
     assert a.get("j1") == b.get("j1") == x  # ("127.0.0.1", 5000) > ("10.0.0.9", 5000)
+
+
+def test_schedules_order_is_the_file_order_then_joined_members_by_name_without_those_that_left() -> None:
+    t = MemberTable([NodeSpec("w2", "127.0.0.1", 4002), NodeSpec("w1", "127.0.0.1", 4001)], 8, 10.0)
+    t.merge([Member("zz", "127.0.0.1", 5001), Member("aa", "127.0.0.1", 5000), Member("mm", "127.0.0.1", 5002)], 0.0)
+    assert t.order() == ("w2", "w1", "aa", "mm", "zz")
+    t.merge([Member("mm", "127.0.0.1", 5002, "left", 1), Member("w1", "127.0.0.1", 4001, "left", 1)], 1.0)
+    t.suspect("zz", 1.0)  # suspected members stay (they may answer)
+    assert t.order() == ("w2", "aa", "zz")
+
+
+def test_a_forgotten_member_is_not_gossiped_back_only_a_new_incarnation_returns() -> None:
+    t = table()
+    t.merge([Member("j1", "127.0.0.1", 5000, "left", 3)], now=0.0)
+    assert t.expire(now=10.0) == ["j1"] and t.get("j1") is None
+    assert t.merge([Member("j1", "127.0.0.1", 5000, "left", 3)], now=11.0) == []  # a laggard's gossip
+    assert t.merge([Member("j1", "127.0.0.1", 5000, "alive", 2)], now=11.0) == []
+    assert t.admit("j1", "127.0.0.1", 5009, now=12.0).version == 4  # a new join outbids the tombstone
+    t2 = table()
+    t2.merge([Member("j1", "127.0.0.1", 5000, "left", 3)], now=0.0)
+    t2.expire(now=10.0)
+    assert t2.expire(now=20.0) == [] and t2.merge([Member("j1", "127.0.0.1", 5000, "left", 3)], now=21.0)
+
+
+def test_joins_are_refused_for_file_names_and_taken_names_and_a_restart_is_the_next_incarnation() -> None:
+    t = table()
+    with pytest.raises(JoinRefused, match="node of the cluster file"):
+        t.admit("w1", "127.0.0.1", 4001, now=0.0)
+    assert t.admit("j1", "127.0.0.1", 5000, now=0.0).version == 0
+    with pytest.raises(JoinRefused, match="taken by the member at 127.0.0.1:5000"):
+        t.admit("j1", "127.0.0.1", 5001, now=0.0)
+    assert t.admit("j1", "127.0.0.1", 5000, now=1.0).version == 1  # the same address: a restart
+    with pytest.raises(JoinRefused, match="not a valid member"):
+        t.admit("bad name", "127.0.0.1", 5002, now=0.0)
+    full = table(capacity=1)
+    full.admit("j1", "127.0.0.1", 5000, now=0.0)
+    with pytest.raises(JoinRefused, match="table is full"):
+        full.admit("j2", "127.0.0.1", 5001, now=0.0)
+
+
+@pytest.mark.parametrize("n", [8, 32])
+def test_a_join_reaches_every_node_in_o_log_n_fetch_rounds(n: int) -> None:
+    """Every round each node fetches one random peer, exchanging member news as the node does (the digest,
+    the whole table when digests differ, both ways): a join at one node is known everywhere within
+    ``3 * log2(n)`` rounds, over 10 seeds; afterwards the nodes only exchange digests."""
+    nodes = [NodeSpec(f"w{i}", "127.0.0.1", 4000 + i) for i in range(n)]
+    for seed in range(10):
+        rng = random.Random(seed)
+        views = [Membership(spec, nodes, 16, 60.0, lambda: None) for spec in nodes]
+        views[0].admit("j1", "127.0.0.1", 5000)
+        rounds = 0
+        while not all(v.get("j1") is not None for v in views):
+            rounds += 1
+            for i, me in enumerate(views):
+                j = rng.choice([k for k in range(n) if k != i])
+                peer = views[j]
+                news = me.news_for(peer.me.name)
+                request = Header(Kind.FETCH, me.me.name, 0, digest=news.digest, members=_tuple(news.members))
+                peer.observe(request)
+                reply_news = peer.reply_news(request)
+                peer_header = Header(Kind.STATE, peer.me.name, 0, digest=reply_news.digest,
+                                     members=_tuple(reply_news.members))  # fmt: skip
+                me.observe(peer_header)
+        assert rounds <= 3 * math.log2(n), (n, seed, rounds)
+        assert len({v.snapshot()["members_digest"] for v in views}) == 1
+        quiet = [v.news_for(views[(i + 1) % n].me.name) for i, v in enumerate(views)]
+        assert sum(q.members is not None for q in quiet) <= n  # at most one more full table to each neighbour
+
+
+def _tuple(members):
+    return None if members is None else tuple(members)

@@ -269,25 +269,38 @@ def test_a_clean_leave_is_known_everywhere_and_nobody_times_out_on_it() -> None:
         close_all(conns)
 
 
-def test_a_killed_member_is_suspected_then_forgotten_and_probing_stops() -> None:
+MEMBER_WORKER = Path(__file__).with_name("member_worker.py")
+
+
+def test_a_sigkilled_member_is_suspected_then_forgotten_and_probing_stops() -> None:
+    """A joined node in its own process is SIGKILLed: the others time out on it until flow control marks it down,
+    suspect it (everywhere, through gossip), forget it after forget_after_s, and never ask it again."""
     ports = free_ports(4)
-    _, conns = founders(3, ports, forget_after_s=2.0)
+    _, conns = founders(3, ports, timeout_ms=300.0, forget_after_s=1.0)
     trainers = Trainers()
-    victim = joiner("j9", ports[3], via=ports[0])
+    victim = subprocess.Popen(
+        [sys.executable, str(MEMBER_WORKER), "j9", str(ports[3]), str(ports[0]), "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
     try:
+        assert victim.stdout is not None and victim.stdout.readline() == "READY\n"
         for i, c in enumerate(conns):
             trainers.start(c, float(i))
-        wait_until(lambda: all(states(c).get("j9") == "alive" for c in conns), 10)
-        victim._node.close(announce=False)  # no leave announced: what its peers see of a SIGKILL
+        wait_until(lambda: all(states(c).get("j9") == "alive" and fetched_ok(c, "j9") > 0 for c in conns), 15)
+        victim.kill()  # SIGKILL: no leave, no word
+        victim.wait(timeout=10)
         wait_until(lambda: all(states(c).get("j9") == "suspected" for c in conns), 15, message="suspected everywhere")
         wait_until(lambda: all("j9" not in states(c) for c in conns), 15, message="forgotten everywhere")
         asked = [sum(c.stats()["by_peer"].get("j9", {}).values()) for c in conns]
-        time.sleep(1.5)  # a down peer is probed every second or more: long enough to see a probe
+        time.sleep(1.2)  # an observation window: a down peer is probed every second or more often
         assert [sum(c.stats()["by_peer"].get("j9", {}).values()) for c in conns] == asked
         assert all("j9" not in c.stats()["scores"] for c in conns)
+        assert all(c.stats()["by_peer"]["j9"].get("timeout", 0) > 0 for c in conns if "j9" in c.stats()["by_peer"])
     finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait(timeout=10)
         trainers.halt()
-        victim.close()
         close_all(conns)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dpwa.checkpoint import DpwaState
 from dpwa.config import ClusterConfig, JoinAddress
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 JOIN_S = 1.0
 """How long :meth:`Node.close` waits for each dpwa thread to end, and the trainer for a dead one to close."""
 ANNOUNCE_S = 0.5
+UNREACHABLE_EVENTS = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+"""Socket monitor events that say a member cannot be told (refused, or not letting this node in)."""
 """How long a leaving node waits for its members' answers to its leave announcement (live ones answer at once)."""
 
 
@@ -951,18 +954,21 @@ class Node:
             log.info("node %s: the last member leaves with the mass %s", self.name, given)
 
     def announce(self, deadline: float) -> None:
-        """Send this node's table (which says it left) to every member; wait for their answers until
-        ``deadline``."""
+        """Send this node's table (which says it left) to every member flow control thinks up, and wait until
+        ``deadline`` for their answers; a member whose connection is refused (a socket monitor says so: a dead
+        node on a live host) is not waited for."""
         news = self.membership.full_news()
         with self.flow_lock:
             members = [m for m in self.membership.peers() if self.flow.is_up(m.name)]
-        socks = []
+        socks: list[zmq.Socket] = []
+        monitors: dict[zmq.Socket, zmq.Socket] = {}  # monitor -> its DEALER
         try:
             for m in members:
                 sock = self.ctx.socket(zmq.DEALER)
                 socks.append(sock)
                 _common_options(sock)
                 sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+                monitors[sock.get_monitor_socket(UNREACHABLE_EVENTS)] = sock
                 settled = self.inbox.verdict_for(m.name) if self.inbox is not None else None
                 try:
                     if self.security is not None:
@@ -973,18 +979,25 @@ class Node:
                 except (zmq.ZMQError, KeyError, OSError, ValueError):
                     continue
             poller = zmq.Poller()
-            for sock in socks:
+            for sock in [*socks, *monitors]:
                 poller.register(sock, zmq.POLLIN)
             waiting = set(socks)
             while waiting and (left := deadline - time.monotonic()) > 0:
                 for sock, _ in poller.poll(int(min(left, 0.1) * 1000) + 1):
+                    if sock in monitors:  # the member's address refused the connection: nobody there
+                        recv_monitor_message(sock, zmq.NOBLOCK)
+                        waiting.discard(monitors[sock])
+                        continue
                     sock.recv_multipart(zmq.NOBLOCK)
                     if sock in waiting:
                         waiting.discard(sock)
                         self.stats.add("leave_acknowledged")
         finally:
             for sock in socks:
+                sock.disable_monitor()
                 sock.close(linger=0)
+            for monitor in monitors:
+                monitor.close(linger=0)
 
     # ------------------------------------------------------------ any thread
 
