@@ -133,9 +133,10 @@ def test_bench_scale_with_churn_joins_and_leaves_mid_run(tmp_path: Path) -> None
     args = ["scale", "--nodes", "4", "--churn", "2", "--steps", "60", "--record-every", "5", "--sample-s", "0.1"]
     result = CliRunner().invoke(bench, [*args, "--timeout-s", "150", "--run-dir", str(run_dir)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    (row,) = json.loads((run_dir / "scale.json").read_text())["rows"]
+    still, row = json.loads((run_dir / "scale.json").read_text())["rows"]  # side by side: without, with churn
+    assert (still["churn"], still["steps_total"]) == (0, 4 * 60)
     assert row["churn"] == 2 and row["steps_total"] == 2 * 60 + 2 * 20
-    steps = run_dir / "nodes-4"
+    steps = run_dir / "nodes-4-churn-2"
     for joiner in ("j1", "j2"):
         report = [r for r in map(json.loads, (steps / f"{joiner}.metrics.jsonl").read_text().splitlines())
                   if r.get("event") == "report"]  # fmt: skip

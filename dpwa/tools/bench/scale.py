@@ -26,7 +26,8 @@ spread
     end (final models).  The nodes start from the same weights (spread 0).
 
 churn
-    with ``--churn K``, K of the N nodes are not in the cluster file: each joins the running cluster
+    with ``--churn K`` every N runs twice, side by side: as above, and with K of the N nodes not in the
+    cluster file: each joins the running cluster
     (through the first node) once that node has done a third of its steps, trains a third of the steps,
     and leaves cleanly (docs/membership.md). The spread at a time counts the members of that time
     (a joiner from its join to its leave); ``timeouts`` counts every node's, joiners' included, so the
@@ -320,7 +321,7 @@ def plot_scale(path: Path, rows: list[dict[str, Any]]) -> Path:
 @click.option("--timeout-s", type=click.FloatRange(min=1), help="Per N  [default: 120 + 10 s per node].")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="[default: runs/bench-scale-<time>]")
 @click.option("--churn", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Of each N, this many nodes join mid-run and leave (docs/membership.md).")  # fmt: skip
+              help="Also run each N with this many of its nodes joining mid-run and leaving.")  # fmt: skip
 @click.option("--plot", is_flag=True, help="Also write scale.png.")
 def scale(
     counts: str,
@@ -350,19 +351,21 @@ def scale(
     directory = bench_run_dir("scale", run_dir)
     click.echo(f"dpwa bench scale: nodes {counts}, {steps} steps each, run dir {directory}", err=True)
     rows = []
-    for n in ns:
+    for n, joining in ((n, c) for n in ns for c in ([0, churn] if churn else [0])):
         limit = timeout_s if timeout_s is not None else 120.0 + 10.0 * n
-        click.echo(f"  {n} nodes ...", err=True)
+        label = f"{n} nodes" + (f", {joining} joining and leaving" if joining else "")
+        click.echo(f"  {label} ...", err=True)
+        step_dir = directory / (f"nodes-{n}-churn-{joining}" if joining else f"nodes-{n}")
         try:
-            row = run_step(directory / f"nodes-{n}", n, config.to_dict(), record_every=record_every,
-                           timeout_s=limit, sample_s=sample_s, churn=churn)  # fmt: skip
+            row = run_step(step_dir, n, config.to_dict(), record_every=record_every,
+                           timeout_s=limit, sample_s=sample_s, churn=joining)  # fmt: skip
         except WorkerFailed as err:
             click.echo(f"error: {n} nodes: {err}", err=True)
             sys.exit(1)
         except BenchInterrupted as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(128 + err.signum)
-        click.echo(f"  {n} nodes: started in {row['startup_s']:.1f} s, trained in {row['train_s']:.1f} s, "
+        click.echo(f"  {label}: started in {row['startup_s']:.1f} s, trained in {row['train_s']:.1f} s, "
                    f"{row['total_s']:.1f} s in all", err=True)  # fmt: skip
         rows.append(row)
     settings = {
