@@ -24,6 +24,7 @@ import zmq
 from conftest import free_ports, port_is_free, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_push import quiesce
 
 from dpwa.config import ClusterConfig, NodeSpec, SecurityConfig
 from dpwa.node import wire
@@ -305,18 +306,6 @@ def test_a_sigkilled_member_is_suspected_then_forgotten_and_probing_stops() -> N
 
 
 # --------------------------------------------------------------------------- push-sum mass
-
-
-def quiesce(conns: Sequence[DpwaConnection], timeout: float = 20.0) -> None:
-    """Let every push settle and every inbox drain (update_wait without update_send folds what arrived)."""
-
-    def quiet() -> bool:
-        for c in conns:
-            c.update_wait(1.0)
-        stats = [c.stats() for c in conns]
-        return all(s.get("pushes_unsettled", 0) == 0 and s.get("inbox_occupied", 0) == 0 for s in stats)
-
-    wait_until(quiet, timeout, message="pushes settled and inboxes drained")
 
 
 def weight(conn: DpwaConnection) -> float:

@@ -719,7 +719,8 @@ class Node:
                     self.rule.on_request(self.state, request.extras)
                 given = self.rule.on_serve(self.state)
             stream = request.stream and wire.can_stream(request.req)
-            header = wire.encode_state(
+            encode = functools.partial(
+                wire.encode_state,
                 self.name,
                 request.req,
                 clock=snapshot.clock,
@@ -727,19 +728,11 @@ class Node:
                 extras={**snapshot.extras, **given},
                 layout=layout,
                 stream=stream,
-                news=news,
             )
-        except ValueError:  # the member table does not fit a header: its digest goes alone
-            header = wire.encode_state(
-                self.name,
-                request.req,
-                clock=snapshot.clock,
-                loss=snapshot.loss,
-                extras={**snapshot.extras, **given},
-                layout=layout,
-                stream=stream,
-                news=wire.MemberNews(news.digest),
-            )
+            try:
+                header = encode(news=news)
+            except ValueError:  # the member table does not fit a header: its digest goes alone
+                header = encode(news=wire.MemberNews(news.digest))
         except BaseException:
             pool.release(snapshot)
             raise
@@ -753,7 +746,9 @@ class Node:
         def prepare(index: int) -> None:
             pool.prepare(snapshot, index)
 
-        return Reply(header, snapshot.frames, sent, prepare, stream, request.req)
+        return Reply(
+            header, snapshot.frames, sent, prepare, request.stream and wire.can_stream(request.req), request.req
+        )
 
     # ------------------------------------------------------------ membership (docs/membership.md)
 

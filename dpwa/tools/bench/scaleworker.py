@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "EXIT_NO_GO",
     "GO_FILE",
     "GO_POLL_S",
+    "Job",
     "READY_SUFFIX",
     "RecordingExchange",
     "flat",
@@ -112,20 +114,47 @@ def wait_for_steps(metrics: Path, steps: int, timeout_s: float) -> bool:
     return True
 
 
+@dataclass
+class Job:
+    """What a node of the bench trains: the demo's data, its shard, model and optimizer, built from the spec."""
+
+    name: str
+    run_dir: Path
+    config: demo.TrainConfig
+    data: Any
+    indices: Any
+    model: nn.Module
+    optimizer: Any
+    size: int
+    rss_base: int | None
+
+    @classmethod
+    def build(cls, spec: dict[str, Any], rank: int) -> Job:
+        names: list[str] = spec["names"]
+        config = demo.TrainConfig.from_dict(spec["config"])
+        model = demo.build_model(config)
+        return cls(
+            name=names[rank],
+            run_dir=Path(spec["run_dir"]),
+            config=config,
+            data=demo.make_dataset(config.seed, config.data),
+            indices=demo.shard_indices(config.data.n_train, rank, len(names)),
+            model=model,
+            optimizer=demo.make_optimizer(model, config),
+            size=sum(p.numel() for p in model.parameters()),
+            rss_base=read_rss_kib(os.getpid()),
+        )
+
+
 def run_joiner(spec: dict[str, Any], rank: int) -> int:
     """A node that joins the running cluster mid-run, trains ``join_steps`` steps, and leaves cleanly."""
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
     from dpwa.config import load_config
 
     names: list[str] = spec["names"]
-    name, run_dir = names[rank], Path(spec["run_dir"])
-    config = demo.TrainConfig.from_dict(spec["config"])
-    data = demo.make_dataset(config.seed, config.data)
-    indices = demo.shard_indices(config.data.n_train, rank, len(names))
-    model = demo.build_model(config)
-    optimizer = demo.make_optimizer(model, config)
-    size = sum(p.numel() for p in model.parameters())
-    rss_base = read_rss_kib(os.getpid())
+    job = Job.build(spec, rank)
+    name, run_dir, config, data, indices = job.name, job.run_dir, job.config, job.data, job.indices
+    model, optimizer, size, rss_base = job.model, job.optimizer, job.size, job.rss_base
     write_atomically(run_dir / f"{name}{READY_SUFFIX}", json.dumps({"pid": os.getpid(), "params": size,
                                                                     "rss_base_kib": rss_base}))  # fmt: skip
     timeout_s = float(spec["start_timeout_s"])
@@ -166,17 +195,11 @@ def run_joiner(spec: dict[str, Any], rank: int) -> int:
 def run(spec: dict[str, Any], rank: int) -> int:
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
-    names: list[str] = spec["names"]
-    name, run_dir = names[rank], Path(spec["run_dir"])
-    if name in spec.get("joiners", ()):
+    if spec["names"][rank] in spec.get("joiners", ()):
         return run_joiner(spec, rank)
-    config = demo.TrainConfig.from_dict(spec["config"])
-    data = demo.make_dataset(config.seed, config.data)
-    indices = demo.shard_indices(config.data.n_train, rank, len(names))
-    model = demo.build_model(config)
-    optimizer = demo.make_optimizer(model, config)
-    size = sum(p.numel() for p in model.parameters())
-    rss_base = read_rss_kib(os.getpid())
+    job = Job.build(spec, rank)
+    name, run_dir, config, data, indices = job.name, job.run_dir, job.config, job.data, job.indices
+    model, optimizer, size, rss_base = job.model, job.optimizer, job.size, job.rss_base
     with DpwaPyTorchAdapter(model, name, spec["cluster"], seed=config.seed * 1000 + rank, run_dir=run_dir) as conn:
         recorder = ParamRecorder(run_dir / f"{name}{SUFFIX}", size, int(spec["record_every"]))
         ready = {"pid": os.getpid(), "params": size, "rss_base_kib": rss_base}
