@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpwa.config import NodeSpec
-from dpwa.node.members import STATES, JoinRefused, Member, MemberTable, newer
+from dpwa.node.members import STATES, TABLE_BUDGET_BYTES, JoinRefused, Member, MemberTable, newer
 from dpwa.node.membership import Membership
-from dpwa.node.wire import Header, Kind
+from dpwa.node.wire import Header, Kind, MemberNews, encode_members
 
 FILE = [NodeSpec("w1", "127.0.0.1", 4001), NodeSpec("w2", "127.0.0.1", 4002)]
 
@@ -106,7 +106,7 @@ def test_schedules_order_is_the_file_order_then_joined_members_by_name_without_t
     assert t.order() == ("w2", "w1", "aa", "mm", "zz")
     t.merge([Member("mm", "127.0.0.1", 5002, "left", 1), Member("w1", "127.0.0.1", 4001, "left", 1)], 1.0)
     t.suspect("zz", 1.0)  # suspected members stay (they may answer)
-    assert t.order() == ("w2", "aa", "zz")
+    assert t.order() == ("w2", "w1", "aa", "zz")  # a file node is never dropped, even said to have left
 
 
 def test_a_forgotten_member_is_not_gossiped_back_only_a_new_incarnation_returns() -> None:
@@ -169,3 +169,40 @@ def test_a_join_reaches_every_node_in_o_log_n_fetch_rounds(n: int) -> None:
 
 def _tuple(members):
     return None if members is None else tuple(members)
+
+
+def test_entries_with_hosts_zeromq_cannot_connect_to_or_long_names_are_refused() -> None:
+    t = table(capacity=100)
+    bad = [Member("e1", host, 5000) for host in ("bad/host", "h@x", "a,b", "_gateway", "-x", "x" * 254, "h:1")]
+    assert t.merge([*bad, Member("n" * 129, "127.0.0.1", 5000)], now=0.0) == [] and t.refused == len(bad) + 1
+    good = [Member("e2", "10.0.0.1", 5000), Member("e3", "node-7.example.org", 5000), Member("e4", "localhost", 1)]
+    assert len(t.merge(good, now=0.0)) == 3
+
+
+def test_the_table_never_outgrows_a_message_header() -> None:
+    """However long the (valid) names and hosts, new entries beyond the byte budget are refused, so the
+    whole table, encoded, always fits a header."""
+    t = MemberTable(FILE, capacity=1024, forget_after_s=10.0)
+    host = ".".join(["a" * 60] * 4)  # 243 characters: a valid host name
+    t.merge([Member(f"m{i:03d}" + "x" * 120, host, 5000 + i) for i in range(1000)], now=0.0)
+    assert 0 < t.joined() < 1000 and t.refused == 1000 - t.joined()
+    assert t.wire_bytes() <= TABLE_BUDGET_BYTES
+    encode_members("w1", 1, MemberNews(t.digest(), t.members()), permanent=["w1", "w2"], mass=1e6)
+
+
+def test_a_file_node_is_left_only_on_its_own_word_and_a_restarted_one_outbids_the_old_claim() -> None:
+    me = NodeSpec("w1", "127.0.0.1", 4001)
+    w2 = Membership(FILE[1], FILE, 8, 10.0, lambda: None)
+    forged = Header(Kind.FETCH, "mallory", 0, digest="x", members=(Member("w1", "127.0.0.1", 4001, "left", 5),))
+    w2.observe(forged)
+    assert w2.get("w1").state == "alive"  # type: ignore[union-attr]  # relayed: not taken
+    own = Header(Kind.MEMBERS, "w1", 0, digest="x", members=(Member("w1", "127.0.0.1", 4001, "left", 1),))
+    w2.observe(own, authenticated=True)
+    assert w2.get("w1").state == "left" and "w1" not in w2.order()  # type: ignore[union-attr]
+    restarted = Membership(me, FILE, 8, 10.0, lambda: None)  # back, at version 0, alive
+    news = w2.news_for("w1")
+    restarted.observe(Header(Kind.STATE, "w2", 0, digest=news.digest, members=tuple(news.members or ())))
+    assert restarted.get("w1") == Member("w1", "127.0.0.1", 4001, "alive", 2)  # outbids "left" at 1
+    back = restarted.news_for("w2")
+    w2.observe(Header(Kind.FETCH, "w1", 0, digest=back.digest, members=tuple(back.members or ())))
+    assert w2.get("w1").state == "alive" and "w1" in w2.order()  # type: ignore[union-attr]

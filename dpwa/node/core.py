@@ -180,9 +180,9 @@ class Node:
             news=self.membership.news_for,
         )
         self.endpoints = {p.name: p.endpoint for p in peers}
+        self.synced = True  # from here on a table change (the RX thread may see one at once) is applied
         self.rx.start()
         self.tx.start()
-        self.synced = True
         if joining is not None:
             try:
                 self.join(joining, config.join_timeout_s)
@@ -635,6 +635,7 @@ class Node:
         never pushed to again in this session."""
         if self.ledger is None:  # pragma: no cover - only push rules open pushes
             return
+        self.push_outcome(push.peer, ok=True)  # any answer: the peer is there
         if status == "refused" and code == ErrorCode.UNSUPPORTED.value and push.peer not in self.ledger.unsupported:
             self.ledger.unsupported.add(push.peer)
             log.warning(
@@ -655,9 +656,23 @@ class Node:
         self.ledger.settle(push, status, code)
 
     def on_push_unknown(self, push: Push) -> None:
-        """A push is past its deadline without an answer: the ledger marks it unknown (a SETTLE query follows)."""
+        """A push is past its deadline without an answer (or a SETTLE query about it went unanswered): the ledger
+        marks it unknown (queries follow), and flow control counts a failure, so a peer that died is marked
+        down and suspected as a peer that stopped answering fetches is."""
         if self.ledger is not None:
             self.ledger.mark_unknown(push)
+        self.push_outcome(push.peer, ok=False)
+
+    def push_outcome(self, peer: str, ok: bool) -> None:
+        """Feed flow control with a push's fate (any thread): answered, or not answered in time."""
+        with self.flow_lock:
+            if ok:
+                self.flow.success(peer)
+                return
+            self.flow.failure(peer)
+            down = not self.flow.is_up(peer)
+        if down:
+            self.membership.suspect(peer)
 
     # ------------------------------------------------------------ ZAP thread
 
@@ -773,16 +788,26 @@ class Node:
             for name in set(self.endpoints) - peers.keys():
                 del self.endpoints[name]
                 self.tx.set_peer(name, None)
-                if self.ledger is not None and self.membership.get(name) is None:  # forgotten: nobody will answer
-                    push = self.ledger.abandon(name)
-                    if push is not None:
-                        self.stats.add("pushes_lost")
-                        self.release_snapshot(push.snapshot, push.tracker)
+                if self.membership.get(name) is None:  # forgotten: nobody will answer, nothing is kept of it
+                    self.forget_member(name)
             if self.inbox is not None:
                 self.inbox.set_senders(list(peers))
             self.names = order
             with self.state_lock:
                 self.rule.on_members(self.name, order, float(self.membership.incarnations()))
+
+    def forget_member(self, name: str) -> None:
+        """A member forgotten (caller holds the sync lock): abandon an unanswerable push to it, drop what the
+        node keeps per peer (outcome counts, logged-once keys, a cached key), so memory follows the table."""
+        if self.ledger is not None:
+            push = self.ledger.abandon(name)
+            if push is not None:
+                self.stats.add("pushes_lost")
+                self.release_snapshot(push.snapshot, push.tracker)
+        self.stats.forget_peer(name)
+        self.once.forget(name)
+        if self.security is not None:
+            self.security.forget(name)
 
     def on_membership_message(self, header: Header, user: str | None) -> bytes | None:
         """RX thread: a PUSH's member news (no answer), a JOIN (answered MEMBERS or ERROR join-refused), or a
@@ -791,8 +816,10 @@ class Node:
             self.membership.observe(header)
             return None
         if header.kind is Kind.MEMBERS:
-            self.membership.observe(header)
-            if header.settled is not None:
+            trusted = self.security is None or user == header.node  # with CURVE, the sender is its key's name
+            self.membership.observe(header, authenticated=trusted)
+            leaver = self.membership.get(header.node)
+            if header.settled is not None and trusted and leaver is not None and leaver.state == "left":
                 self.settle_with_leaver(header.node, *header.settled)
             return wire.encode_members(self.name, header.req, self.membership.full_news())
         refused = None
@@ -814,11 +841,16 @@ class Node:
             "node %s: %s joined from %s:%d (version %d)", self.name, entry.name, entry.host, entry.port, entry.version
         )
         return wire.encode_members(
-            self.name, header.req, self.membership.full_news(), permanent=self.membership.permanent()
+            self.name,
+            header.req,
+            self.membership.full_news(),
+            permanent=self.membership.permanent(),
+            mass=float(self.membership.incarnations()),
         )
 
     def settle_with_leaver(self, peer: str, last: int, verdict: bool | None) -> None:
-        """``peer`` left and says the latest push of this node it saw was ``last``, taken (True) or not: settle an
+        """(RX thread; only for a MEMBERS from ``peer`` itself, with CURVE, that says it is ``left``.) ``peer`` left
+        and says the latest push of this node it saw was ``last``, taken (True) or not: settle an
         open push to it (taken: delivered; refused, never arrived, or still arriving when it left: the mass
         comes back)."""
         push = self.ledger.open_push(peer) if self.ledger is not None else None
@@ -882,7 +914,7 @@ class Node:
             self.stats.add("stale_replies")
             return None
         fixed = [m.spec() for m in header.members if m.name in header.permanent]
-        own = self.membership.adopt(fixed, header.members)
+        own = self.membership.adopt(fixed, header.members, mass=header.mass)
         log.info(
             "node %s: joined the cluster through %s (%s) as version %d; %d members",
             self.name,
@@ -904,49 +936,53 @@ class Node:
         self.announce(min(deadline, time.monotonic() + ANNOUNCE_S))
 
     def hand_off(self, deadline: float) -> None:
-        """Push rules: settle every push, fold in what arrived, then push the rule's hand-off (push-sum: the whole
-        ``(x, w)``) to one member after another until one takes it."""
+        """Push rules, leaving: settle the pushes to members that are up, take no more, fold in everything that
+        arrived, then push the rule's hand-off (push-sum: the whole ``(x, w)``) to one up member after another
+        until one takes it. Bounded by ``deadline``."""
         assert self.ledger is not None and self.inbox is not None and self.pool is not None
-        self.inbox.closing = True
-        self.ledger.wait_settled(max(0.0, deadline - time.monotonic()))
+        self.inbox.closing = True  # from now on every push is refused busy: the senders keep their mass
+        with self.flow_lock:
+            up = set(self.flow.up_peers())
+        self.ledger.wait_settled(max(0.0, deadline - time.monotonic()), waited=lambda peer: peer in up)
         while self.inbox.receiving() and time.monotonic() < deadline:
             time.sleep(0.01)  # a push already arriving completes or expires within timeout_ms
-        self.wait_and_mix(None)  # fold the inbox and the pushes that came back
-        with self.state_lock:
-            given = self.rule.hand_off(self.state)
-        if given is None:
-            return
-        with self.flow_lock:
-            candidates = self.flow.choose(len(self.flow.scores()))
-        for peer in candidates:
-            snapshot = self.publish(tick=False)
-            if snapshot is None or time.monotonic() >= deadline:
+        for _ in range(self.config.inbox_slots + 1):  # one push per sender per fold: fold until empty
+            self.wait_and_mix(None)  # the inbox, and the pushes that came back
+            if not self.inbox.occupied():
                 break
-            self.pool.retain(snapshot)
-            push = Push(
-                peer,
-                next(self.requests),
-                given,
-                snapshot,
-                min(deadline, time.monotonic() + self.config.timeout_ms / 1000.0),
-                prepare=functools.partial(self.pool.prepare_push, snapshot),
-            )
+        with self.flow_lock:
+            candidates = [p for p in self.flow.up_peers() if not self.ledger.busy(p)]
+        self.rng.shuffle(candidates)
+        for peer in candidates:
+            if time.monotonic() >= deadline:
+                break
+            snapshot = self.publish(tick=False)
+            if snapshot is None:
+                break
+            with self.state_lock:
+                given = self.rule.hand_off(self.state)
+            if given is None:
+                return
+            self.pool.retain(snapshot)  # the push's lease (publish leaves none)
+            due = min(deadline, time.monotonic() + self.config.timeout_ms / 1000.0)
+            prepare = functools.partial(self.pool.prepare_push, snapshot)
+            push = Push(peer, next(self.requests), given, snapshot, due, prepare=prepare)
             self.ledger.open(push)
             self.tx.submit_push(push)
-            self.ledger.wait_settled(max(0.0, deadline - time.monotonic()))
+            self.ledger.wait_for(push, max(0.0, deadline - time.monotonic()))
             if push.status == "delivered":
                 log.info("node %s: handed its mass %s to %s", self.name, given, peer)
                 self.wait_pushes()
                 self.stats.add("hand_offs")
                 return
+            if push.status != "refused":  # no answer in time: the mass is with the peer or on the way
+                log.warning("node %s: its hand-off to %s was not answered before it left", self.name, peer)
+                return
             self.wait_and_mix(None)  # refused: the mass came back; try the next member
-            with self.state_lock:
-                given = self.rule.hand_off(self.state)
-            assert given is not None
         if candidates:
-            log.warning("node %s: no member took its mass %s before it left; it leaves with it", self.name, given)
+            log.warning("node %s: no member took its mass before it left; it leaves with it", self.name)
         else:
-            log.info("node %s: the last member leaves with the mass %s", self.name, given)
+            log.info("node %s: no member is up to take its mass; it leaves with it", self.name)
 
     def announce(self, deadline: float) -> None:
         """Send this node's table (which says it left) to every member flow control thinks up, and wait until
@@ -959,11 +995,19 @@ class Node:
         monitors: dict[zmq.Socket, zmq.Socket] = {}  # monitor -> its DEALER
         try:
             for m in members:
-                sock = self.ctx.socket(zmq.DEALER)
+                try:
+                    sock = self.ctx.socket(zmq.DEALER)
+                except zmq.ZMQError as exc:  # out of sockets (a very large table): the rest learn by gossip
+                    log.warning("node %s: told %d of %d members it leaves: %s", self.name, len(socks), len(members),
+                                exc)  # fmt: skip
+                    break
                 socks.append(sock)
                 _common_options(sock)
                 sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
-                monitors[sock.get_monitor_socket(UNREACHABLE_EVENTS)] = sock
+                try:
+                    monitors[sock.get_monitor_socket(UNREACHABLE_EVENTS)] = sock
+                except zmq.ZMQError:
+                    pass  # unmonitored: waited for until the deadline
                 settled = self.inbox.verdict_for(m.name) if self.inbox is not None else None
                 try:
                     if self.security is not None:

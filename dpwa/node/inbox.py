@@ -125,8 +125,13 @@ class PushReceiver:
     # ------------------------------------------------------------ set-up (trainer thread)
 
     def set_senders(self, names: Sequence[str]) -> None:
-        """The members pushes are taken from (any thread): the table changed."""
-        self._senders = frozenset(n for n in names if n != self.name)
+        """The members pushes are taken from (any thread): the table changed. The verdicts of senders no longer
+        among them and with nothing in the inbox are dropped (per-sender state stays bounded by the table)."""
+        with self._lock:
+            self._senders = frozenset(n for n in names if n != self.name)
+            held = {s.sender for s in self._slots if s.state != "free"}
+            for sender in [n for n in self._verdicts if n not in self._senders and n not in held]:
+                del self._verdicts[sender]
 
     def allocate(self, local: Layout) -> None:
         """Allocate the slots for ``local`` (once, at the node's first publish)."""

@@ -8,10 +8,12 @@ final for that incarnation; two claims equal in both are ordered by address. Tha
 gossip of whole tables converges: merging is commutative, associative and idempotent (tested).
 
 Members from the cluster file are *permanent*: their address is the file's, an entry from the network never
-changes it and never removes them. The table holds at most ``capacity`` joined members; beyond that, new
-names are refused (counted), so a flood of forged entries costs bounded memory. Joined members that have
-been ``suspected`` or ``left`` for ``forget_after_s`` are forgotten (:meth:`MemberTable.expire`); a forgotten
-name is remembered as a *tombstone* (name and version, within the capacity) for another ``forget_after_s``, so that a
+changes it and never removes them (such a node is ``left`` only on its own word, see
+:meth:`MemberTable.merge`). The table holds at most ``capacity`` joined members and
+:data:`TABLE_BUDGET_BYTES` on the wire; beyond that, new names are refused (counted), so a flood of forged
+entries costs bounded memory. Joined members that have been ``suspected`` or ``left`` for
+``forget_after_s`` are forgotten (:meth:`MemberTable.expire`); a forgotten name is remembered as a
+*tombstone* (name and version, within the capacity) for another ``forget_after_s``, so that a
 peer that has not forgotten it yet cannot gossip it back: only a newer incarnation (a new join) is taken.
 
 On the wire an entry is the JSON list ``[name, host, port, state, version]`` (:func:`to_wire`, :func:`from_wire`);
@@ -23,13 +25,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from dpwa.config import ConfigError, NodeSpec
 
-__all__ = ["MAX_WIRE_MEMBERS", "STATES", "JoinRefused", "Member", "MemberTable", "from_wire", "newer", "to_wire"]
+__all__ = [
+    "MAX_MEMBER_NAME",
+    "MAX_WIRE_MEMBERS",
+    "STATES",
+    "TABLE_BUDGET_BYTES",
+    "entry_bytes",
+    "JoinRefused",
+    "Member",
+    "MemberTable",
+    "from_wire",
+    "newer",
+    "to_wire",
+]
 
 STATES = ("alive", "suspected", "left")
 """Member states, weakest first: at equal versions the later one wins."""
@@ -37,6 +52,13 @@ MAX_VERSION = 2**53
 """Versions above this (not exact in a JSON number) are refused."""
 MAX_WIRE_MEMBERS = 4096
 """A member list on the wire longer than this is malformed (the table's own bound is the capacity setting)."""
+MAX_MEMBER_NAME = 128
+"""The longest member name taken from the network."""
+TABLE_BUDGET_BYTES = 48 * 1024
+"""The most a table may take on the wire (JSON): new joined members beyond it are refused like over capacity, so
+the whole table always fits a message header (64 KiB)."""
+_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?$")
+"""A host name or IPv4 address ZeroMQ can connect to: letters, digits, dots and hyphens."""
 
 
 class JoinRefused(Exception):
@@ -90,9 +112,17 @@ def from_wire(raw: Any) -> list[Member] | None:
     return out
 
 
+def entry_bytes(m: Member) -> int:
+    """About what ``m`` takes in a table on the wire (its JSON list, with room for the numbers)."""
+    return len(m.name) + len(m.host) + 48
+
+
 def _valid(m: Member) -> bool:
-    """A known state, a version a JSON number holds exactly, and a name and address a cluster file could list."""
+    """A known state, a version a JSON number holds exactly, a name of at most MAX_MEMBER_NAME characters a
+    cluster file could list, and a host ZeroMQ can connect to (a host name or an IPv4 address)."""
     if m.state not in STATES or not isinstance(m.version, int) or not 0 <= m.version <= MAX_VERSION:
+        return False
+    if len(m.name) > MAX_MEMBER_NAME or not _HOST.match(m.host):
         return False
     try:
         m.spec()  # NodeSpec checks the name, host and port as it does for a cluster file
@@ -140,11 +170,15 @@ class MemberTable:
         return [m for m in self.members() if m.state != "left"]
 
     def order(self) -> tuple[str, ...]:
-        """The members that are not ``left`` in the order schedules use: the file's nodes in file order, then
-        joined members by name. Every node with the same table computes the same order."""
+        """The members not ``left`` in the order schedules use: the file's nodes in file order, then joined
+        members by name. Every node with the same table computes the same order."""
         fixed = [n for n in self._permanent if self._entries[n].state != "left"]
         joined = [m.name for m in self.members() if m.name not in self._permanent and m.state != "left"]
         return (*fixed, *joined)
+
+    def wire_bytes(self) -> int:
+        """About what the whole table takes on the wire (see :func:`entry_bytes`)."""
+        return sum(entry_bytes(m) for m in self._entries.values())
 
     def joined(self) -> int:
         return sum(name not in self._permanent for name in self._entries)
@@ -156,8 +190,11 @@ class MemberTable:
             self._digest = hashlib.blake2b(data, digest_size=8).hexdigest()
         return self._digest
 
-    def merge(self, entries: Iterable[Member], now: float) -> list[Member]:
-        """Take every entry that supersedes what is known; returns the entries that changed the table."""
+    def merge(self, entries: Iterable[Member], now: float, sender: str | None = None) -> list[Member]:
+        """Take every entry that supersedes what is known; returns the entries that changed the table.
+
+        A file node is ``left`` only on its own word: such an entry is taken from ``sender`` == that node (its
+        leave announcement, or this node itself), never relayed, so a forged one cannot drop a file node."""
         changed = []
         for entry in entries:
             if not _valid(entry):
@@ -167,14 +204,30 @@ class MemberTable:
             if fixed is not None and (entry.host, entry.port) != (fixed.host, fixed.port):
                 self.refused += 1  # a permanent member's address is the file's
                 continue
+            if fixed is not None and entry.state == "left" and sender != entry.name:
+                continue  # relayed: the node's own announcement reached every member it could
             known = self._entries.get(entry.name)
             tomb = self._tombstones.get(entry.name)
             if known is None and tomb is not None:
                 if entry.version <= tomb[0]:
                     continue  # gossip of a member this node forgot: not taken again
                 del self._tombstones[entry.name]
-            if known is None and fixed is None and self.joined() + len(self._tombstones) >= self.capacity:
+            if (
+                known is None
+                and fixed is None
+                and (
+                    self.joined() + len(self._tombstones) >= self.capacity
+                    or self.wire_bytes() + entry_bytes(entry) > TABLE_BUDGET_BYTES
+                )
+            ):
                 self.refused += 1
+                continue
+            if (
+                known is not None
+                and entry_bytes(entry) > entry_bytes(known)
+                and (self.wire_bytes() - entry_bytes(known) + entry_bytes(entry) > TABLE_BUDGET_BYTES)
+            ):
+                self.refused += 1  # a longer host for a known name, past the budget
                 continue
             if known is not None and not newer(entry, known):
                 continue
@@ -227,7 +280,7 @@ class MemberTable:
         known = self._entries.get(name)
         if known is None or known.state == state:
             return None
-        return (self.merge([replace(known, state=state, version=known.version + 1)], now) or [None])[0]
+        return (self.merge([replace(known, state=state, version=known.version + 1)], now, sender=name) or [None])[0]
 
     def expire(self, now: float) -> list[str]:
         """Forget joined members down (suspected or left) for ``forget_after_s``; returns their names. Their

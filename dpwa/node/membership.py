@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dpwa.config import NodeSpec
@@ -85,9 +85,11 @@ class Membership:
     # ------------------------------------------------------------ reading
 
     def order(self) -> tuple[str, ...]:
-        """Members not ``left``, file nodes first (file order), then joined ones by name: what schedules use."""
+        """File nodes (file order), then joined members not ``left`` by name: what schedules use. This node is
+        always in it (a claim that it left, not refuted yet, does not take it out of its own schedule)."""
         with self._lock:
-            return self._table.order()
+            order = self._table.order()
+        return order if self.me.name in order else (*order, self.me.name)
 
     def peers(self) -> list[Member]:
         """Every member to exchange with (not ``left``, not this node)."""
@@ -141,22 +143,32 @@ class Membership:
         with self._lock:
             return MemberNews(self._table.digest(), self._table.members())
 
-    def observe(self, header: Header) -> None:
-        """Take the member news of a message from ``header.node``: merge its table, remember its digest."""
+    def observe(self, header: Header, authenticated: bool = False) -> None:
+        """Take the member news of a message from ``header.node``: merge its table, remember its digest.
+        ``authenticated``: the message is a leave announcement whose sender is who it says (with CURVE, its key's
+        name), so a file node's own ``left`` is taken from it."""
         changed = False
         with self._lock:
             if header.members is not None:
-                changed = self._merge(header.members)
+                changed = self._merge(header.members, header.node if authenticated else None)
             if header.digest and self._table.get(header.node) is not None:
                 self._peer_digest[header.node] = header.digest
         if changed:
             self._on_change()
 
-    def _merge(self, entries: Sequence[Member]) -> bool:
+    def _merge(self, entries: Sequence[Member], sender: str | None = None) -> bool:
         """Merge (caller holds the lock), refute what says this node is down; True when the peers changed."""
         now = self._now()
-        changes = self._table.merge(entries, now)
-        own = self._table.assert_self(self.me.name, "left" if self.leaving else "alive", now)
+        changes = self._table.merge(entries, now, sender)
+        state = "left" if self.leaving else "alive"
+        own = self._table.assert_self(self.me.name, state, now)
+        current = self._table.get(self.me.name)
+        claims = [e.version for e in entries if e.name == self.me.name and e.state != state]
+        if own is None and current is not None and claims and max(claims) >= current.version:
+            # a claim about this node the table did not take (a file node's relayed "left"): outbid it anyway,
+            # so whoever holds it learns better
+            own = (self._table.merge([replace(current, state=state, version=max(claims) + 1)], now, self.me.name)
+                   or [None])[0]  # fmt: skip
         if own is not None:
             changes.append(own)
         for m in changes:
@@ -200,12 +212,15 @@ class Membership:
         with self._lock:
             return [m.name for m in self._table.members() if self._table.is_permanent(m.name)]
 
-    def adopt(self, permanent: Sequence[NodeSpec], entries: Sequence[Member]) -> Member:
-        """A JOIN was answered: the cluster's file nodes and its table replace this node's; returns this node's
+    def adopt(self, permanent: Sequence[NodeSpec], entries: Sequence[Member], mass: float | None = None) -> Member:
+        """A JOIN was answered: the cluster's file nodes and its table replace this node's (``mass``: the
+        sponsor's bound on the push-sum mass, kept if larger than this table's count); returns this node's
         entry (the version it joined as). JoinRefused when the answer does not list this node alive."""
         with self._lock:
             table = MemberTable(permanent, self._table.capacity, self._table.forget_after_s)
             table.merge(entries, self._now())
+            if mass is not None:
+                table.incarnations = max(table.incarnations, int(mass))
             own = table.get(self.me.name)
             if own is None or own.state != "alive" or (own.host, own.port) != (self.me.host, self.me.port):
                 raise JoinRefused(f"the answer to the JOIN does not list {self.me.name} at its address: {own}")

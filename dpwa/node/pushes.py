@@ -42,7 +42,9 @@ class Push:
     deadline: float
     prepare: Callable[[int], None] | None = None
     """Called with a chunk index before that chunk is sent (rounds a narrower wire dtype in place)."""
-    status: str = "sending"  # sending | unknown | delivered | refused
+    status: str = "sending"  # sending | unknown | delivered | refused | lost
+    queries: int = 0
+    """SETTLE queries sent about this push so far."""
     code: str = ""
     started: float = field(default_factory=time.monotonic)
     next_query: float = 0.0
@@ -94,12 +96,23 @@ class PushLedger:
                 push.status = "unknown"
             self._cond.notify_all()
 
-    def wait_settled(self, timeout_s: float) -> bool:
-        """Block until every push has its verdict (SETTLE queries answer the unknown ones), at most
-        ``timeout_s``; True if reached."""
+    def wait_settled(self, timeout_s: float, waited: Callable[[str], bool] = lambda peer: True) -> bool:
+        """Block until every push to a peer ``waited(peer)`` says is worth waiting for has its verdict (SETTLE
+        queries answer the unknown ones), at most ``timeout_s``; True if reached."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._open:
+            while any(waited(peer) for peer in self._open):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def wait_for(self, push: Push, timeout_s: float) -> bool:
+        """Block until ``push`` has its verdict, at most ``timeout_s``; True if it has."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._open.get(push.peer) is push:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

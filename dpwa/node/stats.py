@@ -100,6 +100,11 @@ class NodeStats:
         with self._lock:
             self._by_peer.setdefault(peer, Counter())[outcome] += 1
 
+    def forget_peer(self, peer: str) -> None:
+        """Drop ``peer``'s outcome counts (a member forgotten: per-peer state stays bounded by the table)."""
+        with self._lock:
+            self._by_peer.pop(peer, None)
+
     def snapshot(self) -> dict[str, Any]:
         """All counters, ``rejected_by_reason``, ``push_rejected_by_reason``, ``by_peer``, ``mean_fetch_ms``."""
         with self._lock:
@@ -126,3 +131,8 @@ class OnceLog:
             first = key not in self._seen
             self._seen.add(key)
         self._logger.log(level if first else logging.DEBUG, msg, *args)
+
+    def forget(self, first: Any) -> None:
+        """Forget the keys that start with ``first`` (a member forgotten): logged afresh if they come back."""
+        with self._lock:
+            self._seen = {key for key in self._seen if not key or key[0] != first}

@@ -216,7 +216,11 @@ class RxServer(SocketThread):
             self._on_event("requests_rejected", 1)
             return
         if header.kind in (Kind.JOIN, Kind.MEMBERS):
-            answer = self._membership(header, _user_id(head)) if self._membership is not None else None
+            try:
+                answer = self._membership(header, _user_id(head)) if self._membership is not None else None
+            except Exception:  # pragma: no cover - a bug in the membership code must not kill the server
+                log.exception("membership message from %s failed", header.node)
+                answer = None
             self._answer(sock, identity, answer)
             return
         if header.kind is not Kind.FETCH:
@@ -617,6 +621,9 @@ class TxFetcher(threading.Thread):
                 self._on_push_unknown(push)  # status "unknown" (the node's ledger, which wakes its waiters)
                 push.next_query = now
             if push.status == "unknown" and now >= push.next_query:
+                if push.queries:  # the last query went unanswered for retry_s: the peer may be gone
+                    self._on_push_unknown(push)
+                push.queries += 1
                 push.next_query = now + self._retry_s
                 self._settles.append((push.peer, push.seq, "query"))
                 self._on_event("push_queries", 1)
@@ -738,7 +745,13 @@ class TxFetcher(threading.Thread):
                     log.warning("cannot connect to %s: %s", peer, exc)
                     self._on_event("peer_setup_failed", 1)
                     return None
-            sock.connect(self._endpoints[peer])
+            try:
+                sock.connect(self._endpoints[peer])
+            except zmq.ZMQError as exc:  # an endpoint libzmq refuses (the member table only takes plain hosts)
+                sock.close(linger=0)
+                log.warning("cannot connect to %s at %s: %s", peer, self._endpoints[peer], exc)
+                self._on_event("peer_setup_failed", 1)
+                return None
             poller.register(sock, zmq.POLLIN)
             self._sockets[peer] = sock
         return sock

@@ -317,6 +317,8 @@ class Header:
     """MEMBERS answering a JOIN: the names of the cluster file's nodes (members never forgotten)."""
     settled: tuple[int, bool | None] | None = None
     """MEMBERS announcing a leave: the receiver's latest push sequence number there and its final verdict."""
+    mass: float | None = None
+    """MEMBERS answering a JOIN: the sender's bound on the cluster's push-sum mass (members ever admitted)."""
 
 
 @dataclass(frozen=True)
@@ -470,10 +472,12 @@ def encode_members(
     news: MemberNews,
     permanent: Sequence[str] = (),
     settled: tuple[int, bool | None] | None = None,
+    mass: float | None = None,
 ) -> bytes:
     """``node``'s member table (``news.members`` must be set): a join's answer (with the names of the cluster
-    file's nodes, ``permanent``), or a leave announcement (with ``settled``: the receiver's latest push
-    sequence number at ``node`` and its final verdict, so the receiver settles a push that is still open)."""
+    file's nodes, ``permanent``, and ``mass``: the sender's bound on the cluster's push-sum mass), or a leave
+    announcement (with ``settled``: the receiver's latest push sequence number at ``node`` and its final verdict,
+    so the receiver settles a push that is still open)."""
     if news.members is None:
         raise ValueError("a MEMBERS message carries the whole table")
     body: dict[str, Any] = {"node": node, "req": req}
@@ -481,6 +485,8 @@ def encode_members(
         body["permanent"] = list(permanent)
     if settled is not None:
         body["settled"] = [settled[0], settled[1]]
+    if mass is not None:
+        body["mass"] = mass
     return _encode(Kind.MEMBERS, body, news)
 
 
@@ -545,6 +551,7 @@ def decode_header(frame: bytes | memoryview) -> Header:
             members=members,
             permanent=tuple(permanent),
             settled=(settled[0], settled[1]) if settled is not None else None,
+            mass=_mass(body.get("mass")),
         )
     if kind is Kind.FETCH:
         extras = body.get("extras", {})
@@ -605,6 +612,17 @@ def decode_header(frame: bytes | memoryview) -> Header:
         digest=digest,
         members=members,
     )
+
+
+def _mass(value: Any) -> float | None:
+    """An optional positive finite number (a MEMBERS ``mass``); anything else is as if absent."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        mass = float(value)
+    except OverflowError:
+        return None
+    return mass if math.isfinite(mass) and mass > 0 else None
 
 
 def _member_news(body: dict[str, Any]) -> tuple[str, tuple[Member, ...] | None]:

@@ -65,6 +65,7 @@ class NodeSecurity:
         assert secret is not None
         self._secret = secret
         self.peers = {peer: read_key_file(path)[0] for peer, path in public_files.items()}
+        self._file_peers = frozenset(self.peers)
         _warn_if_readable(secret_file)
         self.name = name
         self._keys_dir = keys_dir
@@ -97,6 +98,11 @@ class NodeSecurity:
                 raise KeyFileError(f"no public key for {peer!r}")
             key = self.peers[peer] = read_key_file(public_path(self._keys_dir, peer))[0]
         return key
+
+    def forget(self, peer: str) -> None:
+        """Drop a joined member's cached public key (it was forgotten); the file's nodes' keys stay."""
+        if peer not in self._file_peers:
+            self.peers.pop(peer, None)
 
     def server(self, sock: zmq.Socket) -> None:
         """Make ``sock`` (not yet bound) a CURVE server with this node's secret key, authenticated by ZAP."""
