@@ -296,7 +296,10 @@ def test_progress_shows_the_members_a_node_sees_from_its_member_records() -> Non
     out = io.StringIO()
     Progress(out, interactive=True, clock=lambda: 0.0).update([NodeView("w1", "running", metrics)])
     assert "members   4" in out.getvalue()
-    assert "members" not in Progress.__dict__ and NodeMetrics().members is None
+    done = io.StringIO()  # a node that ended has left: its count says nothing any more
+    Progress(done, interactive=True, clock=lambda: 0.0).update([NodeView("w1", "ok", metrics)])
+    assert "members" not in done.getvalue()
+    assert NodeMetrics().members is None
 
 
 def test_summary_table_has_a_row_per_node() -> None:

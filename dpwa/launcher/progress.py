@@ -139,7 +139,7 @@ def summary_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
 def _line(view: NodeView, rate: float) -> str:
     m = view.metrics
     loss = "-" if m.loss is None else f"{m.loss:.4f}"
-    members = "" if m.members is None else f"  members {m.members:>3}"
+    members = "" if m.members is None or view.state != "running" else f"  members {m.members:>3}"
     return (
         f"{view.name:<10} {view.state:<8} step {m.steps:>7}  loss {loss:>8}  mixes {m.mixes:>6}  "
         f"failed {m.failed:>4}  {rate:7.2f} MB/s{members}"
@@ -150,7 +150,7 @@ def _compact(view: NodeView, rate: float) -> str:
     m = view.metrics
     loss = "-" if m.loss is None else f"{m.loss:.3g}"
     state = "" if view.state == "running" else f" {view.state}"
-    members = "" if m.members is None else f" members {m.members}"
+    members = "" if m.members is None or view.state != "running" else f" members {m.members}"
     return f"{view.name}{state} step {m.steps} loss {loss} mix {m.mixes} fail {m.failed} {rate:.2f}MB/s{members}"
 
 
