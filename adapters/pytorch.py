@@ -449,13 +449,27 @@ class DpwaPyTorchAdapter:
         if self._optimizer is not None:
             optim_arrays, document["optimizer"] = optimizer_parts(self._optimizer)
             arrays.update({f"optim/{k}": a for k, a in optim_arrays.items()})
-        state = self._conn.dpwa_state()
-        state.step = self._step  # the adapter counts update_wait calls; the node update_send calls (equal between)
+        state = self.gossip_state()  # the adapter counts update_wait calls; the node update_send calls
         document["dpwa"] = state.to_meta()
         arrays.update({f"dpwa/{k}": a for k, a in state.arrays.items()})
         written = write_checkpoint(target, arrays, document)
         log.debug("node %s: checkpoint at step %d in %s", self.name, self._step, written)
         return written
+
+    def gossip_state(self) -> DpwaState:
+        """The node's gossip state (clock, steps, loss, the rule's extras and arrays; copies), ``step`` being
+        this adapter's ``update_wait`` count: what a checkpoint or :class:`~dpwa.adapters.optimizer.DpwaOptimizer`'s
+        ``state_dict`` keeps."""
+        state = self._conn.dpwa_state()
+        state.step = self._step
+        return state
+
+    def load_gossip_state(self, state: DpwaState) -> None:
+        """Take back a :meth:`gossip_state` (before training goes on): the step count, clock and rule state."""
+        self._check_open()
+        self._to_host()
+        self._conn.restore_state(state, self._arrays)
+        self._step = state.step
 
     def load_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Restored | None:
         """Load the latest complete checkpoint at ``path`` (default :attr:`checkpoint_path`; falls back to the
@@ -475,10 +489,7 @@ class DpwaPyTorchAdapter:
             load_optimizer_parts(self._optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
         elif self._optimizer is not None:
             log.warning("node %s: %s holds no optimizer state; the optimizer starts afresh", self.name, target)
-        self._check_open()  # load_state_dict copied in place: the exchanged tensors are still the same memory
-        self._to_host()
-        self._conn.restore_state(state, self._arrays)
-        self._step = state.step
+        self.load_gossip_state(state)  # load_state_dict copied in place: the exchanged tensors are the same memory
         user = checkpoint.meta.get("user")
         log.info("node %s: resumed from %s at step %d", self.name, checkpoint.path, self._step)
         return Restored(self._step, state.loss, checkpoint.path, None, user if isinstance(user, dict) else {})

@@ -1,0 +1,155 @@
+"""DpwaOptimizer: wrap the optimizer, and an unchanged training loop gossips.
+
+::
+
+    optimizer = DpwaOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)   # node from dpwa run
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step(loss=loss)      # the wrapped step, then the exchange (loss= optional, see below)
+        optimizer.zero_grad()
+
+``step()`` runs the wrapped optimizer's step, then mixes what the exchange started at the previous step
+brought (``update_wait``: ``p <- (1-f)*p + f*p_peer``), then publishes the result and starts the next
+exchange (``update_send``), which runs while the next batch's forward and backward do. Optimizer state
+(momentum, Adam moments) is never touched by mixing.
+
+* **Loss**: rules that weigh by loss (``loss``, divergence damping) need it. Pass it to ``step(loss=...)``,
+  return it from the closure, or call :meth:`DpwaOptimizer.set_loss` (with a ``GradScaler``: the unscaled loss).
+  Otherwise the last one given is used (0.0 before any).
+* **GradScaler**: ``scaler.step(optimizer)`` skips the wrapped step when gradients overflowed, and so never
+  calls ``step()``. The exchange still happens, at the next ``zero_grad()``: a ``zero_grad`` that finds no
+  ``step`` since the previous ``zero_grad`` exchanges (once), so every iteration exchanges exactly once.
+* **Gradient accumulation**: only real steps exchange (``step()`` once per N micro-batches).
+* **state_dict / load_state_dict**: the wrapped optimizer's state plus dpwa's (steps done, clock, the rule's
+  state such as push-sum's weight), so a restart goes on where it stopped.
+
+It subclasses :class:`torch.optim.Optimizer` (as torch's ``PostLocalSGDOptimizer`` does) so that LR
+schedulers and ``isinstance`` checks accept it; ``param_groups`` and ``state`` are the wrapped optimizer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+from dpwa.checkpoint import DpwaState
+from dpwa.config import ClusterConfig
+
+__all__ = ["DpwaOptimizer"]
+
+log = logging.getLogger(__name__)
+
+
+class DpwaOptimizer(torch.optim.Optimizer):
+    """``optimizer``'s step, then the gossip exchange of ``model``'s parameters; see the module doc-string.
+
+    ``name`` / ``config`` and every keyword of :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter` (``buffers``,
+    ``seed``, ``run_dir``) go to the adapter underneath (:attr:`adapter`), which is built here with
+    ``optimizer=`` so its checkpoints hold the optimizer too.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        name: str | None = None,
+        config: ClusterConfig | str | os.PathLike[str] | None = None,
+        **adapter_options: Any,
+    ) -> None:
+        # No super().__init__: the wrapped optimizer owns the parameter groups and the state.
+        self.optim = optimizer
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self.adapter = DpwaPyTorchAdapter(model, name, config, optimizer=optimizer, **adapter_options)
+        self._loss = 0.0
+        self._sent = False  # an exchange was started (update_send) and not yet mixed (update_wait)
+        self._stepped = False  # step() ran since the last zero_grad()
+        self._zeroed = False  # zero_grad() ran at least once
+        self.exchanges = 0
+        """Exchanges done through this optimizer (one per real step, or per skipped step at zero_grad)."""
+
+    # ------------------------------------------------------------ what torch expects of an optimizer
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optim.state = value
+
+    def __repr__(self) -> str:
+        return f"DpwaOptimizer({self.optim!r}, node={self.adapter.name!r})"
+
+    def __getstate__(self) -> dict[str, Any]:  # pragma: no cover - not picklable: it holds sockets
+        raise TypeError("a DpwaOptimizer holds a running node; save its state_dict() instead")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("the exchanged tensors are fixed when the adapter is built: add groups before wrapping")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped ``zero_grad``; if no ``step()`` ran since the previous one (a step a GradScaler skipped),
+        the exchange of that iteration happens here."""
+        if self._zeroed and not self._stepped:
+            self._exchange()
+        self._zeroed, self._stepped = True, False
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:  # type: ignore[override]
+        """The wrapped step (with ``closure``, whose result is the loss), then the exchange; returns what the
+        wrapped step returned."""
+        result = self.optim.step(closure) if closure is not None else self.optim.step()
+        given = loss if loss is not None else result
+        if given is not None:
+            self.set_loss(given)
+        self._stepped = True
+        self._exchange()
+        return result
+
+    def set_loss(self, loss: Any) -> None:
+        """The loss the next exchange reports (a float or a 0-dim tensor: with a GradScaler, the unscaled one)."""
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if not np.isfinite(value):  # an overflowed step: keep the last finite loss
+            return
+        self._loss = value
+
+    # ------------------------------------------------------------ the exchange
+
+    def _exchange(self) -> None:
+        """Mix what the previous exchange brought, then publish and start the next one."""
+        if self._sent:
+            self.adapter.update_wait(self._loss)
+        self.adapter.update_send(self._loss)
+        self._sent = True
+        self.exchanges += 1
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``{"optimizer": the wrapped optimizer's state_dict, "dpwa": {"meta": ..., "arrays": ...}}``: the
+        wrapped state plus the node's gossip state (steps, clock, loss, the rule's extras and arrays)."""
+        state = self.adapter.gossip_state()
+        arrays = {key: torch.from_numpy(np.array(a, copy=True)) for key, a in state.arrays.items()}
+        return {"optimizer": self.optim.state_dict(), "dpwa": {"meta": state.to_meta(), "arrays": arrays}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Take back a :meth:`state_dict` (or a plain optimizer state_dict: the gossip state then starts afresh)."""
+        if "optimizer" not in state_dict or "dpwa" not in state_dict:
+            self.optim.load_state_dict(state_dict)
+            return
+        self.optim.load_state_dict(state_dict["optimizer"])
+        saved = state_dict["dpwa"]
+        arrays = {key: t.detach().cpu().numpy() for key, t in saved.get("arrays", {}).items()}
+        self.adapter.load_gossip_state(DpwaState.from_meta(saved["meta"], arrays))
+        self._loss = float(saved["meta"].get("loss", 0.0))
+
+    def close(self, linger: float = 0.0, idle: float = 1.0) -> None:
+        """Close the node underneath (:meth:`DpwaPyTorchAdapter.close`): it leaves the cluster cleanly."""
+        self.adapter.close(linger=linger, idle=idle)
