@@ -19,16 +19,28 @@ __all__ = ["plot"]
     "--output",
     "-o",
     type=click.Path(dir_okay=False, path_type=Path),
-    help=f"PNG to write  [default: RUN_DIR/{DEFAULT_NAME}]",
+    help=f"PNG to write  [default: RUN_DIR/{DEFAULT_NAME}]; with --tensorboard, the directory to write to",
 )
-def plot(run_dir: Path, output: Path | None) -> None:
+@click.option(
+    "--tensorboard",
+    is_flag=True,
+    help="Write TensorBoard scalars instead, one run per node  [default directory: RUN_DIR/tensorboard]",
+)
+def plot(run_dir: Path, output: Path | None, tensorboard: bool) -> None:
     """Plot a run: loss vs step per node, mixing factor over time, fetch-latency histogram (one PNG).
+
+    With --tensorboard: each node's metrics as TensorBoard scalars (loss, factor, fetch ms, MB/s, the rule's
+    metrics), one TensorBoard run per node: `tensorboard --logdir RUN_DIR/tensorboard` shows the cluster
+    side by side (pip install 'dpwa[tensorboard]').
 
     Needs matplotlib (pip install 'dpwa[plot]'); without it, or for a directory with no metrics,
     prints one `error: ...` line and exits 2.
     """
     if not run_dir.is_dir():
         fail(f"{run_dir}: not a directory")
+    if tensorboard:
+        _tensorboard(run_dir, output)
+        return
     target = output if output is not None else run_dir / DEFAULT_NAME
     try:
         written = plot_run(RunDir(run_dir), target)
@@ -39,3 +51,18 @@ def plot(run_dir: Path, output: Path | None) -> None:
     except OSError as err:
         fail(f"{target}: {err.strerror or err}")
     click.echo(str(written))
+
+
+def _tensorboard(run_dir: Path, output: Path | None) -> None:
+    from dpwa.tools.tensorboard import MISSING_TENSORBOARDX, write_tensorboard
+
+    try:
+        written = write_tensorboard(RunDir(run_dir), output)
+    except ImportError:
+        fail(MISSING_TENSORBOARDX)
+    except ValueError as err:
+        fail(err)
+    except OSError as err:
+        fail(f"{output or run_dir}: {err.strerror or err}")
+    for directory in written:
+        click.echo(str(directory))

@@ -128,6 +128,11 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
     help="Resume the run in RUN_DIR (its nodes, cluster file and command) from the nodes' last checkpoints.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No live progress (the summary is still printed).")
+@click.option(
+    "--tensorboard",
+    is_flag=True,
+    help="At the end, write each node's metrics as TensorBoard scalars to RUN_DIR/tensorboard (dpwa[tensorboard]).",
+)
 def run(
     cluster: str | None,
     script: str | None,
@@ -144,6 +149,7 @@ def run(
     restart_failed: int,
     resume: Path | None,
     quiet: bool,
+    tensorboard: bool,
 ) -> None:
     """Start this machine's nodes of CLUSTER.yaml, each running SCRIPT with ARGS (default: the built-in demo).
 
@@ -189,7 +195,7 @@ def run(
             raise click.UsageError("--resume RUN_DIR takes the cluster file, nodes and command from RUN_DIR")
         config, nodes, command, directory, evaluate, per_node = _resume_plan(RunDir(resume), steps, threads)
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, True,
-               quiet)  # fmt: skip
+               quiet, tensorboard)  # fmt: skip
     if node_count is not None:
         config, reservation = _local_cluster(node_count, settings_file, join)
     elif cluster is None:
@@ -226,7 +232,7 @@ def run(
     per_node = threads if threads is not None else threads_per_node(len(nodes))
     try:  # the reserved ports stay locked until the job is over (and the process exits)
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, False,
-               quiet)  # fmt: skip
+               quiet, tensorboard)  # fmt: skip
     finally:
         if reservation is not None:
             reservation.release()
@@ -270,8 +276,10 @@ def _start(
     restart_failed: int,
     resume: bool,
     quiet: bool,
+    tensorboard: bool = False,
 ) -> NoReturn:
-    """Check the nodes' keys, prepare the run directory (kept as it is by ``resume``), run the job and exit."""
+    """Check the nodes' keys, prepare the run directory (kept as it is by ``resume``), run the job and exit
+    (``tensorboard``: after writing the nodes' TensorBoard scalars)."""
     try:
         for node in nodes if config.security.curve else ():  # every node started here needs its secret key
             config.check_secret_key(node.name)
@@ -292,7 +300,28 @@ def _start(
         click.echo(f"dpwa run: {names} ({per_node} thread{plural} each); {what} {directory.path}", err=True)
     job = Job(config, nodes, command, directory, per_node, evaluate, timeout_s, keep_going, restart_failed, resume)
     progress = None if quiet else Progress(sys.stderr)
-    sys.exit(run_job(job, progress=progress))
+    code = run_job(job, progress=progress)
+    if tensorboard:
+        _write_tensorboard(directory, [node.name for node in nodes])
+    sys.exit(code)
+
+
+def _write_tensorboard(directory: RunDir, nodes: list[str]) -> None:
+    """The nodes' metrics as TensorBoard scalars; a missing extra or no metrics is a warning (the run's exit
+    status stays the job's)."""
+    from dpwa.tools.tensorboard import MISSING_TENSORBOARDX, write_tensorboard
+
+    present = set(directory.metrics_nodes())
+    try:
+        written = write_tensorboard(directory, nodes=[n for n in nodes if n in present])
+    except ImportError:
+        click.echo(f"warning: {MISSING_TENSORBOARDX}", err=True)
+        return
+    except (ValueError, OSError) as err:
+        click.echo(f"warning: no TensorBoard files: {err}", err=True)
+        return
+    if written:
+        click.echo(f"tensorboard: tensorboard --logdir {written[0].parent}")
 
 
 def _resume_plan(
