@@ -78,8 +78,9 @@ NO_TORCH = [
     "dpwa.cli.bench",
     "dpwa.tools.plot",
     "dpwa.tools.simulation",
+    "dpwa.tools.tensorboard",
 ]
-"""Modules that load neither torch nor matplotlib when imported (`dpwa validate`, `dpwa run`, `dpwa plot`
+"""Modules that load neither torch nor matplotlib nor an optional extra (tensorboardX) when imported (`dpwa validate`, `dpwa run`, `dpwa plot`
 never pay for torch; the node and everything under it never may)."""
 
 
@@ -216,7 +217,7 @@ def test_no_layer_cycle() -> None:
 def test_the_node_and_the_commands_load_no_torch_in_a_fresh_interpreter() -> None:
     code = (
         f"import importlib, sys\nfor name in {NO_TORCH!r}:\n    importlib.import_module(name)\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib'))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib', 'tensorboardX'))\n"
         "assert not bad, bad[:5]\nprint(len(sys.modules))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
