@@ -35,11 +35,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter
-from dpwa.checkpoint import DpwaState
+from dpwa.adapters.stepping import StepExchange, gossip_state_dict, load_gossip_state_dict
 from dpwa.config import ClusterConfig
 
 __all__ = ["DpwaOptimizer"]
@@ -68,12 +67,14 @@ class DpwaOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         self.adapter = DpwaPyTorchAdapter(model, name, config, optimizer=optimizer, **adapter_options)
-        self._loss = 0.0
-        self._sent = False  # an exchange was started (update_send) and not yet mixed (update_wait)
+        self._exchange = StepExchange(self.adapter)
         self._stepped = False  # step() ran since the last zero_grad()
         self._zeroed = False  # zero_grad() ran at least once
-        self.exchanges = 0
+
+    @property
+    def exchanges(self) -> int:
         """Exchanges done through this optimizer (one per real step, or per skipped step at zero_grad)."""
+        return self._exchange.exchanges
 
     # ------------------------------------------------------------ what torch expects of an optimizer
 
@@ -98,7 +99,7 @@ class DpwaOptimizer(torch.optim.Optimizer):
         """The wrapped ``zero_grad``; if no ``step()`` ran since the previous one (a step a GradScaler skipped),
         the exchange of that iteration happens here."""
         if self._zeroed and not self._stepped:
-            self._exchange()
+            self._exchange.exchange()
         self._zeroed, self._stepped = True, False
         self.optim.zero_grad(set_to_none=set_to_none)
 
@@ -110,34 +111,20 @@ class DpwaOptimizer(torch.optim.Optimizer):
         if given is not None:
             self.set_loss(given)
         self._stepped = True
-        self._exchange()
+        self._exchange.exchange()
         return result
 
     def set_loss(self, loss: Any) -> None:
-        """The loss the next exchange reports (a float or a 0-dim tensor: with a GradScaler, the unscaled one)."""
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        if not np.isfinite(value):  # an overflowed step: keep the last finite loss
-            return
-        self._loss = value
-
-    # ------------------------------------------------------------ the exchange
-
-    def _exchange(self) -> None:
-        """Mix what the previous exchange brought, then publish and start the next one."""
-        if self._sent:
-            self.adapter.update_wait(self._loss)
-        self.adapter.update_send(self._loss)
-        self._sent = True
-        self.exchanges += 1
+        """The loss the next exchange reports (a float or a 0-dim tensor: with a GradScaler, the unscaled one;
+        a non-finite one, from an overflowed step, is ignored)."""
+        self._exchange.set_loss(loss)
 
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"optimizer": the wrapped optimizer's state_dict, "dpwa": {"meta": ..., "arrays": ...}}``: the
         wrapped state plus the node's gossip state (steps, clock, loss, the rule's extras and arrays)."""
-        state = self.adapter.gossip_state()
-        arrays = {key: torch.from_numpy(np.array(a, copy=True)) for key, a in state.arrays.items()}
-        return {"optimizer": self.optim.state_dict(), "dpwa": {"meta": state.to_meta(), "arrays": arrays}}
+        return {"optimizer": self.optim.state_dict(), "dpwa": gossip_state_dict(self.adapter)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Take back a :meth:`state_dict` (or a plain optimizer state_dict: the gossip state then starts afresh)."""
@@ -145,10 +132,8 @@ class DpwaOptimizer(torch.optim.Optimizer):
             self.optim.load_state_dict(state_dict)
             return
         self.optim.load_state_dict(state_dict["optimizer"])
-        saved = state_dict["dpwa"]
-        arrays = {key: t.detach().cpu().numpy() for key, t in saved.get("arrays", {}).items()}
-        self.adapter.load_gossip_state(DpwaState.from_meta(saved["meta"], arrays))
-        self._loss = float(saved["meta"].get("loss", 0.0))
+        state = load_gossip_state_dict(self.adapter, state_dict["dpwa"])
+        self._exchange.set_loss(state.loss)
 
     def close(self, linger: float = 0.0, idle: float = 1.0) -> None:
         """Close the node underneath (:meth:`DpwaPyTorchAdapter.close`): it leaves the cluster cleanly."""

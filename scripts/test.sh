@@ -4,7 +4,7 @@
 # fresh pytest process, and print how often each test failed (scripts/stress.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup-env.sh "test,plot,tensorboard"
+source scripts/setup-env.sh "test,plot,tensorboard,lightning,hf"
 if [ "${1:-}" = "--stress" ]; then
   [ $# -ge 2 ] || { echo "usage: scripts/test.sh --stress N [PYTEST ARGS]" >&2; exit 2; }
   shift

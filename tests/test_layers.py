@@ -80,7 +80,8 @@ NO_TORCH = [
     "dpwa.tools.simulation",
     "dpwa.tools.tensorboard",
 ]
-"""Modules that load neither torch nor matplotlib nor an optional extra (tensorboardX) when imported (`dpwa validate`, `dpwa run`, `dpwa plot`
+"""Modules that load neither torch nor matplotlib nor an optional extra (tensorboardX) when imported (`dpwa
+validate`, `dpwa run`, `dpwa plot`
 never pay for torch; the node and everything under it never may)."""
 
 

@@ -1,0 +1,98 @@
+"""PyTorch Lightning: a Callback that gossips the LightningModule's parameters after every optimizer step.
+
+::
+
+    from dpwa.adapters.lightning import DpwaCallback
+
+    trainer = lightning.Trainer(max_steps=1000, callbacks=[DpwaCallback()])   # node from dpwa run / srun / torchrun
+    trainer.fit(module, data)
+
+After each optimizer step (``trainer.global_step`` moved: with ``accumulate_grad_batches`` once per N batches,
+and also when a mixed-precision scaler skipped the step) it mixes what the exchange started at the previous
+step brought and starts the next one (:class:`~dpwa.adapters.stepping.StepExchange`), with the loss the
+``training_step`` returned. It logs ``dpwa/factor``, ``dpwa/fetch_ms``, ``dpwa/exchanges`` and ``dpwa/mixes``
+through the module's logger at every step, and keeps the node's gossip state in Lightning's checkpoints.
+
+A Callback, not a Strategy: the exchange needs only a hook after the optimizer step and the module's
+parameters, and leaves Lightning's own device, precision and (single-process) strategy handling alone; a
+Strategy would have to re-implement those. The adapter is built at ``on_fit_start``, once the module is on its
+device and in its dtype, and closed (the node leaves the cluster cleanly) at ``teardown``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning
+import torch
+
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+from dpwa.adapters.stepping import StepExchange, gossip_state_dict, load_gossip_state_dict
+from dpwa.config import ClusterConfig
+
+__all__ = ["DpwaCallback"]
+
+
+class DpwaCallback(lightning.pytorch.Callback):
+    """Gossip ``pl_module``'s parameters after every optimizer step; see the module doc-string.
+
+    ``name`` / ``config`` and the adapter's keywords (``buffers``, ``seed``, ``run_dir``) go to the
+    :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter` built at ``on_fit_start`` (:attr:`adapter`);
+    ``linger`` / ``idle``: how long the node keeps serving peers still training after ``fit`` ends.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        config: ClusterConfig | str | os.PathLike[str] | None = None,
+        *,
+        linger: float = 2.0,
+        idle: float = 0.5,
+        **adapter_options: Any,
+    ) -> None:
+        self._name, self._config, self._options = name, config, adapter_options
+        self._linger, self._idle = linger, idle
+        self.adapter: DpwaPyTorchAdapter | None = None
+        self.exchange: StepExchange | None = None
+        self._saved: dict[str, Any] | None = None
+        self._global_step = 0
+
+    def on_fit_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self.adapter = DpwaPyTorchAdapter(pl_module, self._name, self._config, optimizer=optimizer, **self._options)
+        self.exchange = StepExchange(self.adapter)
+        if self._saved is not None:  # resumed from a Lightning checkpoint
+            load_gossip_state_dict(self.adapter, self._saved)
+            self._saved = None
+        self._global_step = trainer.global_step
+
+    def on_train_batch_end(
+        self,
+        trainer: lightning.Trainer,
+        pl_module: lightning.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.exchange is None or trainer.global_step == self._global_step:
+            return  # no optimizer step in this batch (gradient accumulation)
+        self._global_step = trainer.global_step
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, (torch.Tensor, int, float)):
+            self.exchange.set_loss(loss)
+        self.exchange.exchange()
+        if trainer.loggers:
+            pl_module.log_dict(self.exchange.metrics(), on_step=True, on_epoch=False, logger=True)
+
+    def teardown(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str) -> None:
+        if self.adapter is not None:
+            self.adapter.close(linger=self._linger, idle=self._idle)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The node's gossip state (steps, clock, the rule's state) in Lightning's checkpoint."""
+        return gossip_state_dict(self.adapter) if self.adapter is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self._saved = state_dict

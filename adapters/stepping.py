@@ -1,0 +1,74 @@
+"""The exchange of a training loop that dpwa does not drive: one per optimizer step, overlapped with the next batch.
+
+The optimizer wrapper (:mod:`dpwa.adapters.optimizer`), the Lightning callback (:mod:`dpwa.adapters.lightning`)
+and the Hugging Face callback (:mod:`dpwa.adapters.huggingface`) all see the loop only *after* an optimizer step.
+:class:`StepExchange` turns that into the adapter's two calls: at each step it mixes what the exchange started
+at the previous step brought (``update_wait``), then publishes the stepped parameters and starts the next one
+(``update_send``), which runs while the next batch's forward and backward do.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+from dpwa.checkpoint import DpwaState
+
+__all__ = ["StepExchange", "gossip_state_dict", "load_gossip_state_dict"]
+
+
+class StepExchange:
+    """``adapter``'s exchange, once per optimizer step: ``update_wait`` (from the 2nd step), then ``update_send``."""
+
+    def __init__(self, adapter: DpwaPyTorchAdapter) -> None:
+        self.adapter = adapter
+        self.loss = 0.0
+        """The loss the next exchange reports: the last finite one given (0.0 before any)."""
+        self.exchanges = 0
+        self.factor = 0.0
+        """The mixing factor of the last ``update_wait`` (0.0: nothing mixed)."""
+        self._sent = False
+
+    def set_loss(self, loss: Any) -> None:
+        """Take ``loss`` (a number or a 0-dim tensor) for the next exchange; a non-finite one is ignored."""
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if math.isfinite(value):
+            self.loss = value
+
+    def exchange(self) -> None:
+        """After an optimizer step: mix the previous exchange's peers in, then publish and start the next."""
+        if self._sent:
+            self.factor = self.adapter.update_wait(self.loss)
+        self.adapter.update_send(self.loss)
+        self._sent = True
+        self.exchanges += 1
+
+    def metrics(self) -> dict[str, float]:
+        """What an integration logs: the last factor, its fetch time, the counts of exchanges and mixes."""
+        last = self.adapter.connection.last_exchange or {}
+        return {
+            "dpwa/factor": self.factor,
+            "dpwa/fetch_ms": float(last.get("fetch_ms") or 0.0),
+            "dpwa/exchanges": float(self.exchanges),
+            "dpwa/mixes": float(self.adapter.stats()["mixes"]),
+        }
+
+
+def gossip_state_dict(adapter: DpwaPyTorchAdapter) -> dict[str, Any]:
+    """The node's gossip state as torch checkpoints hold it: ``{"meta": JSON-safe values, "arrays": tensors}``
+    (steps, clock, loss, the rule's extras and arrays such as push-sum's weight)."""
+    state = adapter.gossip_state()
+    arrays = {key: torch.from_numpy(np.array(a, copy=True)) for key, a in state.arrays.items()}
+    return {"meta": state.to_meta(), "arrays": arrays}
+
+
+def load_gossip_state_dict(adapter: DpwaPyTorchAdapter, saved: dict[str, Any]) -> DpwaState:
+    """Take back a :func:`gossip_state_dict` into ``adapter`` (before training goes on); the state taken."""
+    arrays = {key: t.detach().cpu().numpy() for key, t in saved.get("arrays", {}).items()}
+    state = DpwaState.from_meta(saved["meta"], arrays)
+    adapter.load_gossip_state(state)
+    return state
