@@ -94,3 +94,21 @@ def test_lightning_exchanges_once_per_optimizer_step_under_gradient_accumulation
     assert gossip.exchange.loss > 0 and gossip.adapter is not None and gossip.adapter.closed
     saved = gossip.state_dict()
     assert saved["meta"]["step"] == 4  # update_wait calls: every exchange but the first waited
+
+
+@pytest.mark.slow
+def test_lightning_under_torchrun_meets_through_the_rendezvous(tmp_path: Path) -> None:
+    """The engines of docs/cluster.md work for the callback too: `torchrun --nproc-per-node 2` of the example,
+    no name and no file: the workers meet in torchrun's store and mix (Lightning stays single-process)."""
+    pytest.importorskip("lightning", reason="the dpwa[lightning] extra is not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DPWA_", "SLURM_"))}
+    env["DPWA_RUN_DIR"] = str(tmp_path / "run")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / "lightning" / "train.py"), "--steps", "60"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name in ("127.0.0.1-0", "127.0.0.1-1"):
+        report = next(r for r in read_metrics(tmp_path / "run" / f"{name}.metrics.jsonl") if r.get("event") == "report")
+        assert report["exchanges"] == 60 and report["mixes"] > 30, report
