@@ -48,14 +48,20 @@ class StepExchange:
         self.exchanges += 1
 
     def metrics(self) -> dict[str, float]:
-        """What an integration logs: the last factor, its fetch time, the counts of exchanges and mixes."""
+        """What an integration logs: the last factor, its fetch time (also as ``dpwa/fetch_ms/<peer>``, per peer,
+        when one peer was fetched), the counts of exchanges and mixes."""
         last = self.adapter.connection.last_exchange or {}
-        return {
+        fetch_ms = float(last.get("fetch_ms") or 0.0)
+        out = {
             "dpwa/factor": self.factor,
-            "dpwa/fetch_ms": float(last.get("fetch_ms") or 0.0),
+            "dpwa/fetch_ms": fetch_ms,
             "dpwa/exchanges": float(self.exchanges),
             "dpwa/mixes": float(self.adapter.stats()["mixes"]),
         }
+        peer, status = last.get("peer"), last.get("status")
+        if isinstance(peer, str) and "," not in peer and status == "ok":
+            out[f"dpwa/fetch_ms/{peer}"] = fetch_ms
+        return out
 
 
 def gossip_state_dict(adapter: DpwaPyTorchAdapter) -> dict[str, Any]:

@@ -52,6 +52,7 @@ def test_lightning_two_nodes_under_dpwa_run_converge_and_log_through_lightning(t
     columns = header.split(",")
     factors = [float(row.split(",")[columns.index("dpwa/factor")]) for row in rows]
     assert len(factors) == 120 and sum(f > 0 for f in factors) > 60  # logged by Lightning's logger, every step
+    assert "dpwa/fetch_ms/w2" in columns  # per peer
 
 
 @pytest.mark.slow

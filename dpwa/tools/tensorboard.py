@@ -2,7 +2,8 @@
 
 Every exchange record of ``<node>.metrics.jsonl`` (docs/metrics.md) becomes, at its ``step`` and wall
 ``time``, the scalars ``loss``, ``factor``, ``fetch_ms``, ``wait_ms``, ``mix_ms``, ``clock``, ``mb_per_s``
-(``bytes`` / ``fetch_ms``: the fetch's own rate) and every other number in it (a rule's metrics:
+(``bytes`` / ``fetch_ms``: the fetch's own rate), ``fetch_ms/<peer>`` (per peer, for an exchange with one
+peer that answered) and every other number in it (a rule's metrics:
 push-sum's ``weight``, the leader rule's ``leader_*``, ...), under the node's directory
 ``<out>/<node>/``; membership records add ``members``. ``tensorboard --logdir <out>`` then shows the
 cluster side by side, a colour per node.
@@ -51,6 +52,9 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     nbytes, ms = _number(record.get("bytes")), _number(record.get("fetch_ms"))
     if nbytes and ms:
         out["mb_per_s"] = nbytes / ms / 1000.0
+    peer = record.get("peer")
+    if ms is not None and isinstance(peer, str) and "," not in peer and record.get("status") == "ok":
+        out[f"fetch_ms/{peer}"] = ms  # per peer: which peer is slow
     return out
 
 
