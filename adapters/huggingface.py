@@ -24,14 +24,13 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from dpwa.adapters.pytorch import DpwaPyTorchAdapter
-from dpwa.adapters.stepping import StepExchange
+from dpwa.adapters.stepping import IntegrationNode, NodeCallback
 from dpwa.config import ClusterConfig
 
 __all__ = ["DpwaTrainerCallback"]
 
 
-class DpwaTrainerCallback(TrainerCallback):
+class DpwaTrainerCallback(NodeCallback, TrainerCallback):
     """Gossip the Trainer's model after every optimizer step; see the module doc-string.
 
     ``name`` / ``config`` and the adapter's keywords (``buffers``, ``seed``, ``run_dir``) go to the
@@ -48,10 +47,7 @@ class DpwaTrainerCallback(TrainerCallback):
         idle: float = 0.5,
         **adapter_options: Any,
     ) -> None:
-        self._name, self._config, self._options = name, config, adapter_options
-        self._linger, self._idle = linger, idle
-        self.adapter: DpwaPyTorchAdapter | None = None
-        self.exchange: StepExchange | None = None
+        self.node = IntegrationNode(name, config, linger, idle, adapter_options)
 
     def on_train_begin(
         self,
@@ -64,8 +60,7 @@ class DpwaTrainerCallback(TrainerCallback):
     ) -> None:
         if model is None:
             raise ValueError("DpwaTrainerCallback: the Trainer gave no model to on_train_begin")
-        self.adapter = DpwaPyTorchAdapter(model, self._name, self._config, optimizer=optimizer, **self._options)
-        self.exchange = StepExchange(self.adapter)
+        self.node.start(model, optimizer)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.exchange is not None:
@@ -89,5 +84,4 @@ class DpwaTrainerCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.adapter is not None:
-            self.adapter.close(linger=self._linger, idle=self._idle)
+        self.node.close()

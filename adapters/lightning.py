@@ -27,14 +27,18 @@ from typing import Any
 import lightning
 import torch
 
-from dpwa.adapters.pytorch import DpwaPyTorchAdapter
-from dpwa.adapters.stepping import StepExchange, gossip_state_dict, load_gossip_state_dict
+from dpwa.adapters.stepping import (
+    IntegrationNode,
+    NodeCallback,
+    gossip_state_dict,
+    load_gossip_state_dict,
+)
 from dpwa.config import ClusterConfig
 
 __all__ = ["DpwaCallback"]
 
 
-class DpwaCallback(lightning.pytorch.Callback):
+class DpwaCallback(NodeCallback, lightning.pytorch.Callback):
     """Gossip ``pl_module``'s parameters after every optimizer step; see the module doc-string.
 
     ``name`` / ``config`` and the adapter's keywords (``buffers``, ``seed``, ``run_dir``) go to the
@@ -51,18 +55,13 @@ class DpwaCallback(lightning.pytorch.Callback):
         idle: float = 0.5,
         **adapter_options: Any,
     ) -> None:
-        self._name, self._config, self._options = name, config, adapter_options
-        self._linger, self._idle = linger, idle
-        self.adapter: DpwaPyTorchAdapter | None = None
-        self.exchange: StepExchange | None = None
+        self.node = IntegrationNode(name, config, linger, idle, adapter_options)
         self._saved: dict[str, Any] | None = None
         self._global_step = 0
 
     def on_fit_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self.adapter = DpwaPyTorchAdapter(pl_module, self._name, self._config, optimizer=optimizer, **self._options)
-        self.exchange = StepExchange(self.adapter)
-        if self._saved is not None:  # resumed from a Lightning checkpoint
+        self.node.start(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+        if self._saved is not None and self.adapter is not None:  # resumed from a Lightning checkpoint
             load_gossip_state_dict(self.adapter, self._saved)
             self._saved = None
         self._global_step = trainer.global_step
@@ -86,8 +85,7 @@ class DpwaCallback(lightning.pytorch.Callback):
             pl_module.log_dict(self.exchange.metrics(), on_step=True, on_epoch=False, logger=True)
 
     def teardown(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str) -> None:
-        if self.adapter is not None:
-            self.adapter.close(linger=self._linger, idle=self._idle)
+        self.node.close()
 
     def state_dict(self) -> dict[str, Any]:
         """The node's gossip state (steps, clock, the rule's state) in Lightning's checkpoint."""

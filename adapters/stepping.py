@@ -10,6 +10,7 @@ at the previous step brought (``update_wait``), then publishes the stepped param
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -17,8 +18,9 @@ import torch
 
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 from dpwa.checkpoint import DpwaState
+from dpwa.config import ClusterConfig
 
-__all__ = ["StepExchange", "gossip_state_dict", "load_gossip_state_dict"]
+__all__ = ["IntegrationNode", "NodeCallback", "StepExchange", "gossip_state_dict", "load_gossip_state_dict"]
 
 
 class StepExchange:
@@ -78,3 +80,49 @@ def load_gossip_state_dict(adapter: DpwaPyTorchAdapter, saved: dict[str, Any]) -
     state = DpwaState.from_meta(saved["meta"], arrays)
     adapter.load_gossip_state(state)
     return state
+
+
+class IntegrationNode:
+    """The node a framework callback runs: what its adapter is built from (``name`` / ``config`` / the adapter's
+    keywords), the adapter and its :class:`StepExchange` once started, and how long it lingers when it closes."""
+
+    def __init__(
+        self,
+        name: str | None,
+        config: ClusterConfig | str | os.PathLike[str] | None,
+        linger: float,
+        idle: float,
+        options: dict[str, Any],
+    ) -> None:
+        self._name, self._config, self._options = name, config, options
+        self._linger, self._idle = linger, idle
+        self.adapter: DpwaPyTorchAdapter | None = None
+        self.exchange: StepExchange | None = None
+
+    def start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> StepExchange:
+        """Build the adapter for ``model`` (on its device, in its dtype by now) and its exchange."""
+        self.adapter = DpwaPyTorchAdapter(model, self._name, self._config, optimizer=optimizer, **self._options)
+        self.exchange = StepExchange(self.adapter)
+        return self.exchange
+
+    def close(self) -> None:
+        """Serve peers still training for up to ``linger`` s, then leave the cluster cleanly."""
+        if self.adapter is not None:
+            self.adapter.close(linger=self._linger, idle=self._idle)
+
+
+class NodeCallback:
+    """A framework callback's view of its :class:`IntegrationNode`: ``adapter`` and ``exchange`` (None until the
+    framework starts training). Mixed into the Lightning and Hugging Face callbacks."""
+
+    node: IntegrationNode
+
+    @property
+    def adapter(self) -> DpwaPyTorchAdapter | None:
+        """The adapter underneath, once training started."""
+        return self.node.adapter
+
+    @property
+    def exchange(self) -> StepExchange | None:
+        """The step exchange, once training started (``exchanges``, ``loss``, ``factor``, ``metrics()``)."""
+        return self.node.exchange
