@@ -22,6 +22,7 @@ def load_script():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_rules_make_a_table_json_and_png(tmp_path: Path) -> None:
     compare = load_script()
