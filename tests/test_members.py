@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpwa.config import NodeSpec
-from dpwa.node.members import STATES, TABLE_BUDGET_BYTES, JoinRefused, Member, MemberTable, newer
+from dpwa.node.members import STATES, TABLE_BUDGET_BYTES, JoinRefused, Member, MemberTable, entry_bytes, newer
 from dpwa.node.membership import Membership
 from dpwa.node.wire import Header, Kind, MemberNews, encode_members
 
@@ -206,3 +206,14 @@ def test_a_file_node_is_left_only_on_its_own_word_and_a_restarted_one_outbids_th
     back = restarted.news_for("w2")
     w2.observe(Header(Kind.FETCH, "w1", 0, digest=back.digest, members=tuple(back.members or ())))
     assert w2.get("w1").state == "alive" and "w1" in w2.order()  # type: ignore[union-attr]
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries=st.lists(members, max_size=40), later=st.lists(members, max_size=20))
+def test_the_running_size_and_count_match_the_table_through_merges_and_expiry(entries, later) -> None:
+    t = table(capacity=6)
+    t.merge(entries, now=0.0)
+    t.expire(now=10.0)
+    t.merge(later, now=11.0)
+    assert t.wire_bytes() == sum(entry_bytes(m) for m in t.members())
+    assert t.joined() == sum(m.name not in ("w1", "w2") for m in t.members())

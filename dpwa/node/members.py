@@ -144,6 +144,7 @@ class MemberTable:
         self._tombstones: dict[str, tuple[int, float]] = {}
         """Forgotten joined members: name -> (the version forgotten, when)."""
         self._digest: str | None = None
+        self._bytes = sum(entry_bytes(m) for m in self._entries.values())  # kept up to date by merge and expire
         self.capacity = capacity
         self.forget_after_s = forget_after_s
         self.refused = 0
@@ -178,10 +179,11 @@ class MemberTable:
 
     def wire_bytes(self) -> int:
         """About what the whole table takes on the wire (see :func:`entry_bytes`)."""
-        return sum(entry_bytes(m) for m in self._entries.values())
+        return self._bytes
 
     def joined(self) -> int:
-        return sum(name not in self._permanent for name in self._entries)
+        """Joined members in the table (the file's nodes are always there: never removed)."""
+        return len(self._entries) - len(self._permanent)
 
     def digest(self) -> str:
         """16 hex digits naming the whole table: equal tables, equal digests."""
@@ -234,6 +236,7 @@ class MemberTable:
             if known is None or known.version != entry.version:
                 self.incarnations += 1
             self._entries[entry.name] = entry
+            self._bytes += entry_bytes(entry) - (entry_bytes(known) if known is not None else 0)
             if entry.state == "alive":
                 self._down_since.pop(entry.name, None)
             elif known is None or known.state == "alive":
@@ -293,7 +296,9 @@ class MemberTable:
             if name not in self._permanent and now - since >= self.forget_after_s
         ]
         for name in gone:
-            self._tombstones[name] = (self._entries.pop(name).version, now)
+            gone_entry = self._entries.pop(name)
+            self._bytes -= entry_bytes(gone_entry)
+            self._tombstones[name] = (gone_entry.version, now)
             del self._down_since[name]
         if gone:
             self._digest = None
