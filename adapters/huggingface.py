@@ -18,36 +18,19 @@ Every log entry of ``trainer.state.log_history`` (and so ``trainer_state.json``)
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from dpwa.adapters.stepping import IntegrationNode, NodeCallback
-from dpwa.config import ClusterConfig
+from dpwa.adapters.stepping import NodeCallback
 
 __all__ = ["DpwaTrainerCallback"]
 
 
 class DpwaTrainerCallback(NodeCallback, TrainerCallback):
-    """Gossip the Trainer's model after every optimizer step; see the module doc-string.
-
-    ``name`` / ``config`` and the adapter's keywords (``buffers``, ``seed``, ``run_dir``) go to the
-    :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter` built at ``on_train_begin`` (:attr:`adapter`);
-    ``linger`` / ``idle``: how long the node keeps serving peers still training after ``train`` ends.
-    """
-
-    def __init__(
-        self,
-        name: str | None = None,
-        config: ClusterConfig | str | os.PathLike[str] | None = None,
-        *,
-        linger: float = 2.0,
-        idle: float = 0.5,
-        **adapter_options: Any,
-    ) -> None:
-        self.node = IntegrationNode(name, config, linger, idle, adapter_options)
+    """Gossip the Trainer's model after every optimizer step; see the module doc-string. The keywords are
+    :class:`~dpwa.adapters.stepping.NodeCallback`'s; the adapter is built at ``on_train_begin``."""
 
     def on_train_begin(
         self,

@@ -28,7 +28,6 @@ import lightning
 import torch
 
 from dpwa.adapters.stepping import (
-    IntegrationNode,
     NodeCallback,
     gossip_state_dict,
     load_gossip_state_dict,
@@ -39,23 +38,16 @@ __all__ = ["DpwaCallback"]
 
 
 class DpwaCallback(NodeCallback, lightning.pytorch.Callback):
-    """Gossip ``pl_module``'s parameters after every optimizer step; see the module doc-string.
-
-    ``name`` / ``config`` and the adapter's keywords (``buffers``, ``seed``, ``run_dir``) go to the
-    :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter` built at ``on_fit_start`` (:attr:`adapter`);
-    ``linger`` / ``idle``: how long the node keeps serving peers still training after ``fit`` ends.
-    """
+    """Gossip ``pl_module``'s parameters after every optimizer step; see the module doc-string. The keywords are
+    :class:`~dpwa.adapters.stepping.NodeCallback`'s; the adapter is built at ``on_fit_start``."""
 
     def __init__(
         self,
         name: str | None = None,
         config: ClusterConfig | str | os.PathLike[str] | None = None,
-        *,
-        linger: float = 2.0,
-        idle: float = 0.5,
-        **adapter_options: Any,
+        **options: Any,
     ) -> None:
-        self.node = IntegrationNode(name, config, linger, idle, adapter_options)
+        super().__init__(name, config, **options)  # NodeCallback: the node's settings (linger, idle, adapter's)
         self._saved: dict[str, Any] | None = None
         self._global_step = 0
 

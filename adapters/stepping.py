@@ -112,10 +112,21 @@ class IntegrationNode:
 
 
 class NodeCallback:
-    """A framework callback's view of its :class:`IntegrationNode`: ``adapter`` and ``exchange`` (None until the
-    framework starts training). Mixed into the Lightning and Hugging Face callbacks."""
+    """A framework callback's node (mixed into the Lightning and Hugging Face callbacks): ``name`` / ``config`` and
+    the adapter's keywords (``buffers``, ``seed``, ``run_dir``) go to the adapter built when training starts;
+    ``linger`` / ``idle``: how long the node keeps serving peers still training after it ends. ``adapter`` and
+    ``exchange`` are None until then."""
 
-    node: IntegrationNode
+    def __init__(
+        self,
+        name: str | None = None,
+        config: ClusterConfig | str | os.PathLike[str] | None = None,
+        *,
+        linger: float = 2.0,
+        idle: float = 0.5,
+        **adapter_options: Any,
+    ) -> None:
+        self.node = IntegrationNode(name, config, linger, idle, adapter_options)
 
     @property
     def adapter(self) -> DpwaPyTorchAdapter | None:
