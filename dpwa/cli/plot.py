@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
@@ -11,6 +13,8 @@ from dpwa.launcher.rundir import RunDir
 from dpwa.tools.plot import DEFAULT_NAME, MISSING_MATPLOTLIB, plot_run
 
 __all__ = ["plot"]
+
+T = TypeVar("T")
 
 
 @click.command("plot", context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,27 +46,25 @@ def plot(run_dir: Path, output: Path | None, tensorboard: bool) -> None:
         _tensorboard(run_dir, output)
         return
     target = output if output is not None else run_dir / DEFAULT_NAME
-    try:
-        written = plot_run(RunDir(run_dir), target)
-    except ImportError:
-        fail(MISSING_MATPLOTLIB)
-    except ValueError as err:
-        fail(err)
-    except OSError as err:
-        fail(f"{target}: {err.strerror or err}")
-    click.echo(str(written))
+    click.echo(str(_writing(lambda: plot_run(RunDir(run_dir), target), MISSING_MATPLOTLIB, target)))
 
 
 def _tensorboard(run_dir: Path, output: Path | None) -> None:
     from dpwa.tools.tensorboard import MISSING_TENSORBOARDX, write_tensorboard
 
+    written = _writing(lambda: write_tensorboard(RunDir(run_dir), output), MISSING_TENSORBOARDX, output or run_dir)
+    for directory in written:
+        click.echo(str(directory))
+
+
+def _writing(write: Callable[[], T], missing: str, target: Path) -> T:
+    """``write()``'s result; its failures as one `error: ...` line and exit 2: ``missing`` (the optional extra it
+    needs is not installed), the reason (no metrics), or ``target`` and the OS's reason."""
     try:
-        written = write_tensorboard(RunDir(run_dir), output)
+        return write()
     except ImportError:
-        fail(MISSING_TENSORBOARDX)
+        fail(missing)
     except ValueError as err:
         fail(err)
     except OSError as err:
-        fail(f"{output or run_dir}: {err.strerror or err}")
-    for directory in written:
-        click.echo(str(directory))
+        fail(f"{target}: {err.strerror or err}")
