@@ -859,6 +859,14 @@ class Node:
         delivered = last == push.seq and verdict is True
         self.ledger.settle(push, "delivered" if delivered else "refused", "left")  # type: ignore[union-attr]
 
+    def control_socket(self) -> zmq.Socket:
+        """A DEALER for membership messages (JOIN, MEMBERS) to one member: the data sockets' options, and frames
+        no larger than a header (the answer is one). Not connected; the caller closes it."""
+        sock = self.ctx.socket(zmq.DEALER)
+        _common_options(sock)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        return sock
+
     def join(self, address: JoinAddress, timeout_s: float) -> Member:
         """Trainer thread, before the first step: ask the member at ``address`` to admit this node (a JOIN,
         repeated every ``timeout_ms`` until ``timeout_s``), then take the cluster's table from its answer.
@@ -866,9 +874,7 @@ class Node:
         JoinRefused (the member's reason: a name clash, a file node's name) or TimeoutError (no answer; with
         CURVE, an unlisted key looks the same)."""
         me = self.membership.me
-        sock = self.ctx.socket(zmq.DEALER)
-        _common_options(sock)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        sock = self.control_socket()
         deadline = time.monotonic() + timeout_s
         retry_s = self.config.timeout_ms / 1000.0
         try:
@@ -996,14 +1002,12 @@ class Node:
         try:
             for m in members:
                 try:
-                    sock = self.ctx.socket(zmq.DEALER)
+                    sock = self.control_socket()
                 except zmq.ZMQError as exc:  # out of sockets (a very large table): the rest learn by gossip
                     log.warning("node %s: told %d of %d members it leaves: %s", self.name, len(socks), len(members),
                                 exc)  # fmt: skip
                     break
                 socks.append(sock)
-                _common_options(sock)
-                sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
                 try:
                     monitors[sock.get_monitor_socket(UNREACHABLE_EVENTS)] = sock
                 except zmq.ZMQError:
