@@ -37,7 +37,16 @@ from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push, PushLedger
 from dpwa.node.snapshots import Snapshot, SnapshotPool
 from dpwa.node.stats import NodeStats, OnceLog
-from dpwa.node.transport import VERDICT_SLACK_S, FetchJob, FetchTarget, Reply, RxServer, TxFetcher, _common_options
+from dpwa.node.transport import (
+    NOT_A_MEMBER,
+    VERDICT_SLACK_S,
+    FetchJob,
+    FetchTarget,
+    Reply,
+    RxServer,
+    TxFetcher,
+    _common_options,
+)
 from dpwa.node.wire import ErrorCode, Header, Kind, Layout
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.schedules import Round, Schedule
@@ -583,7 +592,7 @@ class Node:
             ErrorCode.NOT_READY.value,
             ErrorCode.BUSY.value,
             ErrorCode.LEFT.value,
-            "not-a-member",
+            NOT_A_MEMBER,
         )
         if target.status == "ok":
             self.stats.fetch_done(target.ms, target.nbytes)

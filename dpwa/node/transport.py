@@ -44,6 +44,7 @@ __all__ = [
     "HEARTBEAT_MS",
     "HEARTBEAT_TIMEOUT_MS",
     "LATE_DETAIL",
+    "NOT_A_MEMBER",
     "MAX_MESSAGES_PER_WAKE",
     "MAX_REQUEST_BYTES",
     "REPLIES_QUEUED",
@@ -64,6 +65,10 @@ HEARTBEAT_TIMEOUT_MS = 5000
 MAX_REQUEST_BYTES = wire.MAX_HEADER_BYTES
 REPLIES_QUEUED = 64
 """Replies the RX ROUTER queues per requester before it drops one (its SNDHWM, in replies, not messages)."""
+
+
+NOT_A_MEMBER = "not-a-member"
+"""The code of a fetch or push refused here, without a message: its peer left or was forgotten."""
 
 
 def _common_options(sock: zmq.Socket) -> None:
@@ -586,7 +591,7 @@ class TxFetcher(threading.Thread):
                 del self._pushes[key]
             for target in job.targets if job is not None else ():
                 if target.peer == peer and target.status == "pending":
-                    self._finish(job, target, "refused", "not-a-member", f"{peer} is no member any more")
+                    self._finish(job, target, "refused", NOT_A_MEMBER, f"{peer} is no member any more")
 
     def _poll_timeout(self, job: FetchJob | None) -> int:
         """Milliseconds until the next deadline of the fetch job or of a push (at most POLL_MS)."""
@@ -696,7 +701,7 @@ class TxFetcher(threading.Thread):
             return
         sock = self._socket(poller, push.peer)
         if sock is None:
-            self._settle_push(push, "refused", "not-a-member")  # it left: the mass comes back
+            self._settle_push(push, "refused", NOT_A_MEMBER)  # it left: the mass comes back
             return
         self._pushes[(push.peer, push.seq)] = push
         if not self._push_frames(sock, push, layouts[0], hold=False):
@@ -775,7 +780,7 @@ class TxFetcher(threading.Thread):
             request = self._fetch_request(job, wire_layout, exchange, self._news(target.peer))
             sock = self._socket(poller, target.peer)
             if sock is None:
-                self._finish(job, target, "refused", "not-a-member", f"{target.peer} is no member any more")
+                self._finish(job, target, "refused", NOT_A_MEMBER, f"{target.peer} is no member any more")
                 continue
             if job.push is not None and target.peer == job.push.peer:  # the exchange's push goes first
                 job.push.status = "sending"
