@@ -47,7 +47,7 @@ __all__ = [
     "NOT_A_MEMBER",
     "MAX_MESSAGES_PER_WAKE",
     "MAX_REQUEST_BYTES",
-    "REPLIES_QUEUED",
+    "REPLY_QUEUE_MESSAGES",
     "VERDICT_SLACK_S",
     "FetchJob",
     "FetchTarget",
@@ -63,8 +63,11 @@ log = logging.getLogger(__name__)
 HEARTBEAT_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 MAX_REQUEST_BYTES = wire.MAX_HEADER_BYTES
-REPLIES_QUEUED = 64
-"""Replies the RX ROUTER queues per requester before it drops one (its SNDHWM, in replies, not messages)."""
+REPLY_QUEUE_MESSAGES = 1 << 15
+"""Messages the RX ROUTER queues per requester before it drops a reply (its SNDHWM). Set once, before it binds:
+libzmq forwards an HWM change to the pipe of every connection, and a connection being torn down at that moment
+(a peer closing a socket) gets it after its pipe was freed -- a crash of the I/O thread. A streamed reply needs
+its chunks + 1 messages: one of up to 128 GiB fits; a requester that stops reading holds at most this many."""
 
 
 NOT_A_MEMBER = "not-a-member"
@@ -142,7 +145,7 @@ class RxServer(SocketThread):
         on_event: Callable[[str, int], None],
         *,
         name: str = "dpwa-rx",
-        sndhwm: int = REPLIES_QUEUED,
+        sndhwm: int = REPLY_QUEUE_MESSAGES,
         setup: Callable[[zmq.Socket], None] | None = None,
         pushes: PushReceiver | None = None,
         chunk: int = CHUNK_BYTES,
@@ -151,8 +154,6 @@ class RxServer(SocketThread):
     ) -> None:
         # Bind here, in the caller's thread, so that a busy port fails the constructor loudly.
         super().__init__(ctx.socket(zmq.ROUTER), name=name)
-        self._replies_queued = sndhwm
-        self._hwm = sndhwm
         self._serve = serve
         self._on_event = on_event
         self._pushes = pushes
@@ -320,10 +321,6 @@ class RxServer(SocketThread):
 
         A full queue after the header leaves the reply cut short: the requester times out (counted as dropped).
         """
-        hwm = self._replies_queued * (len(reply.payload) + 1)
-        if hwm > self._hwm:  # counted in messages: keep room for REPLIES_QUEUED whole replies per requester
-            sock.setsockopt(zmq.SNDHWM, hwm)
-            self._hwm = hwm
         sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
         head = zmq.Frame(reply.header, track=True)
         sock.send(head, zmq.NOBLOCK, copy=False)
