@@ -285,21 +285,32 @@ class Settings:
         _validate(self, _error_in_memory)
 
 
+#: Values of a one-peer pull rule's ``repeats`` key: ``skip`` a reply that repeats the snapshot fetched from
+#: that peer last time (it published nothing since), or ``mix`` it again (dpwa 2017).
+REPEAT_MODES = ("skip", "mix")
+
+
 @dataclasses.dataclass(frozen=True)
 class ConstantSettings(Settings):
-    """``f = value``: the fixed interpolation factor (0.5 = plain pairwise average)."""
+    """``f = value``: the fixed interpolation factor (0.5 = plain pairwise average); ``repeats``: see
+    :data:`REPEAT_MODES`."""
 
     value: float = setting(0.5, lo=0, hi=1)
+    repeats: str = choice("skip", REPEAT_MODES)
 
 
 @dataclasses.dataclass(frozen=True)
 class ClockSettings(Settings):
-    """``f = peer_clock / (clock + peer_clock)``; no settings."""
+    """``f = peer_clock / (clock + peer_clock)``; ``repeats``: see :data:`REPEAT_MODES`."""
+
+    repeats: str = choice("skip", REPEAT_MODES)
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings(Settings):
-    """``f = loss / (loss + peer_loss)``; no settings."""
+    """``f = loss / (loss + peer_loss)``; ``repeats``: see :data:`REPEAT_MODES`."""
+
+    repeats: str = choice("skip", REPEAT_MODES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +326,7 @@ class GemSettings(Settings):
     #: ``now``: ``d = base*(x_peer - x)``, the literal form, kept to reproduce older runs: it undoes the
     #: local step once the nodes agree, so nothing trains.
     reference: str = choice("sent", ("sent", "now"))
+    repeats: str = choice("skip", REPEAT_MODES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,10 @@ from dpwa.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = ROOT / "samples" / "original-dpwa.yaml"
 BAD = Path(__file__).resolve().parent / "data" / "configs" / "bad"
-SUMMARY = "4 nodes, interpolation constant (value=0.5), fetch_probability 1, timeout_ms 2500, divergence_threshold 0.2"
+SUMMARY = (
+    "4 nodes, interpolation constant (value=0.5, repeats=skip), fetch_probability 1, timeout_ms 2500,"
+    " divergence_threshold 0.2"
+)
 
 
 def test_validate_prints_resolved_yaml_and_summary() -> None:

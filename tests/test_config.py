@@ -141,7 +141,7 @@ def test_to_dict_round_trips_through_yaml(sample: str) -> None:
     assert again == config
     assert again.to_dict() == plain
     assert plain["nodes"][0] == {"name": "w1", "host": "localhost", "port": 45000}
-    assert plain["constant"] == {"value": 0.5} and plain["clock"] == {}
+    assert plain["constant"] == {"value": 0.5, "repeats": "skip"} and plain["clock"] == {"repeats": "skip"}
 
 
 def test_numbers_are_normalized_int_to_float_but_ports_stay_int() -> None:

@@ -82,6 +82,63 @@ def test_pairwise_average_between_two_nodes(tmp_path: Path, dtype: str):
         assert a.last_exchange["peer"] == "w2" and a.last_exchange["factor"] == 0.5
 
 
+@pytest.mark.parametrize("repeats", ["skip", "mix"])
+def test_a_snapshot_is_mixed_once_unless_repeats_mix(tmp_path: Path, repeats: str):
+    """w2 publishes once; w1 fetches it at two steps. The second reply carries the same generation: with the
+    default ``repeats: skip`` it is not mixed again (a stalled or finished peer no longer pulls w1 back to
+    the same model at every step); with ``repeats: mix`` it is, as in dpwa 2017. A new publish is mixed."""
+    cfg = write_cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=2000, constant={"repeats": repeats})
+    p1, p2 = make_params(0.0), make_params(1.0)
+    with DpwaConnection("w1", cfg, seed=1) as a, DpwaConnection("w2", cfg, seed=2) as b:
+        b.update_send(p2, 1.0)
+        a.update_send(p1, 1.0)
+        assert a.update_wait(1.0) == 0.5 and (p1[0] == 0.5).all()
+        a.update_send(p1, 1.0)  # w2 has published nothing since
+        again = a.update_wait(1.0)
+        assert a.last_exchange["status"] == "ok"  # fetched all right
+        if repeats == "skip":
+            assert again == 0.0 and (p1[0] == 0.5).all() and a.last_exchange["repeats_skipped"] == 1.0
+            assert a.stats()["mixes"] == 1
+        else:
+            assert again == 0.5 and (p1[0] == 0.75).all() and a.last_exchange["repeats_skipped"] == 0.0
+            assert a.stats()["mixes"] == 2
+        b.update_wait(1.0)
+        p2[0][:], p2[1][:] = 3.0, 3.0
+        b.update_send(p2, 1.0)  # a new generation
+        before = p1[0][0]
+        a.update_send(p1, 1.0)
+        assert a.update_wait(1.0) == 0.5 and (p1[0] == (before + 3.0) / 2).all()
+        b.update_wait(1.0)
+
+
+def test_wait_for_peers_returns_once_every_peer_listens(tmp_path: Path):
+    """w1 waits for w2 and w3; w2 is up, w3 starts 0.3 s later (its port not even bound before): the wait ends
+    when w3 answers, well before the timeout. A peer that never starts: the wait ends at the timeout, saying so."""
+    ports = free_ports(3)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=1000)
+    late: list[DpwaConnection] = []
+    with DpwaConnection("w1", cfg) as a, DpwaConnection("w2", cfg):
+        starter = threading.Timer(0.3, lambda: late.append(DpwaConnection("w3", cfg)))
+        started = time.monotonic()
+        starter.start()
+        try:
+            assert a.wait_for_peers(20.0) == {"w2": True, "w3": True}
+            assert 0.3 <= time.monotonic() - started < 10
+        finally:
+            starter.join(5)
+            for c in late:
+                c.close()
+        assert a.wait_for_peers(5.0) == {"w2": True}  # w3 left cleanly: nobody waits for a member that left
+    never = write_cluster(tmp_path / "never.yaml", free_ports(2), timeout_ms=1000)
+    with DpwaConnection("w1", never) as alone:
+        started = time.monotonic()
+        assert alone.wait_for_peers(0.5) == {"w2": False}  # w2 never starts
+        assert 0.5 <= time.monotonic() - started < 5
+        with pytest.raises(ValueError, match="timeout_s"):
+            alone.wait_for_peers(0.0)
+    assert all(port_is_free(p) for p in ports)
+
+
 def test_clock_rule_uses_peer_clock(tmp_path: Path):
     ports = free_ports(2)
     cfg = write_cluster(tmp_path / "c.yaml", ports, interpolation="clock")
@@ -339,6 +396,7 @@ def test_close_with_linger_serves_peers_that_still_fetch(tmp_path: Path):
     done.update_send(make_params(1.0), 1.0)
     stop_fetching = threading.Event()
     factors: list[float] = []
+    served: list[int] = []  # w2's successful fetches after each step
 
     def peer_still_training() -> None:
         with DpwaConnection("w2", cfg) as busy:
@@ -346,6 +404,7 @@ def test_close_with_linger_serves_peers_that_still_fetch(tmp_path: Path):
             while not stop_fetching.is_set():
                 busy.update_send(p, 1.0)
                 factors.append(busy.update_wait(1.0))
+                served.append(busy.stats()["fetches_ok"])
 
     thread = threading.Thread(target=peer_still_training)
     thread.start()
@@ -355,7 +414,9 @@ def test_close_with_linger_serves_peers_that_still_fetch(tmp_path: Path):
     closer.start()
     before = len(factors)
     wait_until(lambda: len(factors) >= before + 20, 10, message="fetches go on while w1 lingers")
-    assert all(f == 0.5 for f in factors[before:]) and not done.closed
+    assert served[before + 19] >= served[before] + 19 and not done.closed  # every fetch answered
+    # w1 publishes nothing new: w2 mixed its one snapshot once (factor 0.5), every later reply is a repeat
+    assert factors[0] == 0.5 and set(factors[1:]) == {0.0}
     stop_fetching.set()
     thread.join(10)
     closer.join(10)

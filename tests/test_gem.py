@@ -70,7 +70,7 @@ def test_hand_computed_each_branch():
     x = [np.array([-1.0, 10.0, 2.0, 3.0])]
     # batch 1: x_sent = 0, no peer arrives -> m = delta = x, x unchanged
     rule.on_publish(own, [np.zeros(4)])
-    assert rule.mix(own, x, []) == MixOutcome(0.0, ())
+    assert rule.mix(own, x, []) == MixOutcome(0.0, (), {"repeats_skipped": 0.0})
     np.testing.assert_array_equal(rule.proxy[0], [-1.0, 10.0, 2.0, 3.0])
     # batch 2: local step [1, 1, 0.2, 0] -> x_now = [0, 11, 2.2, 3], m = 0.9*m + delta = [0.1, 10, 2, 2.7]
     out = step(rule, own, x, [np.array([1.0, 1.0, 0.2, 0.0])], [np.array([5.0, 12.0, 6.2, 3.0])], peer_clock=3.0)
@@ -116,7 +116,7 @@ def test_proxy_moves_at_every_update_wait_even_without_a_peer():
     for k, local in enumerate([[1.0, 1.0], [2.0, -4.0], [0.0, 0.0]]):
         expect_x = x[0] + np.array(local)
         out = step(rule, own, x, [np.array(local)])
-        assert out == MixOutcome(0.0, ())
+        assert out == MixOutcome(0.0, (), {"repeats_skipped": 0.0})
         np.testing.assert_array_equal(x[0], expect_x)  # no peer: x is the trainer's, untouched
         assert own.clock == 4.0
         expect_m = [[1.0, 1.0], [2.5, -3.5], [1.25, -1.75]][k]
@@ -258,7 +258,8 @@ def test_registered_and_built_from_settings():
     assert isinstance(rule, GemRule)
     assert (rule.base, rule.momentum, rule.kappa, rule.eps, rule.divergence_threshold) == (0.5, 0.9, 1.0, 1e-12, 0.25)
     assert repr(rule) == (
-        "GemRule(base=0.5, momentum=0.9, kappa=1.0, eps=1e-12, reference='sent', divergence_threshold=0.25)"
+        "GemRule(base=0.5, momentum=0.9, kappa=1.0, eps=1e-12, reference='sent', repeats='skip',"
+        " divergence_threshold=0.25)"
     )
 
 
@@ -355,3 +356,16 @@ def test_the_default_trains_about_as_far_as_constant(seed):
     _, literal = _momentum_cluster(lambda: GemRule(reference="now"), seed)
     assert GemRule().reference == "sent"
     assert default[-1] < 3 * constant[-1] and default[-1] < literal[-1] / 30
+
+
+def test_a_repeated_snapshot_is_not_mixed_but_the_proxy_still_moves() -> None:
+    """GEM with ``repeats: skip`` treats a repeat like no reply: the proxy tracks the step, x keeps it."""
+    own = NodeState("a", clock=1.0, loss=1.0)
+    x = [np.array([1.0, 1.0])]
+    rule = GemRule()
+    rule.on_publish(own, [np.array([0.0, 0.0])])
+    peer = PeerSnapshot(NodeState("b", clock=1.0, loss=1.0), [np.array([5.0, 5.0])], repeat=True)
+    assert rule.mix(own, x, [peer]) == MixOutcome(0.0, (), {"repeats_skipped": 1.0})
+    np.testing.assert_array_equal(x[0], [1.0, 1.0])
+    np.testing.assert_array_equal(rule.proxy[0], [1.0, 1.0])  # m = 0.9*0 + delta
+    assert GemRule(repeats="mix").repeats == "mix"

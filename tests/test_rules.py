@@ -108,7 +108,7 @@ def test_constant_mix_hand_computed_and_clock():
     np.testing.assert_array_equal(x[0], [3.0, 3.0])  # 0.75*x + 0.25*peer
     np.testing.assert_array_equal(x[1], np.array([[2.0]], np.float32))
     assert own.clock == 5.0  # 0.25*8 + 0.75*4
-    assert out == MixOutcome(0.25, ("b",), {"raw_factor": 0.25})
+    assert out == MixOutcome(0.25, ("b",), {"raw_factor": 0.25, "repeats_skipped": 0.0})
 
 
 def test_clock_rule_uses_pre_mix_clocks_then_updates_clock():
@@ -154,7 +154,7 @@ def test_divergence_applies_after_the_rule(rule, own_loss, peer_loss, raw, f):
 def test_no_peers_mixes_nothing(rule):
     own = NodeState("a", clock=3.0, loss=1.0)
     x = [np.array([1.0, 2.0])]
-    assert rule.mix(own, x, []) == MixOutcome(0.0, ())
+    assert rule.mix(own, x, []) == MixOutcome(0.0, (), {"repeats_skipped": 0.0})
     np.testing.assert_array_equal(x[0], [1.0, 2.0])
     assert own == NodeState("a", clock=3.0, loss=1.0)
 
@@ -209,7 +209,7 @@ def test_rule_defaults_and_abstractness():
     assert rule.on_reply_lost(own, None) is None
     assert own == NodeState("a")
     assert rule.divergence_threshold == 0.3
-    assert repr(ConstantRule(0.25, 0.1)) == "ConstantRule(divergence_threshold=0.1, value=0.25)"
+    assert repr(ConstantRule(0.25, 0.1)) == "ConstantRule(divergence_threshold=0.1, repeats='skip', value=0.25)"
 
 
 @pytest.mark.parametrize("t", [-1.0, math.nan, math.inf])
@@ -277,7 +277,7 @@ def test_make_rule_errors():
     with pytest.raises(ValueError, match="does not accept speed; accepted: value"):
         make_rule("constant", BadSettings(), 0.0)
     with pytest.raises(ValueError, match="does not accept value; accepted: \\(none\\)"):
-        make_rule("clock", ConstantSettings(), 0.0)
+        make_rule("adpsgd", ConstantSettings(), 0.0)
     with pytest.raises(ValueError, match="global setting"):
         make_rule("clock", {"divergence_threshold": 0.1}, 0.0)
     with pytest.raises(TypeError, match="dataclass instance"):
@@ -293,3 +293,22 @@ def test_make_rule_errors():
 def test_package_reexports():
     for name in ("NodeState", "PeerSnapshot", "MixOutcome", "Rule", "RULES", "make_rule"):
         assert name in rules.__all__ and hasattr(rules, name)
+
+
+@pytest.mark.parametrize("make", [ConstantRule, ClockRule, LossRule], ids=lambda c: c.name)
+def test_a_repeated_snapshot_is_skipped_unless_repeats_mix(make):
+    """``PeerSnapshot.repeat`` (the node saw this peer's snapshot generation last time): ``skip`` (default) leaves
+    x, the clock and the factor alone and counts it; ``mix`` mixes it like any reply."""
+    own = NodeState("a", clock=1.0, loss=1.0)
+    x = [np.array([0.0, 2.0])]
+    peer = PeerSnapshot(NodeState("b", clock=1.0, loss=1.0), [np.array([2.0, 2.0])], repeat=True)
+    skip = make()
+    assert skip.mix(own, x, [peer]) == MixOutcome(0.0, (), {"repeats_skipped": 1.0})
+    np.testing.assert_array_equal(x[0], [0.0, 2.0])
+    assert own.clock == 1.0
+    mixing = make(repeats="mix")
+    out = mixing.mix(own, x, [peer])
+    assert out.factor == 0.5 and out.peers == ("b",) and out.metrics["repeats_skipped"] == 0.0
+    np.testing.assert_array_equal(x[0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="repeats"):
+        make(repeats="sometimes")

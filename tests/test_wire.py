@@ -85,6 +85,10 @@ def test_fetch_state_error_round_trip():
     assert h.extras == {"weight": 0.5} and h.total == layout.total_bytes and h.nframes == 1
     wire.check_state_header(h, layout, peer="w2", req=7)
 
+    assert h.gen == -1  # a reply that names no generation (a server older than the field)
+    h = wire.decode_header(wire.encode_state("w2", 7, clock=1, loss=1, extras={}, layout=layout, gen=12))
+    assert h.gen == 12
+
     h = wire.decode_header(wire.encode_error("w2", 7, ErrorCode.LAYOUT, "mine differs"))
     assert h.kind is Kind.ERROR and h.code == "layout-mismatch" and h.detail == "mine differs"
 
@@ -133,6 +137,11 @@ GOOD_STATE = {
         (_raw(2, {k: v for k, v in GOOD_STATE.items() if k != "total"}), "header"),
         (_raw(1, {"node": "w1", "req": 1}), "header"),
         (_raw(2, "[" * 100000), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 0}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": -2}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": True}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": "3"}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2**64}), "header"),
     ],
 )
 def test_decode_rejects(frame, reason):

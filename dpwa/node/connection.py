@@ -106,6 +106,16 @@ class DpwaConnection:
         """
         return self._node.bootstrap(params, self.config.bootstrap_timeout_s if timeout_s is None else timeout_s)
 
+    def wait_for_peers(self, timeout_s: float) -> dict[str, bool]:
+        """Before training: wait until every peer's node is up (its server answers), at most ``timeout_s``
+        seconds; return, for each peer, whether it answered. Nodes started together (``dpwa run``) then also start
+        training together, which matters in short runs (see "Short runs" in the Mixing rules docs): a node
+        that trains while its peer is still starting trains alone. Costs one header-sized message per peer.
+        """
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        return self._node.wait_for_peers(timeout_s)
+
     def dpwa_state(self) -> DpwaState:
         """The node's gossip state for a checkpoint: clock, step, loss, the rule's scalar extras and arrays."""
         return self._node.export_state()

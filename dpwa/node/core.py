@@ -20,7 +20,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from dpwa.node.snapshots import Snapshot, SnapshotPool
 from dpwa.node.stats import NodeStats, OnceLog
 from dpwa.node.transport import (
     NOT_A_MEMBER,
+    REPLY_QUEUE_MESSAGES,
     VERDICT_SLACK_S,
     FetchJob,
     FetchTarget,
@@ -52,13 +53,15 @@ from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.schedules import Round, Schedule
 from dpwa.security.curve import NodeSecurity, warn_if_exposed
 
-__all__ = ["ANNOUNCE_S", "JOIN_S", "Node", "bind_endpoint"]
+__all__ = ["ANNOUNCE_S", "CONTROL_RECONNECT_MS", "JOIN_S", "Node", "bind_endpoint"]
 
 log = logging.getLogger(__name__)
 
 JOIN_S = 1.0
 """How long :meth:`Node.close` waits for each dpwa thread to end, and the trainer for a dead one to close."""
 ANNOUNCE_S = 0.5
+CONTROL_RECONNECT_MS = 10
+"""How often a control socket (JOIN, MEMBERS) retries connecting to a member that is not listening yet, in ms."""
 UNREACHABLE_EVENTS = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 """Socket monitor events that say a member cannot be told (refused, or not letting this node in)."""
 """How long a leaving node waits for its members' answers to its leave announcement (live ones answer at once)."""
@@ -127,6 +130,7 @@ class Node:
         self.caught_up = False  # recovery: a peer was copied, or the first reply was checked for "far behind"
         self.mixing = False
         self.last_exchange: dict[str, Any] | None = None
+        self.fetched_gens: dict[str, int] = {}  # per peer: the generation of the snapshot last fetched from it
         self.closed = False
         self.ledger = PushLedger() if rule.transfer == "push" else None
         self.inbox: PushReceiver | None = None
@@ -222,6 +226,11 @@ class Node:
     def setup_layout(self, params: Sequence[np.ndarray]) -> None:
         layout = Layout.of(params)
         wire_layout = layout.on_wire(self.config.wire_dtype)
+        if len(wire_layout.frame_bounds()) + 1 > REPLY_QUEUE_MESSAGES:
+            raise ValueError(
+                f"a model of {wire_layout.total_bytes / 2**30:.1f} GiB on the wire needs more messages per reply "
+                f"than a node queues ({REPLY_QUEUE_MESSAGES}); exchange a part of it, or a narrower wire_dtype"
+            )
         held = 0  # snapshots a push rule keeps leased: one per unsettled push, one per exchange in the inbox
         if self.inbox is not None:
             held = self.config.inbox_slots + max(1, self.schedule.max_fanout(len(self.names))) * (self.rule.overlap + 2)
@@ -405,11 +414,7 @@ class Node:
         self.check_threads()  # the TX thread may have died while we waited
         mixing = time.perf_counter()
         targets = job.targets if job is not None else []
-        peers = [
-            PeerSnapshot(NodeState(t.peer, t.header.clock, t.header.loss, dict(t.header.extras)), t.views)
-            for t in targets
-            if t.status == "ok" and t.header is not None
-        ]
+        peers = [self.fetched(t) for t in targets if t.status == "ok" and t.header is not None]
         slots = self.inbox.drain() if self.inbox is not None else []
         try:
             received = [self.slot_message(s) for s in slots]
@@ -435,7 +440,7 @@ class Node:
             for p in returned:
                 self.release_snapshot(p.snapshot, p.tracker)
         mixed = time.perf_counter()
-        if len(peers) > len(returned):
+        if others and (outcome.peers or any(not p.repeat for p in others)):  # not only a skipped repeat
             self.stats.add("mixes")
         names = [t.peer for t in targets] + [m.state.name for m in received]
         record: dict[str, Any] = {
@@ -459,6 +464,17 @@ class Node:
         record.update(outcome.metrics)
         self.last_exchange = record
         return outcome.factor
+
+    def fetched(self, target: FetchTarget) -> PeerSnapshot:
+        """A fetched reply as a peer for the rule, marked ``repeat`` when it holds the very snapshot (same
+        generation) this node fetched from that peer last time: the peer has published nothing since."""
+        header = target.header
+        assert header is not None
+        repeat = header.gen >= 1 and self.fetched_gens.get(target.peer) == header.gen
+        self.fetched_gens[target.peer] = header.gen
+        return PeerSnapshot(
+            NodeState(target.peer, header.clock, header.loss, dict(header.extras)), target.views, repeat=repeat
+        )
 
     def wait_pushes(self) -> list[Push]:
         """``push`` rules: wait (bounded by the pushes' deadlines) until at most ``rule.overlap`` pushes await an
@@ -752,6 +768,7 @@ class Node:
                 extras={**snapshot.extras, **given},
                 layout=layout,
                 stream=stream,
+                gen=snapshot.gen,
             )
             try:
                 header = encode(news=news)
@@ -815,6 +832,7 @@ class Node:
                 self.release_snapshot(push.snapshot, push.tracker)
         self.stats.forget_peer(name)
         self.once.forget(name)
+        self.fetched_gens.pop(name, None)
         if self.security is not None:
             self.security.forget(name)
 
@@ -870,10 +888,13 @@ class Node:
 
     def control_socket(self) -> zmq.Socket:
         """A DEALER for membership messages (JOIN, MEMBERS) to one member: the data sockets' options, and frames
-        no larger than a header (the answer is one). Not connected; the caller closes it."""
+        no larger than a header (the answer is one), and a retry every CONTROL_RECONNECT_MS while the member is
+        not listening yet (ZeroMQ's default, 100 ms, would start nodes that wait for each other that far apart).
+        Not connected; the caller closes it."""
         sock = self.ctx.socket(zmq.DEALER)
         _common_options(sock)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        sock.setsockopt(zmq.RECONNECT_IVL, CONTROL_RECONNECT_MS)
         return sock
 
     def join(self, address: JoinAddress, timeout_s: float) -> Member:
@@ -1006,28 +1027,55 @@ class Node:
         news = self.membership.full_news()
         with self.flow_lock:
             members = [m for m in self.membership.peers() if self.flow.is_up(m.name)]
-        socks: list[zmq.Socket] = []
+
+        def message(member: Member) -> bytes:
+            settled = self.inbox.verdict_for(member.name) if self.inbox is not None else None
+            return wire.encode_members(self.name, next(self.requests), news, settled=settled)
+
+        answered = self.ask_members(members, message, deadline, refused_ends=True)
+        self.stats.add("leave_acknowledged", len(answered))
+
+    def wait_for_peers(self, timeout_s: float) -> dict[str, bool]:
+        """Trainer thread, before training: send every member this node's table (a MEMBERS message, which a
+        node's server answers as soon as it listens) and wait until each has answered or ``timeout_s`` passed.
+        A member not listening yet is waited for (ZeroMQ delivers once it binds). Member name -> answered."""
+        news = self.membership.full_news()
+        members = list(self.membership.peers())
+        deadline = time.monotonic() + timeout_s
+
+        def message(member: Member) -> bytes:
+            return wire.encode_members(self.name, next(self.requests), news)
+
+        answered = self.ask_members(members, message, deadline, refused_ends=False)
+        return {m.name: m.name in answered for m in members}
+
+    def ask_members(
+        self, members: Sequence[Member], message: Callable[[Member], bytes], deadline: float, *, refused_ends: bool
+    ) -> set[str]:
+        """Send each member ``message(member)`` on a control socket of its own and wait until ``deadline`` for
+        their answers (answers are not read further); ``refused_ends``: a member whose connection is refused
+        (a socket monitor says so) is not waited for. The names that answered."""
+        socks: dict[zmq.Socket, str] = {}
         monitors: dict[zmq.Socket, zmq.Socket] = {}  # monitor -> its DEALER
+        answered: set[str] = set()
         try:
             for m in members:
                 try:
                     sock = self.control_socket()
                 except zmq.ZMQError as exc:  # out of sockets (a very large table): the rest learn by gossip
-                    log.warning("node %s: told %d of %d members it leaves: %s", self.name, len(socks), len(members),
-                                exc)  # fmt: skip
+                    log.warning("node %s: reached %d of %d members: %s", self.name, len(socks), len(members), exc)
                     break
-                socks.append(sock)
-                try:
-                    monitors[sock.get_monitor_socket(UNREACHABLE_EVENTS)] = sock
-                except zmq.ZMQError:
-                    pass  # unmonitored: waited for until the deadline
-                settled = self.inbox.verdict_for(m.name) if self.inbox is not None else None
+                socks[sock] = m.name
+                if refused_ends:
+                    try:
+                        monitors[sock.get_monitor_socket(UNREACHABLE_EVENTS)] = sock
+                    except zmq.ZMQError:
+                        pass  # unmonitored: waited for until the deadline
                 try:
                     if self.security is not None:
                         self.security.client(sock, m.name)
                     sock.connect(m.spec().endpoint)
-                    message = wire.encode_members(self.name, next(self.requests), news, settled=settled)
-                    sock.send(message, zmq.NOBLOCK)
+                    sock.send(message(m), zmq.NOBLOCK)
                 except (zmq.ZMQError, KeyError, OSError, ValueError):
                     continue
             poller = zmq.Poller()
@@ -1043,13 +1091,15 @@ class Node:
                     sock.recv_multipart(zmq.NOBLOCK)
                     if sock in waiting:
                         waiting.discard(sock)
-                        self.stats.add("leave_acknowledged")
+                        answered.add(socks[sock])
         finally:
             for sock in socks:
-                sock.disable_monitor()
+                if refused_ends:
+                    sock.disable_monitor()
                 sock.close(linger=0)
             for monitor in monitors:
                 monitor.close(linger=0)
+        return answered
 
     # ------------------------------------------------------------ any thread
 

@@ -71,6 +71,9 @@ class Snapshot:
     clock: float = 0.0
     loss: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
+    gen: int = 0
+    """Which publish of the pool this buffer holds (1, 2, ...): a requester that gets the same ``gen`` twice knows
+    the node published nothing new in between."""
     leases: int = 0
     trackers: list[Tracker] = field(default_factory=list)
 
@@ -106,6 +109,7 @@ class SnapshotPool:
         self._lock = threading.Lock()
         self._all: list[Snapshot] = [self._new() for _ in range(size)]
         self._current: Snapshot | None = None
+        self._published = 0
         self.skipped = 0
         self._stop = threading.Event()
         self._work = threading.Event()
@@ -157,6 +161,8 @@ class SnapshotPool:
                 free.ready = 0  # no other thread touches a buffer that is neither current nor leased
             free.leases -= 1
             free.clock, free.loss, free.extras = clock, loss, dict(extras)
+            self._published += 1
+            free.gen = self._published
             self._current = free
         if self._converter is not None:
             self._work.set()

@@ -319,6 +319,8 @@ class Header:
     """MEMBERS announcing a leave: the receiver's latest push sequence number there and its final verdict."""
     mass: float | None = None
     """MEMBERS answering a JOIN: the sender's bound on the cluster's push-sum mass (members ever admitted)."""
+    gen: int = -1
+    """STATE: the snapshot's generation (the server's publish count, from 1); -1 when the reply carries none."""
 
 
 @dataclass(frozen=True)
@@ -413,11 +415,15 @@ def encode_state(
     chunk: int = CHUNK_BYTES,
     stream: bool = False,
     news: MemberNews | None = None,
+    gen: int = -1,
 ) -> bytes:
-    """The header of a reply carrying a snapshot of (wire) ``layout``; ``stream``: the chunks follow as messages."""
+    """The header of a reply carrying a snapshot of (wire) ``layout``; ``stream``: the chunks follow as messages;
+    ``gen`` (>= 1): the snapshot's generation, so the requester can tell a snapshot it already has."""
     body = _payload_body(node, req, clock, loss, extras, layout, chunk)
     if stream:
         body["stream"] = True
+    if gen >= 1:
+        body["gen"] = gen
     return _encode(Kind.STATE, body, news)
 
 
@@ -596,6 +602,9 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if not (math.isfinite(clock) and math.isfinite(loss)):
         raise WireError("non-finite", "clock or loss is not finite")
     extras = _field(body, "extras", dict)
+    gen = body.get("gen", -1) if kind is Kind.STATE else -1
+    if isinstance(gen, bool) or not isinstance(gen, int) or not (gen == -1 or 1 <= gen <= MAX_REQ):
+        raise WireError("header", "field 'gen' of the wrong type")
     return Header(
         kind,
         node,
@@ -611,6 +620,7 @@ def decode_header(frame: bytes | memoryview) -> Header:
         hold=_flag(body, "hold") if kind is Kind.PUSH else False,
         digest=digest,
         members=members,
+        gen=gen,
     )
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from dpwa.rules.mixing import apply_divergence
 
-__all__ = ["MixOutcome", "NodeState", "PeerSnapshot", "Rule"]
+__all__ = ["REPEATS", "MixOutcome", "NodeState", "PeerSnapshot", "Rule", "check_repeats", "fresh_peers"]
 
 
 @dataclass
@@ -75,6 +75,31 @@ class PeerSnapshot:
     reference: Sequence[np.ndarray] | None = None
     """An exchange (AD-PSGD) received in the inbox: this node's own snapshot that the peer got in return,
     the model the difference is taken against. None for a fetched reply or a push."""
+    repeat: bool = False
+    """A fetched reply that holds the same snapshot this node fetched from the peer last time (the peer has
+    published nothing since): mixing it again would count the same model twice. Rules with a ``repeats``
+    setting skip it (see :func:`fresh_peers`)."""
+
+
+REPEATS = ("skip", "mix")
+"""A pull rule's ``repeats`` setting: ``skip`` a reply that repeats the peer's last snapshot, or ``mix`` it again."""
+
+
+def check_repeats(value: str) -> str:
+    """``value`` if it is one of :data:`REPEATS`; else ValueError."""
+    if value not in REPEATS:
+        raise ValueError(f"repeats must be one of {', '.join(REPEATS)}, got {value!r}")
+    return value
+
+
+def fresh_peers(peers: Sequence[PeerSnapshot], repeats: str) -> tuple[list[PeerSnapshot], int]:
+    """The peers to mix and how many were left out: with ``repeats="skip"`` every :attr:`PeerSnapshot.repeat`
+    is left out (a peer that published nothing new since this node last fetched it: a stalled, finished or
+    slower peer would otherwise pull the node back to the same model at every step); ``"mix"`` keeps all."""
+    if repeats == "mix":
+        return list(peers), 0
+    kept = [p for p in peers if not p.repeat]
+    return kept, len(peers) - len(kept)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, check_repeats, fresh_peers
 from dpwa.rules.mixing import BLOCK, Scratch, check_pairs, compute_dtype, is_half, mix_clock, narrow, widen
 
 __all__ = ["PROXY_KEY", "GemRule"]
@@ -63,7 +63,8 @@ PROXY_KEY = "gem_m"
 class GemRule(Rule):
     """``pi = clamp((kappa*|m| - |delta|)/(|d| + eps), 0, 1/base)``, ``x <- x + pi*d``, ``d = base*(x_peer - x_sent)``.
 
-    ``m = momentum*m + delta`` with ``delta = x - x_at_update_send``, every step.
+    ``m = momentum*m + delta`` with ``delta = x - x_at_update_send``, every step. ``repeats`` as for the
+    pairwise rules: a reply repeating the peer's last snapshot is not mixed (``skip``, default) or is (``mix``).
     The outcome's factor is the mean effective factor ``base*pi`` (after
     divergence damping) over all elements; metrics: ``gem_pi_mean`` (mean
     undamped ``pi``), ``gem_clip_low`` / ``gem_clip_high`` (fraction of
@@ -80,8 +81,12 @@ class GemRule(Rule):
         eps: float = 1e-12,
         reference: str = "sent",
         divergence_threshold: float = 0.0,
+        *,
+        repeats: str = "skip",
     ) -> None:
         super().__init__(divergence_threshold)
+        self.repeats = check_repeats(repeats)
+        self.repeats_skipped = 0
         base, momentum, kappa, eps = float(base), float(momentum), float(kappa), float(eps)
         if not 0.0 < base <= 1.0:
             raise ValueError(f"gem base must lie in (0, 1], got {base!r}")
@@ -100,7 +105,7 @@ class GemRule(Rule):
         self._scratch = Scratch()
 
     def _params(self) -> dict[str, Any]:
-        keys = ("base", "momentum", "kappa", "eps", "reference", "divergence_threshold")
+        keys = ("base", "momentum", "kappa", "eps", "reference", "repeats", "divergence_threshold")
         return {k: getattr(self, k) for k in keys}
 
     @property
@@ -152,6 +157,8 @@ class GemRule(Rule):
         if len(peers) > 1:
             raise ValueError(f"GemRule mixes one peer at a time, got {len(peers)}")
         check_pairs(arrays, self._published, "published")
+        peers, skipped = fresh_peers(peers, self.repeats)  # a repeat is not mixed: m still tracks the step
+        self.repeats_skipped += skipped
         peer = peers[0] if peers else None
         if peer is not None:
             check_pairs(arrays, peer.arrays)
@@ -165,7 +172,7 @@ class GemRule(Rule):
                 t, lo, hi = self._mix_array(x, self._published[i], m, p, damping)
                 total, low, high, count = total + t, low + lo, high + hi, count + x.size
         if peer is None:
-            return MixOutcome(0.0, ())
+            return MixOutcome(0.0, (), self.state_metrics(own))
         n = max(count, 1)
         factor = min(1.0, total * damping / n)  # mean of the damped g (damping is a common factor)
         own.clock = mix_clock(own.clock, peer.state.clock, factor)
@@ -174,8 +181,13 @@ class GemRule(Rule):
             "gem_clip_low": low / n,
             "gem_clip_high": high / n,
             "gem_damping": damping,
+            **self.state_metrics(own),
         }
         return MixOutcome(factor, (peer.state.name,), metrics)
+
+    def state_metrics(self, own: NodeState) -> dict[str, float]:
+        """``repeats_skipped``: replies not mixed because they repeated the peer's last snapshot."""
+        return {"repeats_skipped": float(self.repeats_skipped)}
 
     def _mix_array(
         self, x: np.ndarray, sent: np.ndarray, m: np.ndarray, peer: np.ndarray | None, damping: float

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, check_repeats, fresh_peers
 from dpwa.rules.mixing import interpolate_, mix_clock
 
 __all__ = ["ClockRule", "ConstantRule", "LossRule", "PairwiseRule", "share"]
@@ -37,7 +38,24 @@ def share(a: float, b: float) -> float:
 
 
 class PairwiseRule(Rule):
-    """Base of single-peer rules: ``f = diverge(factor(own, peer), own.loss)``, interpolate, then mix the clock."""
+    """Base of single-peer rules: ``f = diverge(factor(own, peer), own.loss)``, interpolate, then mix the clock.
+
+    ``repeats``: ``skip`` (default) mixes each snapshot of a peer at most once -- a reply that repeats the
+    snapshot fetched from that peer last time is not mixed (counted in ``repeats_skipped``); ``mix`` mixes it
+    again, as dpwa did in 2017 (a stalled or finished peer then anchors the node to its model).
+    """
+
+    def __init__(self, divergence_threshold: float = 0.0, *, repeats: str = "skip") -> None:
+        super().__init__(divergence_threshold)
+        self.repeats = check_repeats(repeats)
+        self.repeats_skipped = 0
+
+    def _params(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "repeats_skipped"}
+
+    def state_metrics(self, own: NodeState) -> dict[str, float]:
+        """``repeats_skipped``: replies not mixed because they repeated the peer's last snapshot."""
+        return {"repeats_skipped": float(self.repeats_skipped)}
 
     @abstractmethod
     def factor(self, own: NodeState, peer: NodeState) -> float:
@@ -46,19 +64,21 @@ class PairwiseRule(Rule):
     def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
         """Mix the single peer into ``arrays`` in place; the clock is updated after mixing.
 
-        No peers: nothing changes, ``MixOutcome(0.0, ())``.  More than one peer
+        No peers (or only a skipped repeat): nothing changes, factor 0.0.  More than one peer
         is a caller error (one peer per exchange): ValueError, nothing changed.
         """
-        if not peers:
-            return MixOutcome(0.0, ())
         if len(peers) > 1:
             raise ValueError(f"{type(self).__name__} mixes one peer at a time, got {len(peers)}")
+        peers, skipped = fresh_peers(peers, self.repeats)
+        self.repeats_skipped += skipped
+        if not peers:
+            return MixOutcome(0.0, (), self.state_metrics(own))
         peer = peers[0]
         raw = self.factor(own, peer.state)
         f = self.diverge(raw, own.loss)
         interpolate_(arrays, peer.arrays, f)
         own.clock = mix_clock(own.clock, peer.state.clock, f)
-        return MixOutcome(f, (peer.state.name,), {"raw_factor": raw})
+        return MixOutcome(f, (peer.state.name,), {"raw_factor": raw, **self.state_metrics(own)})
 
 
 class ConstantRule(PairwiseRule):
@@ -66,8 +86,8 @@ class ConstantRule(PairwiseRule):
 
     name = "constant"
 
-    def __init__(self, value: float = 0.5, divergence_threshold: float = 0.0) -> None:
-        super().__init__(divergence_threshold)
+    def __init__(self, value: float = 0.5, divergence_threshold: float = 0.0, *, repeats: str = "skip") -> None:
+        super().__init__(divergence_threshold, repeats=repeats)
         v = float(value)
         if not 0.0 <= v <= 1.0:
             raise ValueError(f"constant value must lie in [0, 1], got {value!r}")
