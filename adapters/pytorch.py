@@ -237,6 +237,8 @@ class DpwaPyTorchAdapter:
     ``buffers``: also average floating buffers (BatchNorm statistics).  ``seed``: reproducible
     peer choice.  ``run_dir`` (default ``DPWA_RUN_DIR``): where ``<name>.metrics.jsonl`` goes;
     none, no metrics file.  ``optimizer``: saved in and restored from checkpoints with the model.
+    ``wait_for_peers_s`` > 0: before returning, wait at most that long until every peer is up
+    (:meth:`wait_for_peers`), so that nodes started together also start training together.
     Build the adapter after the model has reached its device and dtype: it holds views of the
     tensors as they are now.  ``_force_staging`` is a test hook:
     stage CPU tensors through host copies exactly as CUDA tensors are.
@@ -252,6 +254,7 @@ class DpwaPyTorchAdapter:
         seed: int | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        wait_for_peers_s: float = 0.0,
         _force_staging: bool = False,
     ) -> None:
         name = name if name is not None else os.environ.get(ENV_NODE) or None
@@ -293,6 +296,8 @@ class DpwaPyTorchAdapter:
         except BaseException:
             self._conn.close()
             raise
+        if wait_for_peers_s > 0:
+            self.wait_for_peers(wait_for_peers_s)
         nbytes = sum(e.tensor.numel() * e.tensor.element_size() for e in self._entries)
         log.info(
             "adapter %s: %d tensors, %.1f MB, %d staged through host buffers, metrics: %s",
@@ -333,6 +338,21 @@ class DpwaPyTorchAdapter:
     def metrics_path(self) -> Path | None:
         """``<run_dir>/<name>.metrics.jsonl``, or None without a run directory."""
         return self._metrics.path if self._metrics else None
+
+    def wait_for_peers(self, timeout_s: float) -> dict[str, bool]:
+        """Wait at most ``timeout_s`` seconds until every peer's node is up; for each peer, whether it answered.
+
+        Call it once before training (or pass ``wait_for_peers_s=``): in a short run, a node that trains
+        while a peer is still importing torch trains alone (see :meth:`DpwaConnection.wait_for_peers`).
+        """
+        started = time.monotonic()
+        answered = self._conn.wait_for_peers(timeout_s)
+        missing = sorted(peer for peer, up in answered.items() if not up)
+        if missing:
+            log.warning("node %s: after %.1fs, no answer from %s; training anyway", self.name, timeout_s, missing)
+        else:
+            log.info("node %s: all %d peers are up (%.2fs)", self.name, len(answered), time.monotonic() - started)
+        return answered
 
     # ------------------------------------------------------------ the exchange
 

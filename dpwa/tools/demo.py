@@ -3,7 +3,7 @@
 Node mode (``dpwa run`` starts one per node; name, cluster file and run directory come from
 ``DPWA_NODE`` / ``DPWA_CONFIG`` / ``DPWA_RUN_DIR``, torch threads from ``DPWA_TORCH_THREADS``)::
 
-    python -m dpwa.tools.demo [--steps N] [--batch-size B] [--lr LR] [--seed S]
+    python -m dpwa.tools.demo [--steps N] [--batch-size B] [--lr LR] [--momentum M] [--seed S]
 
 Evaluation mode (after the nodes are done)::
 
@@ -25,8 +25,10 @@ The shards
 
 The node
     The same 32-64-64-10 ReLU MLP everywhere (same seed, so every node starts from the same
-    weights), SGD with momentum 0.9 and a cosine learning-rate decay over ``--steps``.  Around
-    every batch: ``update_send(previous loss)``, one SGD step, ``update_wait(loss)``.  At the end
+    weights), SGD with momentum 0.9 (``--momentum``) and a cosine learning-rate decay over
+    ``--steps``.  Before the first batch it waits (at most ``PEERS_WAIT_S``) until every peer's node
+    is up, so that nodes started together also start training together.  Around every batch:
+    ``update_send(previous loss)``, one SGD step, ``update_wait(loss)``.  At the end
     it reports its own held-out accuracy (``conn.report(accuracy=..., final_loss=...)``), writes
     ``<run_dir>/<node>.model.npz`` (parameters, buffers and a ``__meta__`` JSON string; no pickle)
     and keeps serving its final parameters while peers still fetch them (``close(linger=...)``),
@@ -85,6 +87,7 @@ __all__ = [
     "META_KEY",
     "MODEL_SUFFIX",
     "MOMENTUM",
+    "PEERS_WAIT_S",
     "BatchStream",
     "DataSpec",
     "Dataset",
@@ -136,6 +139,7 @@ DEFAULT_SEED = 0
 MOMENTUM = 0.9
 HIDDEN = 64
 FINAL_LOSS_WINDOW = 50  # final_loss = mean training loss of the last this-many batches
+PEERS_WAIT_S = 30.0  # before training, wait at most this long until every peer's node is up
 LINGER_IDLE_S = 2.0  # keep serving until no peer fetched for this long ...
 LINGER_MAX_S = 60.0  # ... but never longer than this
 # --evaluate trains the baseline on one thread whatever DPWA_TORCH_THREADS says: the MLP's matrices are too small
@@ -226,9 +230,10 @@ class TrainConfig:
     data: DataSpec = DataSpec()
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
+        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or not 0 <= self.momentum < 1:
             raise ValueError(
-                f"need steps >= 1, batch_size >= 1, lr > 0; got {self.steps}, {self.batch_size}, {self.lr}"
+                f"need steps >= 1, batch_size >= 1, lr > 0, 0 <= momentum < 1; got {self.steps}, "
+                f"{self.batch_size}, {self.lr}, {self.momentum}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -457,7 +462,10 @@ def run_node(config: TrainConfig) -> int:
         )
 
     seed = config.seed * 1000 + index
-    with DpwaPyTorchAdapter(model, name, cluster, seed=seed, run_dir=run_dir, optimizer=optimizer) as conn:
+    wait_s = PEERS_WAIT_S if len(names) > 1 else 0.0  # nodes started together start training together
+    with DpwaPyTorchAdapter(
+        model, name, cluster, seed=seed, run_dir=run_dir, optimizer=optimizer, wait_for_peers_s=wait_s
+    ) as conn:
         restored = conn.restore()  # dpwa run --resume / --restart-failed: checkpoint, then a peer's model
         if restored.checkpoint is not None and restored.meta.get("config", config.to_dict()) != config.to_dict():
             log.warning("node %s: the checkpoint was written with other settings; resuming anyway", name)
@@ -596,6 +604,9 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
         "--lr", type=float, default=DEFAULT_LR, help="peak learning rate, cosine decay to 0 (default %(default)s)"
     )
     parser.add_argument(
+        "--momentum", type=float, default=MOMENTUM, help="SGD momentum, in [0, 1) (default %(default)s)"
+    )
+    parser.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help="data, initial weights and batch order (default %(default)s)"
     )
     parser.add_argument("--evaluate", metavar="RUN_DIR", type=Path, help="evaluate a finished demo run")
@@ -624,7 +635,9 @@ def main(argv: Iterable[str] | None = None) -> int:
         return 0
     set_threads()
     try:
-        config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+        config = TrainConfig(
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, momentum=args.momentum
+        )
     except ValueError as err:
         log.error("%s", err)
         return 2

@@ -66,7 +66,7 @@ def main() -> None:
     x = torch.randn(32 * args.steps, 6, generator=torch.Generator().manual_seed(seed))
     y = x @ (torch.arange(1.0, 7.0).unsqueeze(1) / 6)
     data = [{"x": xi, "labels": yi} for xi, yi in zip(x, y)]
-    gossip = DpwaTrainerCallback()
+    gossip = DpwaTrainerCallback(wait_for_peers_s=30.0)  # start training together with the peer
     training = TrainingArguments(
         output_dir=os.path.join(os.environ.get("DPWA_RUN_DIR", "."), "hf", node),
         max_steps=args.steps,

@@ -75,7 +75,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[DpwaCallback()],
+        callbacks=[DpwaCallback(wait_for_peers_s=30.0)],  # start training together with the peer
     )
     trainer.fit(Regression(args.lr), data)
 

@@ -29,7 +29,8 @@ def main() -> None:
     seed = zlib.crc32(node.encode())  # a different start per node
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-    optimizer = DpwaOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model)
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = DpwaOptimizer(sgd, model, wait_for_peers_s=30.0)  # start training together with the peer
     target = torch.arange(1.0, 7.0).unsqueeze(1) / 6
     data = torch.Generator().manual_seed(seed)
     loss = torch.tensor(0.0)
