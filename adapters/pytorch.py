@@ -293,11 +293,13 @@ class DpwaPyTorchAdapter:
         try:
             if run_dir is not None:
                 self._metrics = MetricsWriter(Path(run_dir) / f"{name}.metrics.jsonl")
-        except BaseException:
+            if wait_for_peers_s > 0:
+                self.wait_for_peers(wait_for_peers_s)
+        except BaseException:  # a bad run directory, or Ctrl-C while waiting: nothing left running
+            if self._metrics is not None:
+                self._metrics.close()
             self._conn.close()
             raise
-        if wait_for_peers_s > 0:
-            self.wait_for_peers(wait_for_peers_s)
         nbytes = sum(e.tensor.numel() * e.tensor.element_size() for e in self._entries)
         log.info(
             "adapter %s: %d tensors, %.1f MB, %d staged through host buffers, metrics: %s",

@@ -139,6 +139,8 @@ GOOD_STATE = {
         (_raw(2, "[" * 100000), "header"),
         (_raw(2, {**GOOD_STATE, "gen": 0}), "header"),
         (_raw(2, {**GOOD_STATE, "gen": -2}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": -1}), "header"),  # -1 means "none" only inside the node: absent on the wire
+        (_raw(2, {**GOOD_STATE, "gen": None}), "header"),
         (_raw(2, {**GOOD_STATE, "gen": True}), "header"),
         (_raw(2, {**GOOD_STATE, "gen": "3"}), "header"),
         (_raw(2, {**GOOD_STATE, "gen": 2**64}), "header"),

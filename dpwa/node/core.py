@@ -470,8 +470,9 @@ class Node:
         generation) this node fetched from that peer last time: the peer has published nothing since."""
         header = target.header
         assert header is not None
-        repeat = header.gen >= 1 and self.fetched_gens.get(target.peer) == header.gen
-        self.fetched_gens[target.peer] = header.gen
+        with self.sync_lock:  # forget_member drops the peer's entry from another thread
+            repeat = header.gen >= 1 and self.fetched_gens.get(target.peer) == header.gen
+            self.fetched_gens[target.peer] = header.gen
         return PeerSnapshot(
             NodeState(target.peer, header.clock, header.loss, dict(header.extras)), target.views, repeat=repeat
         )
@@ -541,10 +542,9 @@ class Node:
         self.tx.submit(job)
         for late in job.wait():  # the TX thread is late: time the fetch out here, as update_wait does
             self.on_target(job, late)
-        header = target.header
-        if target.status != "ok" or header is None:
+        if target.status != "ok" or target.header is None:
             return None
-        return PeerSnapshot(NodeState(peer, header.clock, header.loss, dict(header.extras)), views)
+        return self.fetched(target)  # its generation is recorded: a copied snapshot is not mixed again
 
     def bootstrap(self, params: Sequence[np.ndarray], timeout_s: float) -> str | None:
         """Before the first local step: serve ``params`` as they are, then copy the first peer that answers
@@ -1058,6 +1058,7 @@ class Node:
         socks: dict[zmq.Socket, str] = {}
         monitors: dict[zmq.Socket, zmq.Socket] = {}  # monitor -> its DEALER
         answered: set[str] = set()
+        unreachable: set[zmq.Socket] = set()  # not even sent to: not waited for
         try:
             for m in members:
                 try:
@@ -1077,11 +1078,12 @@ class Node:
                     sock.connect(m.spec().endpoint)
                     sock.send(message(m), zmq.NOBLOCK)
                 except (zmq.ZMQError, KeyError, OSError, ValueError):
+                    unreachable.add(sock)
                     continue
             poller = zmq.Poller()
             for sock in [*socks, *monitors]:
                 poller.register(sock, zmq.POLLIN)
-            waiting = set(socks)
+            waiting = set(socks) - unreachable
             while waiting and (left := deadline - time.monotonic()) > 0:
                 for sock, _ in poller.poll(int(min(left, 0.1) * 1000) + 1):
                     if sock in monitors:  # the member's address refused the connection: nobody there

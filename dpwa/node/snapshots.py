@@ -25,6 +25,7 @@ many peers fetch it, by whichever thread gets to a chunk first:
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,9 +36,12 @@ import numpy as np
 
 from dpwa.node.wire import CHUNK_BYTES, Layout, PayloadWriter
 
-__all__ = ["DEFER_S", "POLL_S", "Snapshot", "SnapshotPool", "Tracker"]
+__all__ = ["DEFER_S", "GEN_START_BOUND", "POLL_S", "Snapshot", "SnapshotPool", "Tracker"]
 
 log = logging.getLogger(__name__)
+
+GEN_START_BOUND = 1 << 62
+"""A pool's first generation is drawn from [1, this]: far below the wire's limit, 2^64 - 1."""
 
 POLL_S = 0.1
 """Longest the converter thread sleeps before it looks at its stop flag."""
@@ -72,8 +76,9 @@ class Snapshot:
     loss: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
     gen: int = 0
-    """Which publish of the pool this buffer holds (1, 2, ...): a requester that gets the same ``gen`` twice knows
-    the node published nothing new in between."""
+    """Which publish of the pool this buffer holds: a counter that starts at a random value per pool (so a node
+    restarted under the same name does not repeat the generations its peers saw) and grows by 1 per publish. A
+    requester that gets the same ``gen`` twice knows the node published nothing new in between."""
     leases: int = 0
     trackers: list[Tracker] = field(default_factory=list)
 
@@ -109,7 +114,7 @@ class SnapshotPool:
         self._lock = threading.Lock()
         self._all: list[Snapshot] = [self._new() for _ in range(size)]
         self._current: Snapshot | None = None
-        self._published = 0
+        self._published = secrets.randbelow(GEN_START_BOUND)  # the first publish is 1 more: see Snapshot.gen
         self.skipped = 0
         self._stop = threading.Event()
         self._work = threading.Event()

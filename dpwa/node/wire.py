@@ -602,9 +602,13 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if not (math.isfinite(clock) and math.isfinite(loss)):
         raise WireError("non-finite", "clock or loss is not finite")
     extras = _field(body, "extras", dict)
-    gen = body.get("gen", -1) if kind is Kind.STATE else -1
-    if isinstance(gen, bool) or not isinstance(gen, int) or not (gen == -1 or 1 <= gen <= MAX_REQ):
-        raise WireError("header", "field 'gen' of the wrong type")
+    gen = body["gen"] if kind is Kind.STATE and "gen" in body else -1  # -1: a reply that names no generation
+    if (
+        kind is Kind.STATE
+        and "gen" in body
+        and (isinstance(gen, bool) or not isinstance(gen, int) or not 1 <= gen <= MAX_REQ)
+    ):
+        raise WireError("header", "field 'gen' is not an integer in [1, 2^64 - 1]")
     return Header(
         kind,
         node,
