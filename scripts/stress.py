@@ -4,7 +4,10 @@ Runs pytest N times, each in a fresh process, on the tests marked ``timing`` (th
 depends on deadlines, thread hand-offs or process start-up) -- or, when PYTEST ARGS are given, on
 those instead (``--stress 30 tests/test_security.py::test_x`` repeats one test alone). Prints one
 line per run as it ends and, at the end, every test that failed at least once with its count,
-then ``N passed, M failed`` over all test runs. Exit status 0 when nothing failed, 1 otherwise.
+then ``N passed, M failed`` over all test runs. Exit status 0 when nothing failed, 1 otherwise. A test
+that records the quantity behind a bound (pytest's ``record_property("name", value)``) gets that
+quantity's distribution over the runs printed too (n, mean, sd, min, max): the measurement a bound on a
+timing-dependent outcome must rest on (``--stress 30 -m outcome``).
 
 Each run writes a JUnit XML report; the per-test counts come from those reports, so a test that
 errors in set-up or hangs into pytest-timeout counts as a failure. The report of every run with a
@@ -18,6 +21,7 @@ import argparse
 import collections
 import datetime
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,7 +29,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-__all__ = ["failure_lines", "main", "outcomes"]
+__all__ = ["describe", "failure_lines", "figures", "main", "outcomes"]
 
 DEFAULT_SELECTION = ["-m", "timing"]
 
@@ -64,6 +68,26 @@ def failure_lines(report: Path) -> dict[str, str]:
     return out
 
 
+def figures(report: Path) -> dict[tuple[str, str], float]:
+    """``{(test id, name): value}`` of the numbers the tests recorded (``record_property``) in one JUnit report:
+    the measured quantities behind their bounds, whose distribution over the runs is printed at the end."""
+    out: dict[tuple[str, str], float] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        for prop in case.iter("property"):
+            try:
+                out[(_test_id(case), prop.get("name", ""))] = float(prop.get("value", ""))
+            except ValueError:
+                continue
+    return out
+
+
+def describe(values: list[float]) -> str:
+    """``n, mean, sd, min, max`` of ``values`` on one line."""
+    mean = statistics.fmean(values)
+    sd = statistics.pstdev(values)
+    return f"n {len(values)}  mean {mean:.4g}  sd {sd:.3g}  min {min(values):.4g}  max {max(values):.4g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/test.sh --stress", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", type=int, help="how many times to run the selection")
@@ -74,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     selection = args.pytest_args or DEFAULT_SELECTION
     failures: collections.Counter[str] = collections.Counter()
     executed: collections.Counter[str] = collections.Counter()
+    measured: collections.defaultdict[tuple[str, str], list[float]] = collections.defaultdict(list)
     started = time.monotonic()
     keep = Path("runs") / f"stress-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     with tempfile.TemporaryDirectory(prefix="dpwa-stress-") as tmp:
         for run in range(1, args.runs + 1):
             report = Path(tmp) / f"run-{run}.xml"
             command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+            command += ["-o", "junit_family=xunit1"]  # the family that keeps recorded properties
             t0 = time.monotonic()
             code = subprocess.run([*command, *selection], stdout=subprocess.DEVNULL, check=False).returncode
             if not report.exists():
@@ -87,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                 failures["(no report)"] += 1
                 continue
             results = outcomes(report)
-            executed.update(results)
+            executed.update(results.keys())  # one execution per test, passed or not
+            for key, value in figures(report).items():
+                measured[key].append(value)
             failed = sorted(t for t, ok in results.items() if not ok)
             failures.update(failed)
             note = f"; failed: {', '.join(failed)}" if failed else ""
@@ -104,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reports of the runs with failures: {keep}")
     for test_id, count in failures.most_common():
         print(f"  {count}/{executed.get(test_id, args.runs)} failed: {test_id}")
+    if measured:
+        print("figures the tests recorded, over the runs:")
+        for (test_id, name), values in sorted(measured.items()):
+            print(f"  {test_id} {name}: {describe(values)}")
     print(f"{total - sum(n for t, n in failures.items() if t in executed)} passed, {failed_total} failed")
     return 1 if failed_total else 0
 
