@@ -29,6 +29,8 @@ pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).resolve().parent
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+ADAPTER_START_BOUND = 0.4  # final / start distance of test_two_processes_converge
+ADAPTER_ALONE_BOUND = 0.3  # final distance / that of two processes that never mix
 EXCHANGE_KEYS = {
     "time": float,
     "node": str,
@@ -528,7 +530,8 @@ def train_alone(seed: int, data: int, steps: int) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.timing
-def test_two_processes_converge(cluster: Path):
+@pytest.mark.outcome
+def test_two_processes_converge(cluster: Path, record_property: Callable[[str, object], None]):
     steps = 300
     procs: list[AdapterProcess] = []
     try:
@@ -559,8 +562,15 @@ def test_two_processes_converge(cluster: Path):
             p.kill()
     alone = distance(train_alone(1, 1, steps), train_alone(2, 2, steps))
     d0, d1 = distance(*start), distance(*final)
+    record_property("final_over_start", d1 / d0)
+    record_property("final_over_alone", d1 / alone)
     assert all(r["mixed"] >= steps // 2 for r in results), results
     assert all(s["step"] == steps and s["mixes"] >= steps // 2 for s in stats)
-    assert d1 < 0.1 * d0, (d0, d1, alone)
-    assert d1 < 0.1 * alone, (d0, d1, alone)
+    # Both processes train at once, but one ends first; the other's last steps mix nothing new (a repeat of a
+    # finished peer's snapshot is skipped), so how far apart they end depends on that tail.
+    # final / start over 29 runs (--stress 30 -m outcome, 2026-11-25, 2 cores): mean 0.122, sd 0.05, max 0.237;
+    # the bound 0.4 is mean + 6 sd; final / alone over 29 runs (--stress 30 -m outcome, 2026-11-25, 2 cores): mean
+    # 0.0964, sd 0.039, max 0.187; the bound 0.3 is mean + 5 sd.
+    assert d1 < ADAPTER_START_BOUND * d0, (d0, d1, alone)
+    assert d1 < ADAPTER_ALONE_BOUND * alone, (d0, d1, alone)
     assert all(math.isfinite(r["loss"]) for r in results)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +32,15 @@ def run_all(procs, rounds: int) -> list[dict]:
     return [p.read(timeout=120) for p in procs]
 
 
-def test_four_processes_converge(tmp_path: Path, nodes):
+@pytest.mark.outcome
+def test_four_processes_converge(tmp_path: Path, nodes, record_property: Callable[[str, object], None]):
     ports = free_ports(4)
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=1000, interpolation="constant", constant={"value": 0.5})
     procs = [nodes(f"w{i + 1}", cfg, seed=i + 1) for i in range(4)]
     before = spread([flat(p.call("params")) for p in procs])
     answers = run_all(procs, 40)
     after = spread([flat(p.call("params")) for p in procs])
+    record_property("after_over_before", after / before)
     assert before > 1.0
     assert after <= before / 100, (before, after)
     mixed = [f for a in answers for f in a["factors"] if f > 0]

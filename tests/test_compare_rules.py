@@ -6,12 +6,16 @@ import importlib.util
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import free_ports, port_is_free, write_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
+
+COMPARE_STEPS = 200  # long enough (~0.2 s) that the nodes' start and end skew is a small part of the run
+SPREAD_BOUND = 0.5  # spread with gossip / without; measured: see the test
 
 
 def load_script():
@@ -23,26 +27,34 @@ def load_script():
 
 
 @pytest.mark.slow
+@pytest.mark.outcome
 @pytest.mark.timeout(240)
-def test_two_rules_make_a_table_json_and_png(tmp_path: Path) -> None:
+def test_two_rules_make_a_table_json_and_png(tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
     compare = load_script()
     ports = free_ports(2)
     cluster = write_cluster(tmp_path / "c.yaml", ports, fetch_probability=1.0, timeout_ms=2500)
     out = tmp_path / "out"
-    code = compare.main(["--steps", "40", "--rules", "constant,none", "--cluster", str(cluster), "--out", str(out)])
+    code = compare.main(
+        ["--steps", str(COMPARE_STEPS), "--rules", "constant,none", "--cluster", str(cluster), "--out", str(out)]
+    )
     assert code == 0
     saved = json.loads((out / "comparison.json").read_text())
     rows = {r["rule"]: r for r in saved["rules"]}
     assert list(rows) == ["constant", "none"]
     for row in rows.values():
         assert row["ok"] and math.isfinite(row["final_loss"]) and 0.0 <= row["averaged_accuracy"] <= 1.0
-        assert len(row["loss_curve"]) == 40
+        assert len(row["loss_curve"]) == COMPARE_STEPS
     # the rule really was constant on the requested cluster, and gossip happened only with it: every
     # step averages the two nodes, so their final models are far closer than without gossip
     assert "interpolation: constant" in (out / "constant.yaml").read_text()
     assert rows["constant"]["mixes"] > 0 and rows["constant"]["bytes_in"] > 0
     assert rows["none"]["mixes"] == 0 and rows["none"]["bytes_in"] == 0
-    assert rows["constant"]["spread"] < rows["none"]["spread"] / 10
+    record_property("spread_ratio_200_steps", rows["constant"]["spread"] / rows["none"]["spread"])
+    # The two nodes end at different times; the later one's last steps mix nothing new, so the spread depends on
+    # that tail: a run of 40 steps (~40 ms) ended at up to 0.38 of the spread without gossip.
+    # spread ratio at 200 steps over 15 runs (--stress 30 -m outcome, 2026-11-25, 2 cores): mean 0.00862, sd
+    # 0.018, max 0.0614; the bound 0.5 is mean + 28 sd.
+    assert rows["constant"]["spread"] < SPREAD_BOUND * rows["none"]["spread"]
     table = (out / "comparison.md").read_text()
     assert "| constant |" in table and "| none |" in table
     if importlib.util.find_spec("matplotlib"):

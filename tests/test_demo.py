@@ -7,7 +7,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from dpwa.tools import demo
 
 STEPS = 150
 BATCH = 16
+SHORT_RUN_FLOOR = 0.45  # the floor of the networked demo run's averaged accuracy (see the test)
 
 
 @pytest.fixture
@@ -92,8 +93,11 @@ def _read_records(path: Path) -> list[dict]:
 
 
 @pytest.mark.integration
+@pytest.mark.outcome
 @pytest.mark.usefixtures("keep_torch_threads")
-def test_two_node_run_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_node_run_then_evaluate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], record_property: Callable[[str, object], None]
+) -> None:
     cluster = write_cluster(tmp_path / "cluster.yaml", free_ports(2), timeout_ms=2000)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -135,9 +139,92 @@ def test_two_node_run_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixtur
     for key in ("averaged_accuracy", "baseline_accuracy"):
         assert 0.0 <= summary[key] <= 1.0
         assert f"{summary[key]:.4f}" in out
-    # The baseline is deterministic (seed 0: 0.746 after 300 steps); a 150-step gossip run is not (0.23-0.55
-    # seen), but its nodes mixed every step, so each is close to their average, which beats guessing (0.1).
+    # What thread timing cannot change: the figures are those of the files. The averaged model is the mean of
+    # the two node models (recomputed here), each figure its held-out accuracy; the baseline is a pure function
+    # of the seed and the sample count (seed 0: 0.746 after 300 steps).
+    config = demo.TrainConfig(steps=STEPS, batch_size=BATCH)
+    data = demo.make_dataset(config.seed, config.data)
+    states = {name: demo.load_model_file(run_dir / f"{name}.model.npz")[0] for name in ("w1", "w2")}
+    model = demo.build_model(config)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    for name, arrays in states.items():
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()})
+        assert demo.evaluate(model, data.x_test, data.y_test)[0] == summary["node_accuracy"][name]
+        assert any(not torch.equal(torch.from_numpy(arrays[k]), v) for k, v in start.items()), name  # trained
+    model.load_state_dict(demo.average_states(list(states.values())))
+    assert demo.evaluate(model, data.x_test, data.y_test)[0] == summary["averaged_accuracy"]
     assert summary["baseline_accuracy"] > 0.6
-    assert summary["averaged_accuracy"] > 0.15
-    for name, accuracy in summary["node_accuracy"].items():
-        assert abs(accuracy - summary["averaged_accuracy"]) < 0.05, name
+    # The gossip run's own figure depends on timing: averaged accuracy over 29 runs (--stress 30 -m outcome,
+    # 2026-11-25, 2 cores): mean 0.602, sd 0.0074, min 0.593; the bound 0.45 is mean - 21 sd.
+    # Chance is 0.10; one process on the same samples 0.746. Why short runs vary, and why they end below one
+    # process: "Short runs" on the Mixing rules page.
+    record_property("averaged_accuracy", summary["averaged_accuracy"])
+    assert summary["averaged_accuracy"] > SHORT_RUN_FLOOR
+
+
+@pytest.mark.outcome
+def test_lock_step_gossip_of_the_demo_trains_deterministically() -> None:
+    """The demo's two nodes in lock-step (the simulator: the real constant rule, no sockets, no timing): the
+    same seed gives the same models bit for bit, every round mixes both nodes at 0.5, the averaged model
+    learns (well above chance, 0.1), and it trains less far in 150 steps than two nodes that never mix: the
+    constant rule mixes the peer's snapshot from before its step into the node's model after it, so the
+    average moves by (1 - f) of each node's step (docs: "Short runs")."""
+    gossip, outcomes = _lock_step_demo(mix=True)
+    again, _ = _lock_step_demo(mix=True)
+    alone, _ = _lock_step_demo(mix=False)
+    assert all(torch.equal(a, b) for a, b in zip(gossip["w1"], again["w1"]))  # deterministic
+    assert all(o.factor == 0.5 and o.peers for round_ in outcomes for o in round_.values())
+    accuracy = {k: _averaged_accuracy(v) for k, v in (("gossip", gossip), ("alone", alone))}
+    assert 0.45 < accuracy["gossip"] < accuracy["alone"], accuracy  # measured: 0.579 and 0.615
+    assert _distance(gossip) < 0.05 * _distance(alone)  # mixing every round keeps the two together
+
+
+def _lock_step_demo(mix: bool) -> tuple[dict[str, list[torch.Tensor]], list[dict]]:
+    """STEPS rounds of the 2-node demo (batch BATCH) in the simulator: each node's torch model trains on the
+    simulator's own arrays (shared memory), between the round's publish and mix."""
+    from dpwa.rules import ConstantRule
+    from dpwa.rules.schedules import RandomSchedule
+    from dpwa.tools.simulation import Simulation
+
+    config = demo.TrainConfig(steps=STEPS, batch_size=BATCH)
+    data = demo.make_dataset(config.seed, config.data)
+    init = [p.detach().numpy().copy() for p in demo.build_model(config).parameters()]
+    sim = Simulation([init, init], ConstantRule, RandomSchedule)
+    models, optimizers, streams = {}, {}, {}
+    for index, name in enumerate(sim.names):
+        model = demo.build_model(config)
+        for p, array in zip(model.parameters(), sim[name].arrays):
+            p.data = torch.from_numpy(array)  # the model trains the simulator's arrays in place
+        models[name], optimizers[name] = model, demo.make_optimizer(model, config)
+        indices = demo.shard_indices(config.data.n_train, index, 2)
+        streams[name] = demo.BatchStream(indices, config.batch_size, (config.seed, index + 1))
+    step = 0
+
+    def train(node) -> float:
+        for group in optimizers[node.name].param_groups:
+            group["lr"] = demo.lr_at(config, step, STEPS)
+        batch = next(streams[node.name])
+        loss = torch.nn.functional.cross_entropy(models[node.name](data.x_train[batch]), data.y_train[batch])
+        optimizers[node.name].zero_grad()
+        loss.backward()
+        optimizers[node.name].step()
+        return loss.item()
+
+    outcomes = []
+    for step in range(STEPS):  # noqa: B007 - train() reads it
+        outcomes.append(sim.run_round(train=train, lose=None if mix else (lambda a, b: "timeout")))
+    return {n: [p.detach().clone() for p in m.parameters()] for n, m in models.items()}, outcomes
+
+
+def _averaged_accuracy(params: dict[str, list[torch.Tensor]]) -> float:
+    config = demo.TrainConfig(steps=STEPS, batch_size=BATCH)
+    data = demo.make_dataset(config.seed, config.data)
+    model = demo.build_model(config)
+    with torch.no_grad():
+        for p, a, b in zip(model.parameters(), params["w1"], params["w2"]):
+            p.copy_((a + b) / 2)
+    return demo.evaluate(model, data.x_test, data.y_test)[0]
+
+
+def _distance(params: dict[str, list[torch.Tensor]]) -> float:
+    return float(sum(((a - b) ** 2).sum() for a, b in zip(params["w1"], params["w2"])) ** 0.5)

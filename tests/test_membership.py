@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +182,10 @@ JOIN_WORKER = Path(__file__).with_name("join_worker.py")
 
 
 @pytest.mark.slow
-def test_a_dpwa_run_joiner_and_an_adapter_joiner_join_train_and_leave(tmp_path: Path) -> None:
+@pytest.mark.outcome
+def test_a_dpwa_run_joiner_and_an_adapter_joiner_join_train_and_leave(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
     """Three nodes train; `dpwa run -n 1 --join` and a script with only DPWA_JOIN join them (separate
     processes), every node lists five and mixes with both, the joiners reach the cluster, and leave cleanly."""
     ports = free_ports(3)
@@ -227,6 +230,7 @@ def test_a_dpwa_run_joiner_and_an_adapter_joiner_join_train_and_leave(tmp_path: 
             assert r["seen"] == 5 and r["mixed"] >= 30, r
         # they started at +50 and -50, the founders at 0, 1, 2: all five now agree (the cluster's spread)
         founders_now = [float(flat(trainers.params[c.name]).mean()) for c in conns]
+        record_property("ptp", float(np.ptp([*founders_now, *(r["weight"] for r in results)])))
         assert np.ptp([*founders_now, *(r["weight"] for r in results)]) < 1.0, (founders_now, results)
         for c in conns:  # every founder fetched from both joiners, and knows they left
             assert all(fetched_ok(c, name) > 0 for name in names), (c.name, c.stats()["by_peer"])

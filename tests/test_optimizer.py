@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "optimizer" / "train.py"
+OPT_BOUND = 0.1  # relative distance of the example's two models; measured: see the test
+PAIR_BOUND = 0.2  # near / far of the in-process pair; measured: see the test
 
 
 def model(seed: int) -> nn.Module:
@@ -95,13 +97,20 @@ def plain_step(data: list) -> Callable[[nn.Module, DpwaOptimizer, int], None]:
     return body
 
 
-def test_an_unchanged_loop_gossips_and_the_models_converge_to_each_other(pair) -> None:
+@pytest.mark.outcome
+def test_an_unchanged_loop_gossips_and_the_models_converge_to_each_other(
+    pair, record_property: Callable[[str, object], None]
+) -> None:
     models = [model(1), model(2)]
     far = float((flat(models[0]) - flat(models[1])).norm())
     opts = pair(models, lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
     train_together(list(zip(models, opts)), 60, plain_step(batches(0, 10)))
     near = float((flat(models[0]) - flat(models[1])).norm())
-    assert near < far / 20, (far, near)
+    record_property("near_over_far", near / far)
+    # The two threads end at different times; the later one's last steps mix nothing new.
+    # near / far over 29 runs (--stress 30 -m outcome, 2026-11-25, 2 cores): mean 0.0274, sd 0.023, max 0.0739;
+    # the bound 0.2 is mean + 8 sd.
+    assert near < PAIR_BOUND * far, (far, near)
     assert all(o.exchanges == 60 and o.adapter.step == 59 for o in opts)  # the last exchange is still open
     assert all(o.adapter.stats()["mixes"] > 30 for o in opts)
 
@@ -206,7 +215,8 @@ def test_state_dict_keeps_the_step_count_and_the_gossip_state_across_a_restart(p
 
 
 @pytest.mark.slow
-def test_a_dpwa_run_of_the_example_converges(tmp_path: Path) -> None:
+@pytest.mark.outcome
+def test_a_dpwa_run_of_the_example_converges(tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
     """examples/optimizer/train.py under `dpwa run -n 2`: two processes, models that start apart end together."""
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DPWA_", "SLURM_"))}
@@ -221,5 +231,10 @@ def test_a_dpwa_run_of_the_example_converges(tmp_path: Path) -> None:
         records = read_metrics(run_dir / f"{name}.metrics.jsonl")
         reports[name] = next(r for r in reversed(records) if r.get("event") == "report")
     first, second = (torch.tensor([reports[n][f"params_{i}"] for i in range(4)]) for n in ("w1", "w2"))
-    assert float((first - second).norm()) < 0.05 * float(first.norm()), json.dumps(reports)
+    relative = float((first - second).norm()) / float(first.norm())
+    record_property("relative_distance", relative)
     assert all(r["exchanges"] == 150 and r["mixes"] > 75 for r in reports.values())
+    # Timing decides how many steps one node trains after the other stopped (unmixed).
+    # relative distance over 29 runs (--stress 30 -m outcome, 2026-11-25, 2 cores): mean 0.011, sd 0.008, max
+    # 0.0439; the bound 0.1 is mean + 11 sd.
+    assert relative < OPT_BOUND, json.dumps(reports)

@@ -277,16 +277,25 @@ def mean_drift_and_spread(tmp_path: Path, rule: str, steps: int = 150) -> tuple[
         close_all(conns)
 
 
-def test_adpsgd_conserves_the_mean_where_constant_drifts(tmp_path: Path) -> None:
+@pytest.mark.outcome
+def test_adpsgd_conserves_the_mean_where_constant_drifts(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
     """Four nodes, no local steps, random peers, jittered timing: AD-PSGD's symmetric exchanges keep the mean
     of the models (1e-6) and reach consensus; the one-sided constant pull reaches consensus elsewhere."""
     drift, spread = mean_drift_and_spread(tmp_path, "adpsgd")
+    record_property("adpsgd_spread", spread)
     assert drift < 1e-6 and spread < 1e-3
     drift_constant, spread_constant = mean_drift_and_spread(tmp_path, "constant")
+    record_property("constant_spread", spread_constant)
+    record_property("constant_drift", drift_constant)
     assert spread_constant < 1e-3 and drift_constant > 1e-3
 
 
-def test_dpsgd_reaches_consensus_over_the_network(tmp_path: Path) -> None:
+@pytest.mark.outcome
+def test_dpsgd_reaches_consensus_over_the_network(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
     conns = cluster(tmp_path, 4, interpolation="dpsgd", timeout_ms=3000)
     try:
         params = start_params(4, seed=2)
@@ -294,6 +303,7 @@ def test_dpsgd_reaches_consensus_over_the_network(tmp_path: Path) -> None:
         run_threads(conns, params, 80, lambda i, k: rng.random() * 0.003)
         flat = [np.concatenate([a.ravel() for a in p]) for p in params]
         mean = np.mean(flat, axis=0)
+        record_property("spread", max(float(np.abs(f - mean).max()) for f in flat))
         assert max(float(np.abs(f - mean).max()) for f in flat) < 1e-3
         assert all(c.last_exchange["neighbours_mixed"] == 2.0 for c in conns)  # ring: both neighbours
         assert conns[0].stats()["fetches_started"] == 160

@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -276,8 +277,9 @@ def events_of(path: Path, kind: str) -> list[dict[str, Any]]:
 
 
 @demo_only
+@pytest.mark.outcome
 def test_demo_node_killed_is_restarted_from_its_checkpoint_then_the_stopped_run_resumes(
-    tmp_path: Path, reaper: list[int]
+    tmp_path: Path, reaper: list[int], record_property: Callable[[str, object], None]
 ) -> None:
     """One demo run, three phases (one test: every demo start costs seconds of imports and evaluation).
 
@@ -324,7 +326,11 @@ def test_demo_node_killed_is_restarted_from_its_checkpoint_then_the_stopped_run_
     code, _, err = finish(proc, tmp_path, 120)
     assert code == 0, err
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed"] is True and summary["ok"] is True and summary["demo"]["averaged_accuracy"] > 0.5
+    assert summary["resumed"] is True and summary["ok"] is True
+    record_property("averaged_accuracy", summary["demo"]["averaged_accuracy"])
+    # averaged accuracy over 29 runs (--stress 30 -m outcome, 2026-11-25, 2 cores): mean 0.92, sd 0.0017, min
+    # 0.917; the bound 0.5 is mean - 242 sd
+    assert summary["demo"]["averaged_accuracy"] > 0.5
     assert all(n["steps"] == steps and n["status"] == "ok" for n in summary["nodes"].values())
     assert (run_dir / "demo.json").is_file() and (run_dir / "w2.model.npz").is_file()
     _, runs = segments(metrics["w2"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -217,6 +218,7 @@ def test_float16_wire_overflow_is_rejected_and_counted(tmp_path: Path):
 
 
 @pytest.mark.integration
+@pytest.mark.outcome
 @pytest.mark.parametrize(
     ("rule", "settings"),
     [
@@ -226,7 +228,9 @@ def test_float16_wire_overflow_is_rejected_and_counted(tmp_path: Path):
         ("group", {"group": {"group_size": 2, "sync_every": 3}}),
     ],
 )
-def test_every_rule_works_with_a_16_bit_wire(tmp_path: Path, rule: str, settings: dict):
+def test_every_rule_works_with_a_16_bit_wire(
+    tmp_path: Path, rule: str, settings: dict, record_property: Callable[[str, object], None]
+):
     """The rules see arrays of the parameters' dtype (widened on receipt): nothing changes for them."""
     cfg = cluster(tmp_path, "bfloat16", interpolation=rule, **settings)
     rng = np.random.default_rng(3)
@@ -259,6 +263,7 @@ def test_every_rule_works_with_a_16_bit_wire(tmp_path: Path, rule: str, settings
     mixes = sum(c.stats()["mixes"] for c in nodes.values())
     assert mixes > 0 and all(np.isfinite(p[0]).all() for p in params.values())
     assert all(c.stats()["fetches_rejected"] == 0 for c in nodes.values())
+    record_property("spread_ratio", float(np.abs(params["w1"][0] - params["w2"][0]).mean()) / spread0)
     if rule != "gem":  # GEM mixes only as much as a node moved on its own: too little here to show
         assert float(np.abs(params["w1"][0] - params["w2"][0]).mean()) < spread0 * 0.9
 
