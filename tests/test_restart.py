@@ -118,6 +118,10 @@ def test_a_node_far_behind_copies_its_first_peer(tmp_path: Path, gap: float) -> 
         else:
             assert factor == 0.5 and "bootstrap" not in node.last_exchange
         node.update_send(mine, 1.0)
+        assert node.update_wait(1.0) == 0.0  # the same snapshot again (w1 published nothing since): not mixed
+        assert node.last_exchange["repeats_skipped"] == 1.0
+        ahead.update_send(theirs, 1.0)  # a new snapshot
+        node.update_send(mine, 1.0)
         assert node.update_wait(1.0) == 0.5  # only the first reply is checked: then the rule mixes
 
 
