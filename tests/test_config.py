@@ -363,3 +363,11 @@ def test_fetch_probability_accepts_exactly_the_unit_interval(value: float) -> No
         with pytest.raises(ConfigError) as info:
             parse_config(text)
         assert (info.value.line, info.value.key) == (4, "fetch_probability")
+
+
+def test_the_repeats_choices_are_the_rules_own() -> None:
+    """config may not import the rules (layers), so it spells the choices again: they must stay the same."""
+    from dpwa.config import REPEAT_MODES
+    from dpwa.rules.base import REPEATS
+
+    assert REPEAT_MODES == REPEATS
