@@ -75,10 +75,16 @@ def params(value: float) -> list[np.ndarray]:
 
 
 def exchange(*nodes: tuple[DpwaConnection, list[np.ndarray]]) -> list[float]:
-    """One round: every node publishes, then every node waits and mixes; the factors."""
+    """One round, node after node: each publishes, then waits and mixes; the factors.
+
+    In turn, not all publishing first: a node's fetch starts with its ``update_send``, so a peer that had
+    not published yet would serve the snapshot this node already mixed (a skipped repeat, factor 0.0).
+    In turn, every node fetches what the others published since its own last step."""
+    factors = []
     for conn, p in nodes:
         conn.update_send(p, 1.0)
-    return [conn.update_wait(1.0) for conn, _ in nodes]
+        factors.append(conn.update_wait(1.0))
+    return factors
 
 
 def fetch_request(arrays: list[np.ndarray], req: int = 7) -> bytes:
@@ -412,7 +418,7 @@ def test_two_curve_nodes_gossip_and_the_wire_shows_no_parameters(tmp_path: Path,
             assert w1.update_wait(1.0) == 0.5
             np.testing.assert_allclose(x1[1], 0.5)
             np.testing.assert_allclose(x1[0], (params(0.0)[0] + params(1.0)[0]) / 2, rtol=1e-6)
-            assert exchange((w1, x1), (w2, x2)) == [0.5, 0.5]
+            assert exchange((w2, x2), (w1, x1)) == [0.5, 0.5]  # w2 first: w1 mixed w2's first snapshot already
             s1, s2 = w1.stats(), w2.stats()
             assert s1["fetches_ok"] == 2 and s2["fetches_ok"] == 1 and s2["auth_denied"] == 0
         seen = tap.seen()
@@ -578,7 +584,7 @@ def test_no_thread_or_port_is_left_after_close(tmp_path: Path, client_factory: A
     with DpwaConnection("w1", path, seed=1) as w1, DpwaConnection("w2", path, seed=2) as w2:
         names = {t.name for t in dpwa_threads() - before}
         assert {"dpwa-zap-w1", "dpwa-zap-w2", "dpwa-rx-w1", "dpwa-tx-w2"} <= names, names
-        exchange((w1, x1), (w2, x2))  # the first fetches may find the other node not ready yet
+        assert exchange((w1, x1), (w2, x2))[0] == 0.0  # w1's first fetch finds w2 not published yet
         assert exchange((w1, x1), (w2, x2)) == [0.5, 0.5]
         stranger = client_factory(w1.endpoint, zmq.curve_keypair(), read_key_file(tmp_path / "keys" / "w1.key")[0])
         wait_until(lambda: stranger.saw(zmq.EVENT_HANDSHAKE_FAILED_AUTH), 10)
