@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Run the built-in demo once per mixing rule and compare them: a Markdown table, a JSON file and a PNG.
 
-    python scripts/compare_rules.py [--steps N] [--out DIR] [--rules constant,gem,...] [--cluster FILE]
+    python scripts/compare_rules.py [--steps N] [--partition P] [--out DIR] [--rules constant,gem,...] [--cluster FILE]
 
 (``scripts/compare_rules.sh`` sets up ./.venv with matplotlib first.) For every rule it writes a cluster
 file ``OUT/<rule>.yaml`` -- the nodes, ports, fetch probability and timeout of ``--cluster`` (default
 samples/localhost.yaml, ports 45000-45003: do not run two comparisons at once), the rule and its
-settings -- and runs ``dpwa run OUT/<rule>.yaml --steps N --run-dir OUT/<rule> -q``: same data, seed
-(the demo's default, 0), initial weights, shards and steps for every rule. Then it reads each run
+settings -- and runs ``dpwa run OUT/<rule>.yaml --steps N --partition P --run-dir OUT/<rule> -q``: same
+data, seed (the demo's default, 0), initial weights, split (``--partition``: ``iid``, the default,
+``dirichlet:ALPHA`` or ``classes:K``), shards and steps for every rule. Then it reads each run
 directory and writes
 
 * ``OUT/comparison.md``: one row per rule (the columns are explained under the table);
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dpwa.config import load_config  # noqa: E402
 from dpwa.metrics import read_metrics  # noqa: E402
+from dpwa.utils.partition import parse_partition  # noqa: E402
 
 NODE_SETTINGS = ("nodes", "fetch_probability", "timeout_ms")  # taken from --cluster; the rest is the rule's
 
@@ -132,9 +134,12 @@ def last_step(run_dir: Path, node: str) -> int:
     return 0
 
 
-def run_rule(label: str, cluster: Path, run_dir: Path, steps: int, nodes: Sequence[str]) -> tuple[int, float]:
+def run_rule(
+    label: str, cluster: Path, run_dir: Path, steps: int, nodes: Sequence[str], partition: str = "iid"
+) -> tuple[int, float]:
     """``dpwa run`` of the demo for one rule, with a progress line now and then; (exit status, wall seconds)."""
     argv = [sys.executable, "-m", "dpwa.cli", "run", str(cluster), "--steps", str(steps), "--run-dir", str(run_dir)]
+    argv += ["--partition", partition]
     argv.append("-q")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     start = time.monotonic()
@@ -176,6 +181,21 @@ def spread(run_dir: Path, nodes: Sequence[str]) -> float | None:
     return float(np.mean([np.linalg.norm(v - mean) for v in vectors]) / np.linalg.norm(mean))
 
 
+def _weight_range(exchanges: dict[str, list[dict[str, Any]]]) -> list[float] | None:
+    """[lowest, highest] push-sum weight any node had after a step (None for the other rules)."""
+    weights = [r["weight"] for recs in exchanges.values() for r in recs if isinstance(r.get("weight"), (int, float))]
+    return [min(weights), max(weights)] if weights else None
+
+
+def _classes(run_dir: Path, node: str) -> list[int] | None:
+    """The node's class histogram from ``<node>.data.json`` (None when it wrote none)."""
+    path = run_dir / f"{node}.data.json"
+    try:
+        return [int(n) for n in json.loads(path.read_text())["classes"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     good = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     return sum(good) / len(good) if good else None
@@ -209,7 +229,9 @@ def summarize(label: str, run_dir: Path, nodes: Sequence[str], code: int | None,
         "baseline_accuracy": demo.get("baseline_accuracy"),
         "mean_node_accuracy": _mean(list(node_accuracy.values())),
         "node_accuracy": node_accuracy,
+        "node_classes": {n: _classes(run_dir, n) for n in nodes},
         "spread": spread(run_dir, nodes),
+        "weight_range": _weight_range(exchanges),
         "mixes": sum(int(r.get("mixes", 0)) for r in last.values()),
         "moves": sum(1 for recs in exchanges.values() for r in recs if (r.get("factor") or 0.0) > 0.0),
         "bytes_in": sum(int(r.get("bytes_in", 0)) for r in last.values()),
@@ -230,10 +252,10 @@ def _f(value: Any, digits: int) -> str:
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The Markdown comparison table."""
     head = (
-        "| rule | final loss | averaged-model acc. | baseline acc. | mean node acc. | spread | mixes | moves "
-        "| MB in | train s | wall s |"
+        "| rule | final loss | averaged-model acc. | baseline acc. | mean node acc. | spread | weights | mixes "
+        "| moves | MB in | train s | wall s |"
     )
-    lines = [head, "|---|" + "---:|" * 10]
+    lines = [head, "|---|" + "---:|" * 11]
     for r in rows:
         rule = r["rule"] if r["ok"] else f"{r['rule']} (exit {r['exit']})"
         cells = [
@@ -243,6 +265,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             _f(r["baseline_accuracy"], 4),
             _f(r["mean_node_accuracy"], 4),
             "-" if r["spread"] is None else f"{r['spread']:.2e}",
+            "-" if not r.get("weight_range") else f"{r['weight_range'][0]:.2f}-{r['weight_range'][1]:.2f}",
             str(r["mixes"]),
             str(r["moves"]),
             _f(r["bytes_in"] / 1e6, 1),
@@ -258,7 +281,8 @@ Columns: *final loss* -- mean over the nodes of the training loss of their last 
 `final_loss` report); *averaged-model acc.* -- held-out accuracy of the average of the 4 final models,
 *baseline acc.* -- one process trained on all the data for the same number of samples (`demo.json`);
 *mean node acc.* -- mean of the nodes' own held-out accuracies; *spread* -- mean over the nodes of
-`|x_i - x_mean| / |x_mean|` over all parameters of the final models; *mixes* -- exchanges that got a
+`|x_i - x_mean| / |x_mean|` over all parameters of the final models; *weights* -- the lowest and highest
+push-sum weight any node had after a step (push-sum only); *mixes* -- exchanges that got a
 reply, *moves* -- exchanges whose factor was > 0, *MB in* -- bytes received (each summed over the
 nodes); *train s* -- a node's training loop (mean over nodes), *wall s* -- the whole `dpwa run`
 (process start-up, training, lingering for peers, the baseline's training and the evaluation)."""
@@ -288,12 +312,24 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     what = "\n".join(f"- `{r['rule']}`: {r['what']}" for r in rows)
     total = meta.get("total_seconds")
     took = f", {total:.0f} s in all" if isinstance(total, (int, float)) else ""
+    partition = meta.get("partition", "iid")
+    data = ""
+    held = next((r.get("node_classes") for r in rows if any((r.get("node_classes") or {}).values())), None)
+    if held:
+        shares = "; ".join(f"{n}: {_held(h)}" for n, h in held.items() if h)
+        data = f" Classes per node (share of its samples): {shares}."
     return (
         f"# Mixing rules on the built-in demo\n\n"
         f"`{meta['command'].strip()}` on {meta['date']}: 4 nodes of `{meta['cluster']}`, {meta['steps']} steps "
-        f"of 32 per node, seed 0{took}; {m['usable_cpus']} usable cores, {m['platform']}, "
-        f"Python {m['python']}, torch {m['torch']}.\n\n{table(rows)}\n\n{LEGEND}\n\n{what}\n"
+        f"of 32 per node, seed 0, partition `{partition}`{took}; {m['usable_cpus']} usable cores, {m['platform']}, "
+        f"Python {m['python']}, torch {m['torch']}.{data}\n\n{table(rows)}\n\n{LEGEND}\n\n{what}\n"
     )
+
+
+def _held(histogram: Sequence[int]) -> str:
+    """``3 (62%), 7 (35%)``: the classes holding at least 5% of a node's samples, with their shares."""
+    total = sum(histogram) or 1
+    return ", ".join(f"{c} ({100 * n / total:.0f}%)" for c, n in enumerate(histogram) if n >= 0.05 * total)
 
 
 def smooth(values: Sequence[float | None], window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -364,6 +400,9 @@ def plot(rows: Sequence[dict[str, Any]], meta: dict[str, Any], path: Path) -> No
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3000, help="batches per node (default %(default)s)")
+    parser.add_argument(
+        "--partition", default="iid", help="iid | dirichlet:ALPHA | classes:K: the data split (default %(default)s)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "compare-rules", help="default %(default)s")
     parser.add_argument(
         "--rules",
@@ -379,6 +418,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"unknown rule(s) {', '.join(unknown) or '(none given)'}; allowed: {', '.join(VARIANTS)}")
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    try:
+        args.partition = str(parse_partition(args.partition))
+    except ValueError as err:
+        parser.error(str(err))
     return args
 
 
@@ -415,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "cluster": shown,
         "steps": args.steps,
+        "partition": args.partition,
         "seed": 0,
         "machine": machine(),
     }
@@ -430,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = out / f"{label}.yaml"
         write_cluster(base, label, cluster)
         say(f"[{i}/{len(args.rules)}] {label}: {VARIANTS[label][0]}")
-        code, wall = run_rule(label, cluster, out / label, args.steps, nodes)
+        code, wall = run_rule(label, cluster, out / label, args.steps, nodes, args.partition)
         row = summarize(label, out / label, nodes, code, wall)
         rows.append(row)
         status = "ok" if code == 0 else f"FAILED (exit {code}, see {out / label}.out)"

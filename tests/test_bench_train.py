@@ -145,6 +145,7 @@ def test_bench_train_tiny_run_writes_a_table_json_and_plot(tmp_path: Path) -> No
     args = ["train", "--nodes", "2", "--steps", "30", "--straggler", "2", "--run-dir", str(run_dir), "--plot"]
     args += ["--rules", "constant,pushsum,adpsgd"]  # a pull, a push and an exchange rule beside DDP
     args += ["--timeout-s", "100"]  # generous: other jobs may load the machine; usually ~10 s
+    args += ["--partition", "classes:5"]
     result = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "samples/s" in result.output and "to target s" in result.output
@@ -168,6 +169,15 @@ def test_bench_train_tiny_run_writes_a_table_json_and_plot(tmp_path: Path) -> No
     assert rows[0]["straggler_steps"] == 30
     assert (run_dir / "train.png").stat().st_size > 0
     assert doc["settings"]["rules"] == ["constant", "pushsum", "adpsgd"]
+    assert doc["settings"]["partition"] == "classes:5"
+    held = {}
+    for path in sorted(run_dir.rglob("*.data.json")):  # every worker wrote its data: five classes of its own
+        data = json.loads(path.read_text())
+        assert data["partition"] == "classes:5" and sum(data["classes"]) == data["samples"]
+        held.setdefault(data["node"], {c for c, n in enumerate(data["classes"]) if n})
+        assert {c for c, n in enumerate(data["classes"]) if n} == held[data["node"]]
+    assert sorted(held) == ["w1", "w2"] and all(len(c) == 5 for c in held.values())
+    assert not held["w1"] & held["w2"]
     for method in ("dpwa-constant", "dpwa-pushsum", "dpwa-adpsgd", "ddp"):
         assert (run_dir / "straggler-2x" / method / "w1.model.npz").exists()
     pushsum = yaml.safe_load((run_dir / "straggler-2x" / "dpwa-pushsum.yaml").read_text())

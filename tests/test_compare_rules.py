@@ -68,3 +68,26 @@ def test_unknown_rule_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
         compare.main(["--rules", "constant,nope"])
     assert exit_info.value.code == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_bad_partition_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    compare = load_script()
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--partition", "dirichlet:0"])
+    assert exit_info.value.code == 2
+    assert "dirichlet:ALPHA needs a finite ALPHA > 0" in capsys.readouterr().err
+
+
+def test_the_report_names_the_split_and_each_nodes_classes(tmp_path: Path) -> None:
+    compare = load_script()
+    run_dir = tmp_path / "constant"
+    run_dir.mkdir()
+    for node, hist in (("w1", [90, 10, 0]), ("w2", [0, 3, 97])):
+        (run_dir / f"{node}.data.json").write_text(json.dumps({"partition": "dirichlet:0.1", "classes": hist}))
+    row = compare.summarize("constant", run_dir, ["w1", "w2"], 0, 1.0)
+    assert row["node_classes"] == {"w1": [90, 10, 0], "w2": [0, 3, 97]}
+    meta = {"command": "x", "date": "d", "cluster": "c", "steps": 1, "partition": "dirichlet:0.1",
+            "machine": {"usable_cpus": 2, "platform": "p", "python": "3", "torch": "t"}}  # fmt: skip
+    text = compare.markdown([row], meta)
+    assert "partition `dirichlet:0.1`" in text
+    assert "w1: 0 (90%), 1 (10%); w2: 2 (97%)" in text

@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from conftest import free_ports, port_is_free, wait_until
 
 from dpwa.cli import app as cli
-from dpwa.cli.run import _split_at_script
+from dpwa.cli.run import _split_at_script, _with_option
 from dpwa.config import ClusterConfig, parse_config
 from dpwa.launcher.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
 from dpwa.launcher.progress import NodeView, Progress, summary_table
@@ -313,6 +313,25 @@ def test_summary_table_has_a_row_per_node() -> None:
                                 "timeouts", "fetch", "ms"]  # fmt: skip
     assert lines[1].split() == ["w1", "ok", "100", "0.5000", "0.9100", "97", "3", "1", "2.2"]
     assert lines[2].split() == ["w2", "failed", "(1)", "3", "-", "-", "-", "-", "-", "-"]
+
+
+def test_summary_table_shows_each_nodes_classes_when_nodes_wrote_their_data() -> None:
+    rows = {
+        "w1": {"status": "ok", "data": {"partition": "classes:2", "classes": [500, 0, 0, 480, 0]}},
+        "w2": {"status": "ok", "data": {"partition": "classes:2", "classes": ["x"]}},  # malformed: no label
+        "w3": {"status": "ok"},
+    }
+    lines = summary_table(rows).splitlines()
+    assert lines[0].split()[-3:] == ["data", "(classes", ">=", "5%)"][-3:]
+    assert lines[1].endswith("classes:2: 0,3")
+    assert lines[2].endswith("-") and lines[3].endswith("-")
+    assert "data" not in summary_table({"w1": {"status": "ok"}}).splitlines()[0]
+
+
+def test_resume_with_steps_keeps_the_other_demo_options() -> None:
+    command = ["python", "-m", "dpwa.tools.demo", "--partition", "classes:3", "--steps", "10"]
+    assert _with_option(command, "--steps", "20") == [*command[:-1], "20"]
+    assert _with_option(command[:5], "--steps", "20") == [*command[:5], "--steps", "20"]
 
 
 # --------------------------------------------------------------------------- command-line errors

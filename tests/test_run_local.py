@@ -90,6 +90,10 @@ def test_with_n_the_first_positional_is_the_script() -> None:
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
+        (["-n", "2", "--partition", "classes:0"], "classes:K needs an integer K >= 1"),
+        (["-n", "2", "--partition", "shards"], "expected iid, dirichlet:ALPHA or classes:K"),
+        (["-n", "2", "--partition", "iid", "t.py"], "--partition is for the built-in demo"),
+        (["--resume", ".", "--partition", "iid"], "keeps the run's data split"),
         (["-n", "2", "--node", "w1"], "-n N starts every node here"),
         (["--config", "x.yaml", "c.yaml"], "--config goes with -n N"),
         (["-n", "0"], "0 is not in the range x>=1"),
@@ -191,8 +195,21 @@ def test_ctrl_c_stops_an_n_run_and_frees_its_ports(tmp_path: Path, node_script: 
 def test_n_runs_the_built_in_demo(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    code, out, err = finish(launch(tmp_path, "-n", "2", "--steps", "30", "--run-dir", str(run_dir)), tmp_path, 180)
+    argv = ["-n", "2", "--steps", "30", "--partition", "classes:3", "--run-dir", str(run_dir)]
+    code, out, err = finish(launch(tmp_path, *argv), tmp_path, 180)
     assert code == 0, err
     assert "averaged model accuracy" in out and time.monotonic() - started < 180
     doc = yaml.safe_load((run_dir / "cluster.yaml").read_text())
     assert [n["name"] for n in doc["nodes"]] == ["w1", "w2"]
+    # --partition reached the demo: each node's data file holds its three classes, the summary shows them
+    summary = json.loads((run_dir / "summary.json").read_text())
+    held = []
+    for name in ("w1", "w2"):
+        data = json.loads((run_dir / f"{name}.data.json").read_text())
+        assert summary["nodes"][name]["data"] == data
+        assert data["partition"] == "classes:3" and sum(data["classes"]) == data["samples"]
+        classes = [c for c, n in enumerate(data["classes"]) if n > 0]
+        assert len(classes) == 3
+        held.append(classes)
+        assert f"classes:3: {','.join(map(str, classes))}" in out
+    assert not set(held[0]) & set(held[1]), "two nodes, three classes each, ten classes: no class shared"

@@ -21,6 +21,7 @@ from dpwa.launcher.job import DEMO_MODULE, Job, run_job
 from dpwa.launcher.placement import select_nodes, threads_per_node
 from dpwa.launcher.progress import Progress
 from dpwa.launcher.rundir import RunDir, default_run_dir
+from dpwa.utils.partition import parse_partition
 
 __all__ = ["run"]
 
@@ -71,6 +72,16 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
     return list(args)
 
 
+def _check_partition(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """``--partition``'s value in canonical form; a bad one is a usage error (exit 2)."""
+    if value is None:
+        return None
+    try:
+        return str(parse_partition(value))
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 @click.command("run", cls=_RunCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("cluster", metavar="CLUSTER.yaml", required=False)
 @click.argument("script", required=False)
@@ -95,6 +106,12 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
     help="With -n: the N nodes join the running cluster that has a member at HOST:PORT (docs/membership.md).",
 )
 @click.option("--steps", type=click.IntRange(min=1), help="Batches per node of the built-in demo (not with SCRIPT).")
+@click.option(
+    "--partition",
+    callback=_check_partition,
+    metavar="P",
+    help="The built-in demo's data split: iid | dirichlet:ALPHA | classes:K  [default: iid] (not with SCRIPT).",
+)
 @click.option(
     "--node",
     "node_names",
@@ -141,6 +158,7 @@ def run(
     settings_file: str | None,
     join: str | None,
     steps: int | None,
+    partition: str | None,
     node_names: tuple[str, ...],
     run_dir: Path | None,
     timeout_s: float | None,
@@ -193,6 +211,8 @@ def run(
             raise click.UsageError("--resume RUN_DIR takes its nodes from RUN_DIR; drop -n")
         if cluster is not None or node_names or run_dir is not None:
             raise click.UsageError("--resume RUN_DIR takes the cluster file, nodes and command from RUN_DIR")
+        if partition is not None:
+            raise click.UsageError("--resume RUN_DIR keeps the run's data split; drop --partition")
         config, nodes, command, directory, evaluate, per_node = _resume_plan(RunDir(resume), steps, threads)
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, True,
                quiet, tensorboard)  # fmt: skip
@@ -214,10 +234,13 @@ def run(
     if script is None:
         if importlib.util.find_spec(DEMO_MODULE) is None:
             fail(f"the built-in demo ({DEMO_MODULE}) is not installed; give a SCRIPT to run")
-        command = [sys.executable, "-m", DEMO_MODULE, *(["--steps", str(steps)] if steps is not None else [])]
+        command = [sys.executable, "-m", DEMO_MODULE]
+        command += ["--steps", str(steps)] if steps is not None else []
+        command += ["--partition", partition] if partition is not None else []
     else:
-        if steps is not None:
-            raise click.UsageError("--steps is for the built-in demo; pass SCRIPT its own options after its name")
+        if steps is not None or partition is not None:
+            option = "--steps" if steps is not None else "--partition"
+            raise click.UsageError(f"{option} is for the built-in demo; pass SCRIPT its own options after its name")
         if not os.path.isfile(script):
             fail(f"{script}: no such file")
         command = [sys.executable, os.path.abspath(script), *script_args]
@@ -324,6 +347,16 @@ def _write_tensorboard(directory: RunDir, nodes: list[str]) -> None:
         click.echo(f"tensorboard: tensorboard --logdir {written[0].parent}")
 
 
+def _with_option(command: list[str], option: str, value: str) -> list[str]:
+    """``command`` with ``option value`` set: replaced where it is already given, else appended."""
+    out = list(command)
+    for i, arg in enumerate(out[:-1]):
+        if arg == option:
+            out[i + 1] = value
+            return out
+    return [*out, option, value]
+
+
 def _resume_plan(
     directory: RunDir, steps: int | None, threads: int | None
 ) -> tuple[ClusterConfig, list[NodeSpec], list[str], RunDir, bool, int]:
@@ -344,7 +377,7 @@ def _resume_plan(
     if steps is not None:
         if not demo:
             raise click.UsageError("--steps is for the built-in demo; this run's SCRIPT keeps its own options")
-        command = [*command[:3], "--steps", str(steps)]
+        command = _with_option(command, "--steps", str(steps))
     if config.checkpoint_every == 0:
         click.echo(f"warning: {config.source}: checkpoint_every is 0: the nodes start over from step 0", err=True)
     return config, nodes, command, directory, evaluate, threads if threads is not None else per_node

@@ -188,6 +188,7 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
             "restarted_after": [c.describe_exit() for c in supervisor.previous.get(node.name, [])],
             "log": job.run_dir.log_path(node.name).name,
             "metrics": job.run_dir.metrics_path(node.name).name,
+            "data": job.run_dir.read_data(node.name),
             **metrics.summary(),
         }
     summary: dict[str, Any] = {

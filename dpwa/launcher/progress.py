@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from dpwa.launcher.rundir import NodeMetrics
+from dpwa.utils.partition import describe
 
 __all__ = ["NodeView", "Progress", "summary_table"]
 
@@ -111,8 +112,13 @@ class Progress:
 
 
 def summary_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
-    """The end-of-run table: one row per node (name -> summary.json node entry), no trailing newline."""
-    header = ("node", "status", "steps", "final loss", "accuracy", "mixes", "failed", "timeouts", "fetch ms")
+    """The end-of-run table: one row per node (name -> summary.json node entry), no trailing newline.
+
+    A ``data`` column (the classes holding at least 5% of the node's samples, from ``<node>.data.json``)
+    is added when some node wrote its data file."""
+    header: tuple[str, ...] = ("node", "status", "steps", "final loss", "accuracy", "mixes", "failed", "timeouts")
+    header += ("fetch ms",)
+    with_data = any(isinstance(row.get("data"), Mapping) for row in rows.values())
     body = [
         (
             name,
@@ -124,13 +130,29 @@ def summary_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
             _fmt(row.get("failed_fetches"), "d"),
             _fmt(row.get("timeouts"), "d"),
             _fmt(row.get("mean_fetch_ms"), ".1f"),
+            *((_data(row.get("data")),) if with_data else ()),
         )
         for name, row in rows.items()
     ]
+    if with_data:
+        header += ("data (classes >= 5%)",)
+    left = {0, 1, len(header) - 1} if with_data else {0, 1}
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in body]
-    head = "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(header, widths)))
-    return "\n".join([head, *(line.rstrip() for line in lines)])
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    return "\n".join([line(header), *(line(r).rstrip() for r in body)])
+
+
+def _data(data: object) -> str:
+    """A node's data file as ``PARTITION: CLASSES`` (``-`` when it wrote none or it is malformed)."""
+    if not isinstance(data, Mapping):
+        return "-"
+    hist = data.get("classes")
+    if not isinstance(hist, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in hist):
+        return "-"
+    return f"{data.get('partition', '?')}: {describe(hist)}"
 
 
 # --------------------------------------------------------------------------- formatting

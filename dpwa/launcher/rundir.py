@@ -7,6 +7,7 @@ The layout is a contract with the adapter (docs/metrics.md)::
     <run_dir>/<node>.metrics.jsonl    one JSON object per line           (adapter)
     <run_dir>/summary.json            per-node summary, run outcome      (launcher)
     <run_dir>/<node>.model.npz        final parameters                   (built-in demo)
+    <run_dir>/<node>.data.json        the node's data: partition, class histogram (built-in demo, benchmarks)
     <run_dir>/demo.json               averaged-model and baseline accuracy (built-in demo)
     <run_dir>/launch.json             nodes, command, threads: what `dpwa run --resume` restarts (launcher)
     <run_dir>/checkpoints/<node>.ckpt.npz[.prev]  latest (and previous) checkpoint (adapter, dpwa/checkpoint.py)
@@ -55,6 +56,7 @@ LAUNCH = "launch.json"
 LOG_SUFFIX = ".log"
 METRICS_SUFFIX = ".metrics.jsonl"
 MODEL_SUFFIX = ".model.npz"
+DATA_SUFFIX = ".data.json"
 
 
 def default_run_dir(base: str | os.PathLike[str] = "runs", env: Mapping[str, str] | None = None) -> Path:
@@ -107,6 +109,9 @@ class RunDir:
 
     def metrics_path(self, node: str) -> Path:
         return self.path / f"{node}{METRICS_SUFFIX}"
+
+    def data_path(self, node: str) -> Path:
+        return self.path / f"{node}{DATA_SUFFIX}"
 
     def model_path(self, node: str) -> Path:
         return self.path / f"{node}{MODEL_SUFFIX}"
@@ -193,6 +198,10 @@ class RunDir:
     def read_demo(self) -> dict[str, Any] | None:
         """``demo.json`` as a dict, or None when missing or unreadable."""
         return _read_json(self.demo_path)
+
+    def read_data(self, node: str) -> dict[str, Any] | None:
+        """``<node>.data.json`` (partition and class histogram) as a dict, or None when missing or unreadable."""
+        return _read_json(self.data_path(node))
 
     def read_metrics(self, node: str) -> list[dict[str, Any]]:
         """Every record of ``<node>.metrics.jsonl`` (``[]`` if there is none)."""

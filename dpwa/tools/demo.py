@@ -3,7 +3,7 @@
 Node mode (``dpwa run`` starts one per node; name, cluster file and run directory come from
 ``DPWA_NODE`` / ``DPWA_CONFIG`` / ``DPWA_RUN_DIR``, torch threads from ``DPWA_TORCH_THREADS``)::
 
-    python -m dpwa.tools.demo [--steps N] [--batch-size B] [--lr LR] [--momentum M] [--seed S]
+    python -m dpwa.tools.demo [--steps N] [--batch-size B] [--lr LR] [--momentum M] [--seed S] [--partition P]
 
 Evaluation mode (after the nodes are done)::
 
@@ -19,9 +19,12 @@ The data
     training and 10,000 held-out samples.
 
 The shards
-    Node ``i`` of ``n`` (``i`` = its index in the cluster file's ``nodes``) trains on the training
-    samples ``i, i+n, i+2n, ...``: the shards are disjoint and together cover the training set
-    (the original dpwa trained every node on the whole set).
+    ``--partition`` (default ``iid``) splits the training set between the nodes; node ``i`` of ``n`` is
+    its index in the cluster file's ``nodes``. ``iid``: samples ``i, i+n, i+2n, ...`` (a random shard:
+    the samples are in random order); ``dirichlet:ALPHA``: class proportions drawn per node from
+    ``Dir(ALPHA * p)`` (0.1: one or two classes dominate each node); ``classes:K``: ``K`` classes per
+    node (:mod:`dpwa.utils.partition`). Shards are disjoint (the original dpwa trained every node on
+    the whole set). Each node writes its class histogram to ``<run_dir>/<node>.data.json``.
 
 The node
     The same 32-64-64-10 ReLU MLP everywhere (same seed, so every node starts from the same
@@ -66,7 +69,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpwa.tools.mixture import DataSpec, gaussian_mixture
 from dpwa.utils.atomic import write_atomically
+from dpwa.utils.partition import PARTITION_HELP, class_histogram, parse_partition, partition_indices
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -85,7 +90,10 @@ __all__ = [
     "LINGER_IDLE_S",
     "LINGER_MAX_S",
     "META_KEY",
+    "DATA_SUFFIX",
     "MODEL_SUFFIX",
+    "node_indices",
+    "write_data_file",
     "MOMENTUM",
     "PEERS_WAIT_S",
     "BatchStream",
@@ -123,6 +131,7 @@ ENV_THREADS = "DPWA_TORCH_THREADS"
 ENV_LOG_LEVEL = "DPWA_LOG_LEVEL"
 
 MODEL_SUFFIX = ".model.npz"
+DATA_SUFFIX = ".data.json"
 DEMO_JSON = "demo.json"
 META_KEY = "__meta__"
 
@@ -151,18 +160,6 @@ EVALUATE_THREADS = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """The generated classification problem; every field goes into the model files' metadata."""
-
-    features: int = 32
-    classes: int = 10
-    centers_per_class: int = 4
-    noise: float = 0.8  # per-feature noise std; centres have std sqrt(1 - noise**2), so features have unit variance
-    n_train: int = 40_000
-    n_test: int = 10_000
-
-
-@dataclasses.dataclass(frozen=True)
 class Dataset:
     """Training and held-out splits as torch tensors (float32 features, int64 labels)."""
 
@@ -172,18 +169,11 @@ class Dataset:
     y_test: torch.Tensor
 
 
-def make_dataset(seed: int, spec: DataSpec = DataSpec()) -> Dataset:
-    """The Gaussian-mixture problem of ``spec``, a pure function of ``seed`` (numpy's PCG64 stream)."""
-    rng = np.random.default_rng([seed, 0xDA7A])
-    n_centers = spec.classes * spec.centers_per_class
-    centers = rng.normal(scale=math.sqrt(1.0 - spec.noise**2), size=(n_centers, spec.features))
-    center_class = np.repeat(np.arange(spec.classes), spec.centers_per_class)
-    n = spec.n_train + spec.n_test
-    which = rng.integers(0, n_centers, size=n)
-    x = (centers[which] + rng.normal(scale=spec.noise, size=(n, spec.features))).astype(np.float32)
-    y = center_class[which].astype(np.int64)
-    xs, ys = torch.from_numpy(x), torch.from_numpy(y)
-    return Dataset(xs[: spec.n_train], ys[: spec.n_train], xs[spec.n_train :], ys[spec.n_train :])
+def make_dataset(seed: int, spec: DataSpec | None = None) -> Dataset:
+    """The Gaussian-mixture problem of ``spec`` (default ``DataSpec()``), a pure function of ``seed``
+    (:func:`~dpwa.tools.mixture.gaussian_mixture`)."""
+    data = gaussian_mixture(seed, spec if spec is not None else DataSpec())
+    return Dataset(*(torch.from_numpy(a) for a in (data.x_train, data.y_train, data.x_test, data.y_test)))
 
 
 def shard_indices(n: int, index: int, count: int) -> np.ndarray:
@@ -191,6 +181,20 @@ def shard_indices(n: int, index: int, count: int) -> np.ndarray:
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} not in [0, {count})")
     return np.arange(index, n, count)
+
+
+def node_indices(config: TrainConfig, data: Dataset, index: int, count: int) -> np.ndarray:
+    """Node ``index`` of ``count``'s training samples under ``config.partition`` (seeded by ``config.seed``)."""
+    labels = data.y_train.numpy()
+    return partition_indices(labels, count, config.partition, config.seed, config.data.classes)[index]
+
+
+def write_data_file(run_dir: Path, name: str, config: TrainConfig, histogram: Sequence[int]) -> Path:
+    """``<run_dir>/<name>.data.json``: the partition, the node's sample count and its class histogram."""
+    record = {"node": name, "partition": config.partition, "samples": int(sum(histogram)), "classes": list(histogram)}
+    path = run_dir / f"{name}{DATA_SUFFIX}"
+    write_atomically(path, json.dumps(record) + "\n")
+    return path
 
 
 class BatchStream:
@@ -228,8 +232,10 @@ class TrainConfig:
     momentum: float = MOMENTUM
     hidden: int = HIDDEN
     data: DataSpec = DataSpec()
+    partition: str = "iid"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "partition", str(parse_partition(self.partition)))  # canonical; ValueError
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or not 0 <= self.momentum < 1:
             raise ValueError(
                 f"need steps >= 1, batch_size >= 1, lr > 0, 0 <= momentum < 1; got {self.steps}, "
@@ -440,15 +446,21 @@ def run_node(config: TrainConfig) -> int:
         log.warning("%s is not set: no metrics and no model file will be written", ENV_RUN_DIR)
 
     data = make_dataset(config.seed, config.data)
-    indices = shard_indices(config.data.n_train, index, len(names))
+    indices = node_indices(config, data, index, len(names))
+    histogram = class_histogram(data.y_train.numpy(), indices, config.data.classes)
+    if run_dir is not None:
+        write_data_file(run_dir, name, config, histogram)
     model = build_model(config)
     optimizer = make_optimizer(model, config)
     log.info(
-        "node %s: shard %d/%d (%d samples), %d steps of %d, lr %g cosine, momentum %g, %d torch thread(s)",
+        "node %s: shard %d/%d (%s, %d samples, classes %s), %d steps of %d, lr %g cosine, momentum %g, "
+        "%d torch thread(s)",
         name,
         index + 1,
         len(names),
+        config.partition,
         len(indices),
+        histogram,
         config.steps,
         config.batch_size,
         config.lr,
@@ -609,6 +621,7 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help="data, initial weights and batch order (default %(default)s)"
     )
+    parser.add_argument("--partition", default="iid", help=PARTITION_HELP + " (default %(default)s)")
     parser.add_argument("--evaluate", metavar="RUN_DIR", type=Path, help="evaluate a finished demo run")
     return parser.parse_args(None if argv is None else list(argv))
 
@@ -636,7 +649,12 @@ def main(argv: Iterable[str] | None = None) -> int:
     set_threads()
     try:
         config = TrainConfig(
-            steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, momentum=args.momentum
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            momentum=args.momentum,
+            partition=args.partition,
         )
     except ValueError as err:
         log.error("%s", err)

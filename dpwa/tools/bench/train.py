@@ -5,7 +5,8 @@ For every straggler factor K given (``--straggler 1,4``; 1 = no straggler) one *
 N worker processes (:mod:`dpwa.tools.bench.trainworker`) each train the demo job's MLP on its shard with
 dpwa, once per rule (phase ``dpwa-<rule>``, each on ports of its own), then with torch DDP (``--order``
 puts DDP first), from the same initial weights, on the same
-shards and batch order, for the same total number of samples (``N x steps x batch``) and the same
+shards (``--partition``, default ``iid``; each worker writes ``<name>.data.json``) and batch order, for the
+same total number of samples (``N x steps x batch``) and the same
 learning-rate schedule per sample.  With K > 1 the last worker is a straggler: after every step it
 sleeps K - 1 times the median duration of its own recent steps (communication included), so its
 steps take K times as long while the CPU stays free for the others; under DDP everyone waits for it.
@@ -58,6 +59,7 @@ import numpy as np
 from dpwa.tools.bench.fingerprint import SUFFIX, mean_state_at, read_records
 from dpwa.tools.bench.procs import BenchInterrupted, WorkerFailed, free_ports, node_names, run_workers, write_cluster
 from dpwa.tools.bench.report import Column, Report, bench_run_dir, comma_list, render_table
+from dpwa.utils.partition import PARTITION_HELP, parse_partition
 
 log = logging.getLogger(__name__)
 
@@ -482,6 +484,13 @@ def _rules(text: str) -> list[str]:
     return rules
 
 
+def _check_partition(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    try:
+        return str(parse_partition(value))
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--nodes", type=click.IntRange(min=2), default=4, show_default=True, help="Worker processes.")
 @click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_STEPS, show_default=True,
@@ -489,6 +498,7 @@ def _rules(text: str) -> list[str]:
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--partition", default="iid", show_default=True, callback=_check_partition, help=PARTITION_HELP + ".")
 @click.option("--straggler", "stragglers", default="1,4", show_default=True,
               help="Straggler factors, one scenario each (1 = none, K = last node K x slower).")  # fmt: skip
 @click.option("--rules", default=DEFAULT_RULES, show_default=True,
@@ -511,6 +521,7 @@ def train(
     batch_size: int,
     lr: float,
     seed: int,
+    partition: str,
     stragglers: str,
     rules: str,
     order: str,
@@ -532,7 +543,7 @@ def train(
 
     factors = _factors(stragglers)
     dpwa_phases = [phase_of(r) for r in _rules(rules)]
-    config = TrainConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    config = TrainConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed, partition=partition)
     if batch_size * nodes > config.data.n_train:
         raise click.BadParameter(f"{nodes} nodes x batch {batch_size} exceed the {config.data.n_train} samples")
     directory = bench_run_dir("train", run_dir)
@@ -564,6 +575,7 @@ def train(
         "batch_size": batch_size,
         "lr": lr,
         "seed": seed,
+        "partition": config.partition,
         "stragglers": factors,
         "straggler_node": names[-1],
         "order": phases,

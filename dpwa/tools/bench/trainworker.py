@@ -13,7 +13,7 @@ Per phase, the worker writes into ``<run_dir>/<phase>/``:
 * ``<node>.json`` -- start and end time of its training loop, steps, samples, sleep, exchange counters;
 * ``<node>.model.npz`` -- its final model (:func:`dpwa.tools.demo.save_model`).
 
-Every phase uses the demo's data, shard (``shard_indices``), batch stream seed, initial weights,
+Every phase uses the demo's data, shard (``node_indices``: ``--partition``), batch stream seed, initial weights,
 optimizer and peak learning rate; the learning rate follows the demo's cosine, as a function of the
 fraction of the *total* sample budget done (all nodes together), so every phase sees the same
 schedule per sample.
@@ -54,6 +54,7 @@ from dpwa.tools import demo
 from dpwa.tools.bench.fingerprint import SUFFIX, ParamRecorder
 from dpwa.tools.bench.procs import worker_start
 from dpwa.utils.atomic import write_atomically
+from dpwa.utils.partition import class_histogram
 
 __all__ = [
     "LINGER_IDLE_S",
@@ -181,7 +182,9 @@ class Worker:
         self.budget = self.nodes * self.config.steps * self.config.batch_size
         self.factor = float(spec["straggler"]) if rank == self.nodes - 1 else 1.0
         self.data = demo.make_dataset(self.config.seed, self.config.data)
-        self.indices = demo.shard_indices(self.config.data.n_train, rank, self.nodes)
+        self.indices = demo.node_indices(self.config, self.data, rank, self.nodes)
+        histogram = class_histogram(self.data.y_train.numpy(), self.indices, self.config.data.classes)
+        demo.write_data_file(self.run_dir, self.name, self.config, histogram)
         self.stream_seed = (self.config.seed, rank + 1)
 
     def warm_up(self) -> None:
