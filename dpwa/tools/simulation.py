@@ -18,7 +18,12 @@ that replies are handed over in memory:
 
 A lost reply (or a refused push, which comes back to its sender as the node does on the
 network) can be injected per (fetcher or sender, peer) pair to test mass accounting and
-staleness. Numpy only; deterministic for a given seed.
+staleness, and a push can be delayed by whole rounds (``delay``): it lands in the target's inbox
+that many rounds later, and is mixed then (its mass is in flight meanwhile:
+:meth:`Simulation.mass_in_flight`). Flow control runs on a virtual clock: round ``k`` happens at
+``k * round_s`` seconds, so a peer marked down after a lost reply is probed again after its
+backoff, as on the network.
+Numpy only; deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ def spread(vectors: Sequence[np.ndarray]) -> float:
 
 
 class Simulation:
-    """N nodes named ``names`` (default w1..wN), each with its own rule and schedule from the factories."""
+    """N nodes named ``names`` (default w1..wN), each with its own rule and schedule from the factories;
+    ``round_s``: the virtual seconds one round takes (flow control's probe backoffs count in them)."""
 
     def __init__(
         self,
@@ -75,18 +81,26 @@ class Simulation:
         *,
         names: Sequence[str] | None = None,
         seed: int = 0,
+        round_s: float = 0.05,
     ) -> None:
         names = list(names) if names is not None else [f"w{i + 1}" for i in range(len(arrays))]
         if len(names) != len(arrays):
             raise ValueError("one array list per node")
         self.names = tuple(names)
+        self.round_s = float(round_s)
+        self.rounds = 0
+        self.in_flight: list[tuple[int, str, PeerSnapshot]] = []
+        """Delayed pushes: (the round they land in, target, message)."""
         self.nodes: dict[str, SimNode] = {}
         for i, (name, arrs) in enumerate(zip(names, arrays)):
             r = rule()
             state = NodeState(name, extras=r.initial_extras(name, self.names))
-            flow = FlowControl([n for n in names if n != name], random.Random(seed * 7919 + i), now=lambda: 0.0)
+            flow = FlowControl([n for n in names if n != name], random.Random(seed * 7919 + i), now=self.now)
             self.nodes[name] = SimNode(name, r, schedule(), flow, [np.array(a, copy=True) for a in arrs], state)
-        self.rounds = 0
+
+    def now(self) -> float:
+        """The virtual time flow control sees: ``rounds * round_s`` seconds."""
+        return self.rounds * self.round_s
 
     def __getitem__(self, name: str) -> SimNode:
         return self.nodes[name]
@@ -106,6 +120,7 @@ class Simulation:
         train: Callable[[SimNode], float | None] | None = None,
         lose: Callable[[str, str], LossKind | None] | None = None,
         skip: Sequence[str] = (),
+        delay: Callable[[str, str], int] | None = None,
     ) -> dict[str, MixOutcome]:
         """One synchronous round; returns each node's MixOutcome.
 
@@ -113,6 +128,7 @@ class Simulation:
         ``train(node)``: a local step between send and wait; its return value, if any, is the new loss.
         ``lose(fetcher, server)``: "timeout" (reply lost in flight) or "rejected" (arrived, failed
         validation) drops that reply; None delivers it. ``skip``: nodes that sit this round out.
+        ``delay(sender, target)``: rounds a push of this round spends in flight (0: mixed this round).
         """
         active = [n for n in self.nodes.values() if n.name not in skip]
         for node in active:  # 1. update_send
@@ -141,7 +157,7 @@ class Simulation:
         live = {n.name for n in active}
         for node in active:  # 4. serve from round-start copies (or push, or exchange)
             if node.rule.transfer == "push":
-                self._push(node, plan[node.name], live, replies, lose)
+                self._push(node, plan[node.name], live, replies, lose, delay)
                 continue
             for peer in plan[node.name]:
                 server = self.nodes[peer]
@@ -172,6 +188,13 @@ class Simulation:
                             reference=server.published,
                         )
                     )
+        due = [m for m in self.in_flight if m[0] <= self.rounds]
+        self.in_flight = [m for m in self.in_flight if m[0] > self.rounds]
+        for _, target, message in due:  # delayed pushes land now (a target sitting out gets them next time)
+            if target in replies:
+                replies[target].append(message)
+            else:
+                self.in_flight.append((self.rounds + 1, target, message))
         outcomes = {}
         for name in list(replies):  # the inbox is mixed in arrival order; keep it deterministic
             replies[name].sort(key=lambda p: (p.state.name != name, self.names.index(p.state.name)))
@@ -188,6 +211,7 @@ class Simulation:
         live: set[str],
         inboxes: dict[str, list[PeerSnapshot]],
         lose: Callable[[str, str], LossKind | None] | None,
+        delay: Callable[[str, str], int] | None = None,
     ) -> None:
         """Step 4 for a ``push`` rule: each target gets ``(x_published, share)`` in its inbox; a refused push
         (target down, or ``lose`` says so) comes back to the sender, named like it, as on the network."""
@@ -205,4 +229,13 @@ class Simulation:
                 continue
             node.flow.success(peer)
             extras = {**st.extras, **given}
-            inboxes[peer].append(PeerSnapshot(NodeState(node.name, st.clock, st.loss, extras), arrays))
+            message = PeerSnapshot(NodeState(node.name, st.clock, st.loss, extras), arrays)
+            late = int(delay(node.name, peer)) if delay is not None else 0
+            if late > 0:
+                self.in_flight.append((self.rounds + late, peer, message))
+            else:
+                inboxes[peer].append(message)
+
+    def mass_in_flight(self, key: str = "w_given") -> float:
+        """The push-sum mass of the delayed pushes not landed yet."""
+        return float(sum(float(m.state.extras.get(key, 0.0)) for _, _, m in self.in_flight))

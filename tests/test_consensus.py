@@ -1,0 +1,153 @@
+"""The consensus point of every rule, in the simulator: heterogeneity in its purest form.
+
+Node ``i`` minimizes ``f_i(x) = 1/2 ||x - c_i||^2`` with its own centre ``c_i`` (a local step
+``x <- x - eta_t * (x - c_i)``, ``eta_t = ETA0 / (1 + t / T)``: decaying, with an infinite sum). The
+minimizer of the average objective ``1/N sum_i f_i`` is the mean of the centres; a rule that averages
+brings every node there, a rule that optimizes a weighted objective ``sum_i p_i f_i`` brings them to
+``sum_i p_i c_i``. The simulator is deterministic, so every figure below is exact for its seed; the
+error is the largest distance of a node to the mean of the centres, relative to the centres' mean
+distance to it.
+
+Two figures, relative to the centres' mean distance to their mean: the *bias*, how far the nodes' mean is
+from the minimizer, and the *spread*, how far the farthest node is from the nodes' mean. Measured (6 nodes,
+3 dimensions, ROUNDS rounds, seeds 0-2, clean and with 5% of the messages lost in the first third): every
+averaging rule has a bias below 0.03 (push-sum, AD-PSGD, D-PSGD, group: below 0.006, their mixing keeps the
+sum; the pull rules on random peers 0.024-0.029, the drift of one-sided averaging) and a spread below 0.044
+(push-sum on random peers, whose weight floor holds some mass back), so BIAS_TOL = 0.04 and SPREAD_TOL =
+0.06. The rules that do not average by design have a larger bias, recorded here and on the Mixing rules
+page: ``loss`` 0.80-1.11 (it pulls toward the nodes with the lowest loss), ``leader`` 0.77-1.08 (toward the
+best node), ``gem`` 0.051-0.076 (its element-wise factors weight each node by its own motion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dpwa.config import GroupSettings
+from dpwa.rules import make_rule
+from dpwa.rules.schedules import make_schedule
+from dpwa.tools.simulation import Simulation
+
+NODES = 6
+DIM = 3
+ROUNDS = 1500
+ETA0, T = 0.5, 20.0
+BIAS_TOL = 0.04
+SPREAD_TOL = 0.06
+SEEDS = (0, 1, 2)
+SEED_PARAMS = [0, *(pytest.param(seed, marks=pytest.mark.slow) for seed in SEEDS[1:])]  # the fast subset: seed 0
+LOSS_RATE = 0.05  # of the messages lost (a fetch's reply times out; a push is refused) in the first third
+
+AVERAGING: list[tuple[str, str, Any]] = [
+    ("constant", "random", None),
+    ("constant", "exponential", None),
+    ("constant", "ring", None),
+    ("clock", "random", None),
+    ("pushsum", "exponential", None),
+    ("pushsum", "random", None),
+    ("pushsum", "ring", None),
+    ("pushsum", "exponential", {"overlap": 1}),
+    ("adpsgd", "random", None),
+    ("adpsgd", "exponential", None),
+    ("dpsgd", "neighbours", None),
+    ("group", "groups", GroupSettings(group_size=2, sync_every=11)),
+]
+NOT_AVERAGING = [("loss", "random", None), ("leader", "leader", None), ("gem", "random", None)]
+
+
+def consensus_error(
+    rule: str, schedule: str, settings: Any, seed: int, loss_rate: float = 0.0, rounds: int = ROUNDS
+) -> tuple[float, float, float]:
+    """(largest node distance to the mean of the centres, largest node distance to the nodes' mean, distance of
+    the nodes' mean to the mean of the centres), relative to the centres' mean distance to their mean."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(scale=3.0, size=(NODES, DIM))
+    start = rng.normal(size=DIM)
+    names = [f"w{i + 1}" for i in range(NODES)]
+    index = {name: i for i, name in enumerate(names)}
+    sim = Simulation(
+        [[start.copy()] for _ in names],
+        lambda: make_rule(rule, settings, 0.0),
+        lambda: make_schedule(schedule, settings),
+        seed=seed,
+    )
+    dropped = np.random.default_rng(seed + 1000)
+
+    def f(name: str, x: np.ndarray) -> float:
+        return 0.5 * float(np.sum((x - centres[index[name]]) ** 2))
+
+    def train(node: Any) -> float:
+        x = node.arrays[0]
+        x -= ETA0 / (1.0 + node.step / T) * (x - centres[index[node.name]])
+        return f(node.name, x)
+
+    kind = "rejected" if rule == "pushsum" else "timeout"
+
+    def lose(_sender: str, _peer: str) -> Any:
+        return kind if sim.rounds < rounds // 3 and dropped.random() < loss_rate else None
+
+    for _ in range(rounds):
+        losses: Mapping[str, float] = {name: f(name, sim[name].arrays[0]) for name in names}
+        sim.run_round(losses, train=train, lose=lose if loss_rate else None)
+    target = centres.mean(axis=0)
+    scale = float(np.mean(np.linalg.norm(centres - target, axis=1)))
+    flats = sim.flats()
+    mean = np.mean(flats, axis=0)
+    to_target = max(float(np.linalg.norm(x - target)) for x in flats) / scale
+    spread = max(float(np.linalg.norm(x - mean)) for x in flats) / scale
+    return to_target, spread, float(np.linalg.norm(mean - target)) / scale
+
+
+def _id(case: tuple[str, str, Any]) -> str:
+    rule, schedule, settings = case
+    extra = f"-{next(iter(settings.values()))}" if isinstance(settings, dict) else ""
+    return f"{rule}{extra}-{schedule}"
+
+
+@pytest.mark.parametrize("case", AVERAGING, ids=_id)
+@pytest.mark.parametrize("seed", SEED_PARAMS)
+def test_an_averaging_rule_reaches_the_minimizer_of_the_average_objective(
+    case: tuple[str, str, Any], seed: int, record_property: Callable[[str, object], None]
+) -> None:
+    _, spread, bias = consensus_error(*case, seed)
+    record_property("bias", bias)
+    record_property("spread", spread)
+    assert bias < BIAS_TOL and spread < SPREAD_TOL, (bias, spread)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", AVERAGING, ids=_id)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_lost_messages_do_not_move_the_consensus_point(
+    case: tuple[str, str, Any], seed: int, record_property: Callable[[str, object], None]
+) -> None:
+    """Replies lost and pushes refused in the first third: push-sum's mass comes back, a pull rule only mixes
+    less; either way the point stays the unweighted mean."""
+    _, spread, bias = consensus_error(*case, seed, loss_rate=LOSS_RATE)
+    record_property("bias", bias)
+    assert bias < BIAS_TOL and spread < SPREAD_TOL, (bias, spread)
+
+
+@pytest.mark.parametrize("case", NOT_AVERAGING, ids=_id)
+@pytest.mark.parametrize("seed", SEED_PARAMS)
+def test_a_rule_that_does_not_average_reaches_another_point_and_it_is_recorded(
+    case: tuple[str, str, Any], seed: int, record_property: Callable[[str, object], None]
+) -> None:
+    _, spread, bias = consensus_error(*case, seed)
+    record_property("bias", bias)
+    record_property("spread", spread)
+    assert bias > BIAS_TOL, "this rule averages after all: move it to AVERAGING and fix the docs"
+    assert spread < bias, "the nodes are not even near one point"
+
+
+@pytest.mark.xfail(strict=True, reason="AD-PSGD on an even ring in lock-step: each node is in two exchanges a step")
+def test_adpsgd_on_an_even_ring_in_lock_step_reaches_the_minimizer() -> None:
+    """Recorded, not hidden: every node both starts an exchange with i+1 and serves one of i-1 each step, each
+    moving it half-way from the same snapshot, so ``x_i <- (x_{i-1} + x_{i+1}) / 2`` plus the step: the
+    alternating mode (eigenvalue -1) never decays and the step's ``-eta`` makes it grow (docs: adpsgd)."""
+    _, spread, bias = consensus_error("adpsgd", "ring", None, 0)
+    assert bias < BIAS_TOL and spread < SPREAD_TOL, (bias, spread)
