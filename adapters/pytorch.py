@@ -24,7 +24,7 @@ autograd's version counters.
 CUDA tensors are staged through pinned host tensors, one per parameter, on the
 current CUDA stream: ``update_send`` copies device->host and publishes the host
 copy; ``update_wait`` copies device->host (the freshly trained values), mixes on
-the host, and copies host->device only when ``factor != 0``.  Kernels queued
+the host, and copies host->device only when the mix changed them (``params_changed``).  Kernels queued
 later on the same stream see the mixed values.
 
 With a run directory (``run_dir=`` or ``DPWA_RUN_DIR``) every ``update_wait``
@@ -377,7 +377,7 @@ class DpwaPyTorchAdapter:
         self._check_open()
         self._to_host()
         factor = self._conn.update_wait(value)
-        if factor != 0.0:
+        if factor != 0.0 or self._conn.params_changed:
             self._to_device()
         self._step += 1
         if self._metrics is not None:

@@ -15,7 +15,9 @@ from dpwa.rules.mixing import (
     interpolate_,
     interpolate_elementwise_,
     mix_clock,
+    scale_motion_,
 )
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
 DTYPES = [np.float16, np.float32, np.float64]
 # Spans several blocks and ends with a partial one.
@@ -349,3 +351,49 @@ def test_half_leaves_the_peer_untouched():
     x, p = np.ones(MULTI_BLOCK, np.float32), np.full(MULTI_BLOCK, 3.0, np.float32)
     interpolate_([x], [p], 0.5)
     assert (x == 2.0).all() and (p == 3.0).all()
+
+
+# ---------------------------------------------------------------- scale_motion_
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scale_motion_moves_x_along_its_motion(dtype):
+    """x <- reference + s*(x - reference): hand-computed (exact in binary), over several blocks too."""
+    x = [np.array([3.0, -1.0, 2.0], dtype=dtype), np.zeros(0, dtype=dtype)]
+    ref = [np.array([1.0, 1.0, 2.0], dtype=dtype), np.zeros(0, dtype=dtype)]
+    scale_motion_(x, ref, 4.0)
+    np.testing.assert_array_equal(x[0], np.array([9.0, -7.0, 2.0], dtype=dtype))
+    rng = np.random.default_rng(1)
+    big, base = rng.standard_normal(MULTI_BLOCK).astype(dtype), rng.standard_normal(MULTI_BLOCK).astype(dtype)
+    expected = base + dtype(2.5) * (big - base)
+    scale_motion_([big], [base], 2.5)
+    np.testing.assert_array_equal(big, expected)
+
+
+def test_scale_motion_of_half_dtypes_is_computed_in_float32_and_rounded_once():
+    rng = np.random.default_rng(2)
+    x32, r32 = rng.standard_normal(MULTI_BLOCK).astype(np.float32), rng.standard_normal(MULTI_BLOCK).astype(np.float32)
+    x16, r16 = x32.astype(np.float16), r32.astype(np.float16)
+    want16 = r16.astype(np.float32) + np.float32(3.0) * (x16.astype(np.float32) - r16.astype(np.float32))
+    scale_motion_([x16], [r16], 3.0)
+    np.testing.assert_array_equal(x16, want16.astype(np.float16))
+    xb, rb = np.empty(MULTI_BLOCK, BFLOAT16), np.empty(MULTI_BLOCK, BFLOAT16)
+    from_float32(x32, xb)
+    from_float32(r32, rb)
+    xf, rf = to_float32(xb, np.empty(MULTI_BLOCK, np.float32)), to_float32(rb, np.empty(MULTI_BLOCK, np.float32))
+    want = np.empty(MULTI_BLOCK, BFLOAT16)
+    from_float32(rf + np.float32(3.0) * (xf - rf), want)
+    scale_motion_([xb], [rb], 3.0)
+    np.testing.assert_array_equal(xb.view(np.uint16), want.view(np.uint16))
+
+
+def test_scale_motion_by_one_is_a_no_op_and_bad_input_writes_nothing():
+    x = [np.array([1.0, 2.0])]
+    scale_motion_(x, [np.array([5.0, 5.0])], 1.0)
+    np.testing.assert_array_equal(x[0], [1.0, 2.0])
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="finite and > 0"):
+            scale_motion_(x, [np.array([5.0, 5.0])], bad)
+    with pytest.raises(ValueError):
+        scale_motion_([np.array([1.0, 2.0]), np.array([3.0])], [np.array([0.0, 0.0]), np.array([0.0, 0.0])], 2.0)
+    np.testing.assert_array_equal(x[0], [1.0, 2.0])

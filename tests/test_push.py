@@ -47,8 +47,10 @@ def run_threads(
     steps: int,
     step_s: Callable[[int, int], float],
     on_wait: Callable[[int, DpwaConnection], None] | None = None,
+    train: Callable[[int, list[np.ndarray]], None] | None = None,
 ) -> None:
-    """Every node: ``steps`` rounds of update_send, a "step" of ``step_s(node, k)`` seconds, update_wait."""
+    """Every node: ``steps`` rounds of update_send, a "step" of ``step_s(node, k)`` seconds (and ``train(node,
+    params)``, a local step on the arrays), update_wait."""
     barrier = threading.Barrier(len(conns))
     errors: list[BaseException] = []
 
@@ -58,6 +60,8 @@ def run_threads(
             for k in range(steps):
                 conns[i].update_send(params[i], 1.0)
                 time.sleep(step_s(i, k))
+                if train is not None:
+                    train(i, params[i])
                 conns[i].update_wait(1.0)
                 if on_wait is not None:
                     on_wait(i, conns[i])
@@ -145,14 +149,12 @@ def test_streamed_pushes_back_to_back_are_never_cut_short(tmp_path: Path) -> Non
             c.update_send(p, 1.0)
         for c in conns:
             c.update_wait(1.0)
-        for _ in range(4):
-            for c, p in zip(conns, params):
-                started = time.monotonic()
-                c.update_send(p, 1.0)
-                c.update_wait(1.0)  # overlap 0: returns once this push is acknowledged
-                record = c.last_exchange
-                assert (record["pushed"], record["returned"], record["unacked"]) == (1, 0, 0), record
-                assert time.monotonic() - started < 10, "a push waited for its SETTLE"
+        records: list[dict] = []
+        # both nodes step at once (synchronous SGP: each update_wait also waits for the other's push of the round)
+        run_threads(conns, params, 4, lambda i, k: 0.0, on_wait=lambda i, c: records.append(dict(c.last_exchange)))
+        for record in records:  # overlap 0: update_wait returns once this push is acknowledged
+            assert (record["pushed"], record["returned"], record["unacked"]) == (1, 0, 0), record
+            assert record["wait_ms"] < 10_000, "a push waited for its SETTLE"
         for c in conns:
             stats = c.stats()
             assert stats["push_send_queue_full"] == 0 and stats["pushes_unknown"] == 0, stats
@@ -174,6 +176,32 @@ def test_pushsum_weights_sum_to_n_and_the_average_is_exact(tmp_path: Path) -> No
         flat = [np.concatenate([a.ravel() for a in p]) for p in params]
         assert max(float(np.abs(f - mean0).max()) for f in flat) < 1e-3  # and they agree on it
         assert sum(c.stats()["pushes_delivered"] for c in conns) > 400
+    finally:
+        close_all(conns)
+
+
+def test_every_local_step_lands_whole_on_the_numerator_over_the_network(tmp_path: Path) -> None:
+    """SGP's invariant with training, whatever the timing: once quiet, sum_i w_i x_i equals the initial sum plus
+    every local step taken (each node adds its own d_i every step). Before the numerator step, node i's steps
+    counted w_i times, and the sum missed by far more than 1e-9."""
+    n, steps = 3, 60
+    conns = cluster(tmp_path, n, interpolation="pushsum", timeout_ms=2000)
+    try:
+        params = start_params(n)
+        total0 = sum(np.concatenate([a.ravel() for a in p]) for p in params)
+        rng = np.random.default_rng(3)
+        moves = [[rng.normal(scale=0.01, size=a.shape) for a in params[0]] for _ in range(n)]
+
+        def train(i: int, arrays: list[np.ndarray]) -> None:
+            for a, d in zip(arrays, moves[i]):
+                a += d
+
+        jitter = random.Random(2)
+        run_threads(conns, params, steps, lambda i, k: jitter.random() * 0.003, train=train)
+        quiesce(conns)
+        assert math.fsum(weights(conns)) == pytest.approx(n, abs=1e-9)
+        expected = total0 + steps * sum(np.concatenate([d.ravel() for d in m]) for m in moves)
+        np.testing.assert_allclose(weighted_mean(conns, params) * n, expected, rtol=0, atol=1e-9)
     finally:
         close_all(conns)
 

@@ -29,6 +29,8 @@ import numpy as np
 import pytest
 from conftest import free_ports, write_cluster
 
+from dpwa.rules.pushsum import WEIGHT_FLOOR
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.integration,
@@ -158,9 +160,9 @@ def test_pushsum_converges_and_moves_mass(
     n = len(NODES)
     for node, recs in records.items():
         weights = [r["weight"] for r in recs]
-        # a node's weight is its share of the cluster's mass N: never more than all of it, never 0
-        assert all(math.isfinite(w) and 0.0 < w <= n * (1 + 1e-9) for w in weights), (node, min(weights))
-        assert len(set(weights)) > 1, f"{node}: the weight never moved"
+        # a node's weight is its share of the cluster's mass N: never more than all of it, never below the floor
+        # (synchronous SGP keeps it at 1 while every round's push comes in time; a late one moves it for a while)
+        assert all(math.isfinite(w) and WEIGHT_FLOOR <= w <= n * (1 + 1e-9) for w in weights), (node, min(weights))
         assert recs[-1]["bad_messages"] == 0.0, recs[-1]  # honest peers
         assert any(r["received"] > 0 for r in recs), f"{node}: no step mixed a push"  # how many is timing
         for r in recs:  # f = w_j / (w + w_j) <= 1
@@ -169,7 +171,9 @@ def test_pushsum_converges_and_moves_mass(
     for i, node in enumerate(NODES):
         senders = {p for r in records[node] if r["peer"] for p in r["peer"].split(",")}
         assert senders <= {NODES[(i - 1) % n], NODES[(i - 2) % n]}, (node, senders)
-    assert any(w > 1.0 for recs in records.values() for w in (r["weight"] for r in recs)), "nobody gained mass"
+    weights = [r["weight"] for recs in records.values() for r in recs]
+    record_property("weight_min", min(weights))
+    record_property("weight_max", max(weights))
 
 
 @pytest.mark.parametrize("rule", ["adpsgd", "dpsgd"])

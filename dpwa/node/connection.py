@@ -83,6 +83,12 @@ class DpwaConnection:
         """
         return self._node.last_exchange
 
+    @property
+    def params_changed(self) -> bool:
+        """Whether the latest update_wait wrote to the parameters: a mix (factor > 0), or one with factor 0 that
+        still moved them (push-sum folding a returned push back, or moving the local step to the numerator)."""
+        return self._node.params_moved
+
     def update_send(self, params: Sequence[np.ndarray], loss: Any) -> None:
         """clock += 1; publish a copy of ``params`` (same list every call); maybe start a fetch.
 

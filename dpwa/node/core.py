@@ -130,6 +130,8 @@ class Node:
         self.caught_up = False  # recovery: a peer was copied, or the first reply was checked for "far behind"
         self.mixing = False
         self.last_exchange: dict[str, Any] | None = None
+        self.params_moved = False
+        """Whether the latest update_wait wrote to the parameters (a mix, or push-sum's step scaling)."""
         self.fetched_gens: dict[str, int] = {}  # per peer: the generation of the snapshot last fetched from it
         self.closed = False
         self.ledger = PushLedger() if rule.transfer == "push" else None
@@ -399,6 +401,7 @@ class Node:
             job, self.pending = self.pending, None
             if self.params is None:
                 self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
+                self.params_moved = False
                 return 0.0
             return self.wait_and_mix(job)
         finally:
@@ -463,6 +466,7 @@ class Node:
             record["unacked"] = len(self.ledger.unresolved())
         record.update(outcome.metrics)
         self.last_exchange = record
+        self.params_moved = outcome.changed
         return outcome.factor
 
     def fetched(self, target: FetchTarget) -> PeerSnapshot:

@@ -115,6 +115,14 @@ class MixOutcome:
     factor: float
     peers: tuple[str, ...]
     metrics: Mapping[str, float] = field(default_factory=dict)
+    moved: bool | None = None
+    """Whether the arrays changed; None: ``factor > 0`` says (push-sum also moves them with factor 0, when it
+    scales the local step into the numerator)."""
+
+    @property
+    def changed(self) -> bool:
+        """True when :meth:`Rule.mix` wrote to the arrays."""
+        return self.moved if self.moved is not None else self.factor != 0.0
 
 
 class Rule(ABC):

@@ -37,6 +37,7 @@ __all__ = [
     "is_half",
     "mix_clock",
     "narrow",
+    "scale_motion_",
     "weighted_sum_",
     "widen",
 ]
@@ -206,6 +207,44 @@ def add_difference_(
                 np.subtract(pv[start:stop], rv[start:stop], out=diff)
                 np.multiply(diff, ac, out=diff)
                 np.add(xv[start:stop], diff, out=xv[start:stop])
+
+
+def scale_motion_(x: Sequence[np.ndarray], reference: Sequence[np.ndarray], s: float) -> None:
+    """In place: ``x <- reference + s*(x - reference)`` (push-sum's local step moved to the numerator).
+
+    ``s`` must be finite and > 0; ``s == 1`` leaves ``x`` untouched. Block by block with block-sized
+    scratch; float16/bfloat16 computed in float32 and rounded once. ``reference`` is only read. All arrays
+    are validated before any is written.
+    """
+    s = float(s)
+    if not (math.isfinite(s) and s > 0.0):
+        raise ValueError(f"motion scale must be finite and > 0, got {s!r}")
+    check_pairs(x, reference, "reference")
+    if s == 1.0:
+        return
+    scratch = Scratch()
+    for xa, ra in zip(x, reference):
+        if xa.size == 0:
+            continue
+        xv, rv = _flat(xa), _flat(ra)
+        c = compute_dtype(xa.dtype)
+        sc = c.type(s)
+        half = is_half(xa.dtype)
+        for start in range(0, xv.size, BLOCK):
+            stop = min(start + BLOCK, xv.size)
+            n = stop - start
+            if half:
+                acc = widen(xv[start:stop], scratch.get(c, n, 0))
+                ref = widen(rv[start:stop], scratch.get(c, n, 1))
+                np.subtract(acc, ref, out=acc)
+                np.multiply(acc, sc, out=acc)
+                np.add(acc, ref, out=acc)
+                narrow(acc, xv[start:stop], ref)
+            else:
+                diff = scratch.get(c, n, 0)
+                np.subtract(xv[start:stop], rv[start:stop], out=diff)
+                np.multiply(diff, sc, out=diff)
+                np.add(rv[start:stop], diff, out=xv[start:stop])
 
 
 def _mean_(xv: np.ndarray, pv: np.ndarray, scratch: Scratch) -> None:

@@ -23,6 +23,21 @@ Only a node that dies takes its mass along (as in any push-sum).
 
 ``overlap`` (OSGP's tau): ``update_wait`` returns while at most ``overlap`` of the node's
 pushes still await their ACK; 0 is SGP (every push acknowledged by the step's end).
+
+The local step goes to the numerator (SGP, Assran et al. 2019, Algorithm 1: the gradient is taken at the
+de-biased ``x`` and applied to ``z``). Whatever the user's optimizer did between ``update_send`` and
+``update_wait`` is a motion ``delta = x_now - x_published`` of the de-biased model; in numerator terms
+``z <- z + delta``, i.e. ``x <- x_published + delta / w`` with ``w`` the weight the node kept when it
+pushed. :meth:`PushSumRule.mix` applies that first, then folds the messages. Without it node ``i``'s
+steps count ``w_i`` times in the cluster's sum: it would minimize ``sum_i w_i f_i``, not ``sum_i f_i``.
+dpwa pushes the snapshot published at ``update_send`` (before the step), so a step's numerator stays
+with its node for a round and travels with the next push; the cluster's sums are those of Algorithm 1.
+
+Weights are bounded below by design: a node never gives away more than keeps its own weight at
+:data:`WEIGHT_FLOOR` (the even split ``w/(k+1)`` when that stays above it, else only the excess
+``(w - WEIGHT_FLOOR)/k`` per target, possibly 0: an empty message), so the step's scale ``1/w`` never
+exceeds ``1/WEIGHT_FLOOR``. Any split keeps the mixing column-stochastic: mass and the consensus point
+are unchanged. Above, ``w`` is bounded by ``N``.
 """
 
 from __future__ import annotations
@@ -34,9 +49,12 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.mixing import interpolate_, mix_clock
+from dpwa.rules.mixing import interpolate_, mix_clock, scale_motion_
 
-__all__ = ["PushSumRule", "valid_mass"]
+__all__ = ["WEIGHT_FLOOR", "PushSumRule", "valid_mass"]
+
+WEIGHT_FLOOR = 0.25
+"""The least weight a node keeps when it pushes (so a local step is scaled by at most ``1/WEIGHT_FLOOR = 4``)."""
 
 
 def valid_mass(value: Any, limit: float = math.inf) -> float | None:
@@ -53,6 +71,11 @@ def valid_mass(value: Any, limit: float = math.inf) -> float | None:
     if not (math.isfinite(w) and 0.0 < w <= limit):
         return None
     return w
+
+
+def _is_zero(value: Any) -> bool:
+    """True for a JSON number equal to 0 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
 
 
 class PushSumRule(Rule):
@@ -79,7 +102,11 @@ class PushSumRule(Rule):
         self.bad_messages = 0  # messages ignored for a missing/invalid w_given
         self.returned = 0  # refused pushes whose mass came back
         self.received = 0  # messages folded in
+        self.held = 0  # steps whose shares were cut to keep the weight at the floor
+        self.empty = 0  # empty messages (w_given 0) received
+        self.step_scale = 1.0  # 1/w of the latest local step moved to the numerator
         self._n_nodes = math.inf  # the cluster's total mass, once known
+        self._published: Sequence[np.ndarray] | None = None  # x at update_send, until the step is scaled
 
     def _params(self) -> dict[str, Any]:
         return {"overlap": self.overlap, "divergence_threshold": self.divergence_threshold}
@@ -104,12 +131,26 @@ class PushSumRule(Rule):
         return {"w_given": given}
 
     def push_shares(self, own: NodeState, targets: int) -> list[dict[str, Any]]:
-        """``w <- w/(k+1)``; each of the ``k`` pushes carries ``{"w_given": w/(k+1)}``."""
+        """Each of the ``k = targets`` pushes carries ``{"w_given": s}``, ``w <- w - k*s``, with the even split
+        ``s = w/(k+1)`` when that keeps ``w >= WEIGHT_FLOOR``, else ``s = (w - WEIGHT_FLOOR)/k`` (only the
+        excess; 0 at or below the floor: an empty message, which still tells the target this round's push)."""
         if targets <= 0:
             return []
-        share = self.weight(own) / (targets + 1)
-        own.extras["weight"] = share
+        w = self.weight(own)
+        share = w / (targets + 1)
+        if share < WEIGHT_FLOOR:
+            share = max(0.0, (w - WEIGHT_FLOOR) / targets)
+            self.held += 1
+        own.extras["weight"] = w - targets * share
         return [{"w_given": share} for _ in range(targets)]
+
+    def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
+        """Keep the views of the model just published: the local step is measured against them."""
+        self._published = published
+
+    def on_params_replaced(self, own: NodeState) -> None:
+        """A copy replaced the parameters: there is no local step to move to the numerator."""
+        self._published = None
 
     def on_reply_not_mixed(self, own: NodeState, peer_extras: Mapping[str, Any]) -> None:
         """A message copied outright, or skipped, by recovery: ``w <- w + w_given`` (the mass it carried stays)."""
@@ -124,17 +165,32 @@ class PushSumRule(Rule):
             "pushes_returned": float(self.returned),
             "messages_received": float(self.received),
             "bad_messages": float(self.bad_messages),
+            "pushes_held": float(self.held),
+            "messages_empty": float(self.empty),
+            "step_scale": float(self.step_scale),
         }
 
     def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
-        """Fold each message ``(x_j, w_given)`` in; the outcome's factor is the messages' share of the new ``x``.
+        """Move the local step to the numerator (``x <- x_published + (x - x_published) / w``), then fold each
+        message ``(x_j, w_given)`` in; the outcome's factor is the messages' share of the new ``x``.
 
         With one message that is ``f``; with several, ``1 - prod(1 - f_j)``. A refused push of this node
         (a peer named ``own.name``) is folded back the same way. No (valid) message: factor 0.0.
         """
+        published, self._published = self._published, None
+        scaled = False
+        if published is not None:
+            w = self.weight(own)
+            if w > 0.0 and math.isfinite(w):
+                self.step_scale = 1.0 / w
+                scale_motion_(arrays, published, self.step_scale)
+                scaled = self.step_scale != 1.0
         keep = 1.0  # share of the old x still in x
         mixed: list[str] = []
         for peer in peers:
+            if _is_zero(peer.state.extras.get("w_given")):  # an empty message: this round's push, no mass
+                self.empty += peer.state.name != own.name  # (one of this node's own, come back: nothing)
+                continue
             given = valid_mass(peer.state.extras.get("w_given"), self._n_nodes)
             if given is None:
                 self.bad_messages += 1
@@ -147,6 +203,7 @@ class PushSumRule(Rule):
             returned = peer.state.name == own.name
             f = given / total if returned else self.diverge(given / total, own.loss)
             interpolate_(arrays, peer.arrays, f)  # validates before writing: on error nothing changed
+            scaled = scaled or f > 0.0
             if returned:
                 self.returned += 1
             else:
@@ -157,4 +214,5 @@ class PushSumRule(Rule):
             if not returned:
                 keep *= 1.0 - f
         factor = 1.0 - keep if mixed else 0.0
-        return MixOutcome(factor, tuple(mixed), self.state_metrics(own))
+        # a returned push or the step's scaling moves x with factor 0: say so (a GPU copy must follow)
+        return MixOutcome(factor, tuple(mixed), self.state_metrics(own), moved=scaled or factor > 0.0)
