@@ -282,6 +282,7 @@ def events_of(path: Path, kind: str) -> list[dict[str, Any]]:
 
 @demo_only
 @pytest.mark.outcome
+@pytest.mark.slow  # 40 s here
 def test_demo_node_killed_is_restarted_from_its_checkpoint_then_the_stopped_run_resumes(
     tmp_path: Path, reaper: list[int], record_property: Callable[[str, object], None]
 ) -> None:
