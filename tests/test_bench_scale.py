@@ -96,6 +96,7 @@ def test_helpers_write_a_valid_cluster_and_read_rss(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # 10 s here
 def test_bench_scale_two_nodes_writes_a_table_json_and_plot(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["scale", "--nodes", "2", "--steps", "30", "--record-every", "5", "--sample-s", "0.1"]

@@ -70,6 +70,7 @@ def test_the_guard_catches_a_torchvision_import(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # 11 s here
 def test_synthetic_two_nodes_write_loadable_checkpoints(tmp_path: Path) -> None:
     marker = tmp_path / "torchvision-imported"
     run_dir = tmp_path / "run"

@@ -103,6 +103,7 @@ def cluster(tmp_path: Path) -> Iterator[list[FaultNode]]:
             node.kill()
 
 
+@pytest.mark.slow  # 17 s here
 def test_sigkill_survivors_keep_training_at_their_pace(cluster: list[FaultNode]) -> None:
     *survivors, victim = cluster
     run_all(cluster, 1.0)  # warm-up: connections, snapshot pools, receive buffers

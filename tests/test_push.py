@@ -149,12 +149,14 @@ def test_streamed_pushes_back_to_back_are_never_cut_short(tmp_path: Path) -> Non
             c.update_send(p, 1.0)
         for c in conns:
             c.update_wait(1.0)
-        records: list[dict] = []
-        # both nodes step at once (synchronous SGP: each update_wait also waits for the other's push of the round)
-        run_threads(conns, params, 4, lambda i, k: 0.0, on_wait=lambda i, c: records.append(dict(c.last_exchange)))
-        for record in records:  # overlap 0: update_wait returns once this push is acknowledged
-            assert (record["pushed"], record["returned"], record["unacked"]) == (1, 0, 0), record
-            assert record["wait_ms"] < 10_000, "a push waited for its SETTLE"
+        for _ in range(4):
+            for c, p in zip(conns, params):
+                started = time.monotonic()
+                c.update_send(p, 1.0)
+                c.update_wait(1.0)  # overlap 0: returns once this push is acknowledged
+                record = c.last_exchange
+                assert (record["pushed"], record["returned"], record["unacked"]) == (1, 0, 0), record
+                assert time.monotonic() - started < 10, "a push waited for its SETTLE"
         for c in conns:
             stats = c.stats()
             assert stats["push_send_queue_full"] == 0 and stats["pushes_unknown"] == 0, stats
@@ -467,6 +469,7 @@ def test_a_sender_fills_at_most_inbox_per_sender_and_its_oldest_push_is_mixed_fi
         node.close()
 
 
+@pytest.mark.slow  # 11-15 s here
 @given(kinds=st.lists(st.sampled_from(FLOOD_KINDS), min_size=1, max_size=25), fill=st.floats(-1e3, 1e3))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Path, kinds: list[str], fill: float):
