@@ -949,6 +949,7 @@ def tx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TxRig]:
 @settings(SETTINGS, max_examples=600)
 @given(recipe=REPLIES)
 @pytest.mark.timing
+@pytest.mark.slow  # 14 s here
 def test_hostile_replies_never_reach_params_and_are_counted(tx: TxRig, recipe: Recipe) -> None:
     tx.exchange(recipe)
 

@@ -208,6 +208,7 @@ def test_every_local_step_lands_whole_on_the_numerator_over_the_network(tmp_path
         close_all(conns)
 
 
+@pytest.mark.slow  # 13 s here
 def test_pushsum_mass_survives_dropped_pushes_and_dropped_acks(tmp_path: Path) -> None:
     """A test hook loses pushes (the receiver never sees them) and ACKs (it took the push, the sender never
     hears): SETTLE queries settle each one, and the weights still sum to N within 1e-9, the average exact."""
