@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dpwa.config import RULE_SCHEDULES
 from dpwa.rules import make_rule
 from dpwa.rules.schedules import make_schedule
 from dpwa.tools.mixture import DataSpec, MixtureData, gaussian_mixture
@@ -29,9 +30,6 @@ from dpwa.tools.simulation import SimNode, Simulation
 from dpwa.utils.partition import class_histogram, partition_indices
 
 __all__ = ["SimTrainResult", "accuracy", "one_process", "simulate_training"]
-
-DEFAULT_SCHEDULES = {"pushsum": "exponential", "leader": "leader", "group": "groups", "dpsgd": "neighbours"}
-"""The rules' default peer schedules (``peers: auto``); the others pick random peers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +93,7 @@ def simulate_training(
     sim = Simulation(
         [[a.copy() for a in start] for _ in names],
         lambda: make_rule(rule if gossip else "constant", settings, 0.0),
-        lambda: make_schedule(schedule or DEFAULT_SCHEDULES.get(rule, "random"), settings),
+        lambda: make_schedule(schedule or RULE_SCHEDULES[rule if gossip else "constant"][0], settings),
         seed=seed,
     )
     streams = {name: np.random.default_rng([seed, 0xBA7C, i]) for i, name in enumerate(names)}
