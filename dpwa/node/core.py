@@ -47,6 +47,8 @@ from dpwa.node.transport import (
     RxServer,
     TxFetcher,
     _common_options,
+    connect_address,
+    is_own_echo,
 )
 from dpwa.node.wire import ErrorCode, Header, Kind, Layout
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
@@ -914,7 +916,7 @@ class Node:
         try:
             if self.security is not None:
                 self.security.client(sock, address.name)
-            sock.connect(f"tcp://{address.host}:{address.port}")
+            sock.connect(connect_address(f"tcp://{address.host}:{address.port}"))
             while True:
                 req = next(self.requests)
                 try:
@@ -1060,6 +1062,7 @@ class Node:
         their answers (answers are not read further); ``refused_ends``: a member whose connection is refused
         (a socket monitor says so) is not waited for. The names that answered."""
         socks: dict[zmq.Socket, str] = {}
+        members_by_name = {m.name: m for m in members}
         monitors: dict[zmq.Socket, zmq.Socket] = {}  # monitor -> its DEALER
         answered: set[str] = set()
         unreachable: set[zmq.Socket] = set()  # not even sent to: not waited for
@@ -1079,7 +1082,7 @@ class Node:
                 try:
                     if self.security is not None:
                         self.security.client(sock, m.name)
-                    sock.connect(m.spec().endpoint)
+                    sock.connect(connect_address(m.spec().endpoint))
                     sock.send(message(m), zmq.NOBLOCK)
                 except (zmq.ZMQError, KeyError, OSError, ValueError):
                     unreachable.add(sock)
@@ -1094,7 +1097,14 @@ class Node:
                         recv_monitor_message(sock, zmq.NOBLOCK)
                         waiting.discard(monitors[sock])
                         continue
-                    sock.recv_multipart(zmq.NOBLOCK)
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    if frames and is_own_echo(frames[0], self.name):  # connected to itself: not an answer
+                        self.stats.add("self_connections")
+                        member = members_by_name[socks[sock]]
+                        sock.disconnect(connect_address(member.spec().endpoint))  # then try again
+                        sock.connect(connect_address(member.spec().endpoint))
+                        sock.send(message(member), zmq.NOBLOCK)
+                        continue
                     if sock in waiting:
                         waiting.discard(sock)
                         answered.add(socks[sock])

@@ -70,6 +70,40 @@ libzmq forwards an HWM change to the pipe of every connection, and a connection 
 its chunks + 1 messages: one of up to 128 GiB fits; a requester that stops reading holds at most this many."""
 
 
+OWN_REQUESTS = frozenset({Kind.FETCH, Kind.PUSH, Kind.SETTLE, Kind.JOIN, Kind.MEMBERS})
+"""Kinds a node sends on its DEALERs: one coming back to the same node means the socket is connected to itself."""
+
+
+def is_own_echo(head: bytes, node: str) -> bool:
+    """True when ``head`` (a message's first frame) is a request this node sent: its socket reached itself."""
+    if len(head) > wire.MAX_HEADER_BYTES or head[:4] != wire.MAGIC:
+        return False
+    try:
+        header = wire.decode_header(head)
+    except WireError:
+        return False
+    return header.node == node and header.kind in OWN_REQUESTS
+
+
+def connect_address(endpoint: str) -> str:
+    """The address a DEALER connects to ``endpoint`` with: for an IP literal, from a source bound with
+    SO_REUSEADDR (``tcp://0.0.0.0:0;HOST:PORT``, libzmq's source-address form).
+
+    Why: a peer on the same host that is not listening yet can be reached while the connecting socket is given
+    that very port as its ephemeral one (the cluster's ports lie in the ephemeral range): TCP connects it to
+    itself. Its port, and the TIME-WAIT it leaves for a minute once closed, would keep the peer from binding,
+    unless the socket was bound with SO_REUSEADDR -- as a source-bound one is. A node that gets its own
+    request back (:func:`is_own_echo`) drops that connection and connects again."""
+    if not endpoint.startswith("tcp://") or ";" in endpoint:
+        return endpoint
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    if host.startswith("["):
+        return f"tcp://[::]:0;{endpoint[len('tcp://') :]}"
+    if host == "localhost" or (host.count(".") == 3 and host.replace(".", "").isdigit()):
+        return f"tcp://0.0.0.0:0;{endpoint[len('tcp://') :]}"
+    return endpoint
+
+
 NOT_A_MEMBER = "not-a-member"
 """The code of a fetch or push refused here, without a message: its peer left or was forgotten."""
 
@@ -748,7 +782,7 @@ class TxFetcher(threading.Thread):
                     self._on_event("peer_setup_failed", 1)
                     return None
             try:
-                sock.connect(self._endpoints[peer])
+                sock.connect(connect_address(self._endpoints[peer]))
             except zmq.ZMQError as exc:  # an endpoint libzmq refuses (the member table only takes plain hosts)
                 sock.close(linger=0)
                 log.warning("cannot connect to %s at %s: %s", peer, self._endpoints[peer], exc)
@@ -841,6 +875,12 @@ class TxFetcher(threading.Thread):
             try:
                 head = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
+                return
+            if is_own_echo(head, self._node):  # connected to itself (connect_address): reconnect
+                discard_rest(sock)
+                self._on_event("self_connections", 1)
+                log.info("node %s: its socket to %s reached itself; reconnecting", self._node, peer)
+                self._reset(poller, peer)
                 return
             try:
                 self._message(job, target, sock, head, peer)
