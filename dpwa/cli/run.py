@@ -21,7 +21,7 @@ from dpwa.launcher.job import DEMO_MODULE, Job, run_job
 from dpwa.launcher.placement import select_nodes, threads_per_node
 from dpwa.launcher.progress import Progress
 from dpwa.launcher.rundir import RunDir, default_run_dir
-from dpwa.utils.partition import parse_partition
+from dpwa.tools.options import check_partition
 
 __all__ = ["run"]
 
@@ -72,16 +72,6 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
     return list(args)
 
 
-def _check_partition(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    """``--partition``'s value in canonical form; a bad one is a usage error (exit 2)."""
-    if value is None:
-        return None
-    try:
-        return str(parse_partition(value))
-    except ValueError as err:
-        raise click.BadParameter(str(err)) from None
-
-
 @click.command("run", cls=_RunCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("cluster", metavar="CLUSTER.yaml", required=False)
 @click.argument("script", required=False)
@@ -108,7 +98,7 @@ def _check_partition(_ctx: click.Context, _param: click.Parameter, value: str | 
 @click.option("--steps", type=click.IntRange(min=1), help="Batches per node of the built-in demo (not with SCRIPT).")
 @click.option(
     "--partition",
-    callback=_check_partition,
+    callback=check_partition,
     metavar="P",
     help="The built-in demo's data split: iid | dirichlet:ALPHA | classes:K  [default: iid] (not with SCRIPT).",
 )

@@ -59,7 +59,8 @@ import numpy as np
 from dpwa.tools.bench.fingerprint import SUFFIX, mean_state_at, read_records
 from dpwa.tools.bench.procs import BenchInterrupted, WorkerFailed, free_ports, node_names, run_workers, write_cluster
 from dpwa.tools.bench.report import Column, Report, bench_run_dir, comma_list, render_table
-from dpwa.utils.partition import PARTITION_HELP, parse_partition
+from dpwa.tools.options import check_partition
+from dpwa.utils.partition import PARTITION_HELP
 
 log = logging.getLogger(__name__)
 
@@ -484,13 +485,6 @@ def _rules(text: str) -> list[str]:
     return rules
 
 
-def _check_partition(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    try:
-        return str(parse_partition(value))
-    except ValueError as err:
-        raise click.BadParameter(str(err)) from None
-
-
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--nodes", type=click.IntRange(min=2), default=4, show_default=True, help="Worker processes.")
 @click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_STEPS, show_default=True,
@@ -498,7 +492,7 @@ def _check_partition(_ctx: click.Context, _param: click.Parameter, value: str) -
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--partition", default="iid", show_default=True, callback=_check_partition, help=PARTITION_HELP + ".")
+@click.option("--partition", default="iid", show_default=True, callback=check_partition, help=PARTITION_HELP + ".")
 @click.option("--straggler", "stragglers", default="1,4", show_default=True,
               help="Straggler factors, one scenario each (1 = none, K = last node K x slower).")  # fmt: skip
 @click.option("--rules", default=DEFAULT_RULES, show_default=True,
