@@ -149,14 +149,15 @@ def test_streamed_pushes_back_to_back_are_never_cut_short(tmp_path: Path) -> Non
             c.update_send(p, 1.0)
         for c in conns:
             c.update_wait(1.0)
-        for _ in range(4):
-            for c, p in zip(conns, params):
-                started = time.monotonic()
-                c.update_send(p, 1.0)
-                c.update_wait(1.0)  # overlap 0: returns once this push is acknowledged
-                record = c.last_exchange
-                assert (record["pushed"], record["returned"], record["unacked"]) == (1, 0, 0), record
-                assert time.monotonic() - started < 10, "a push waited for its SETTLE"
+        records: list[dict] = []
+        # both nodes step at once (synchronous SGP: each update_wait also waits for the other's push of the round)
+        run_threads(conns, params, 4, lambda i, k: 0.0, on_wait=lambda i, c: records.append(dict(c.last_exchange)))
+        assert len(records) == 8
+        # overlap 0: update_wait returns once this push is answered (an ACK, or refused busy: with two slots a
+        # push of the peer's next round may fill the inbox while the node still folds this one's)
+        for record in records:
+            assert (record["pushed"], record["unacked"]) == (1, 0), record
+            assert record["wait_ms"] + record["sources_wait_ms"] < 10_000, "a push waited for its SETTLE"
         for c in conns:
             stats = c.stats()
             assert stats["push_send_queue_full"] == 0 and stats["pushes_unknown"] == 0, stats
@@ -440,7 +441,8 @@ def test_a_sender_fills_at_most_inbox_per_sender_and_its_oldest_push_is_mixed_fi
     tmp_path: Path, per_sender: int
 ) -> None:
     """Three whole pushes of one sender (models 1, 2, 3): the inbox keeps the first ``inbox_per_sender`` and
-    refuses the rest busy; each update_wait folds one of them, the oldest first."""
+    refuses the rest busy; push-sum's update_wait folds every one kept, the oldest first (a late push of an
+    in-neighbour is folded with the round's)."""
     cfg = load_config(
         write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation="pushsum", inbox_per_sender=per_sender)
     )
@@ -458,12 +460,13 @@ def test_a_sender_fills_at_most_inbox_per_sender_and_its_oldest_push_is_mixed_fi
             lambda: node.stats()["pushes_received"] + node.stats()["pushes_busy"] == 3, 10, message="3 pushes answered"
         )
         assert (node.stats()["pushes_received"], node.stats()["pushes_busy"]) == (per_sender, 3 - per_sender)
-        for value in (1.0, 2.0)[:per_sender]:
-            want = (weight * params[0].astype(np.float64) + 0.5 * value) / (weight + 0.5)
-            node.update_wait(1.0)
+        want = params[0].astype(np.float64)
+        for value in (1.0, 2.0)[:per_sender]:  # folded in this order: x <- (w*x + 0.5*value) / (w + 0.5)
+            want = (weight * want + 0.5 * value) / (weight + 0.5)
             weight += 0.5
-            assert node.dpwa_state().extras["weight"] == weight
-            np.testing.assert_allclose(params[0], want, rtol=1e-6)
+        node.update_wait(1.0)
+        assert node.dpwa_state().extras["weight"] == weight
+        np.testing.assert_allclose(params[0], want, rtol=1e-6)
         assert node.stats()["inbox_occupied"] == 0
     finally:
         fake.close()
@@ -476,7 +479,7 @@ def test_a_sender_fills_at_most_inbox_per_sender_and_its_oldest_push_is_mixed_fi
 def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Path, kinds: list[str], fill: float):
     """Valid, busy, malformed, oversized-in-count, non-finite, stray and unknown-sender pushes at a live node:
     nothing reaches the parameters before update_wait, every message is counted by reason, the inbox holds
-    at most two pushes of the sender, and each update_wait folds exactly one accepted push, the oldest."""
+    at most two pushes of the sender, and the next update_wait folds exactly the accepted ones, oldest first."""
     cfg = load_config(
         write_cluster(tmp_path / f"f{random.random()}.yaml", free_ports(2), interpolation="pushsum", timeout_ms=300)
     )
@@ -546,12 +549,13 @@ def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Pat
         assert {k: stats[k] for k in expected} == expected
         assert np.array_equal(params[0], before)  # nothing is mixed before update_wait
         assert stats["inbox_occupied"] == held and stats["thread_errors"] == {}
-        for _ in range(held):  # one push of a sender per update_wait: x <- (w*x + 0.5*fill) / (w + 0.5)
-            want = (weight0 * params[0].astype(np.float64) + 0.5 * np.float32(fill)) / (weight0 + 0.5)
-            node.update_wait(1.0)
-            assert node.dpwa_state().extras["weight"] == weight0 + 0.5
-            np.testing.assert_allclose(params[0], want, rtol=1e-5, atol=1e-4)
+        want = params[0].astype(np.float64)
+        for _ in range(held):  # every accepted push, one after the other: x <- (w*x + 0.5*fill) / (w + 0.5)
+            want = (weight0 * want + 0.5 * np.float32(fill)) / (weight0 + 0.5)
             weight0 += 0.5
+        node.update_wait(1.0)
+        assert node.dpwa_state().extras["weight"] == weight0
+        np.testing.assert_allclose(params[0], want, rtol=1e-5, atol=1e-4)
         node.update_wait(1.0)  # nothing is left
         assert node.dpwa_state().extras["weight"] == weight0 and node.stats()["inbox_occupied"] == 0
         if not held:

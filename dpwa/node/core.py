@@ -128,6 +128,7 @@ class Node:
         self.pending: FetchJob | None = None
         self.requests = itertools.count(1)
         self.step = 0  # update_send calls so far: the schedules' round index
+        self.in_round = False  # an update_send started a round that its update_wait has not ended yet
         self.alone = False
         self.caught_up = False  # recovery: a peer was copied, or the first reply was checked for "far behind"
         self.mixing = False
@@ -153,6 +154,8 @@ class Node:
             )
         self.pushed_this_step = 0
         self.push_ms = 0.0  # the slowest push delivered (send to ACK) found by the last update_wait
+        self.sources_late: list[str] = []  # in-neighbours whose push of the awaited round did not come in time
+        self.sources_wait_ms = 0.0  # how long the latest update_wait waited for them
         self.ctx = zmq.Context(io_threads=1)
         self.security: NodeSecurity | None = None
         try:
@@ -314,6 +317,7 @@ class Node:
         else:
             self.start_fetch(snapshot)
         self.step += 1
+        self.in_round = True
 
     def choose_peers(self) -> tuple[list[str], bool]:
         """This round's peers (schedule, else flow control; down peers left out), and whether any was wanted."""
@@ -332,12 +336,20 @@ class Node:
         self.pool.release(snapshot, tracker)
 
     def start_push(self, snapshot: Snapshot | None) -> None:
-        """Push the snapshot just published to this round's peers (``push`` rules), giving each its share."""
+        """Push the snapshot just published to this round's peers (``push`` rules), giving each its share.
+
+        A receiver whose previous push from this node has no verdict yet (OSGP runs on before the ACK) is waited
+        for until that push's deadline, so that each round's push goes out (its receiver waits for it); one still
+        unanswered then (the TX thread asks about it) is skipped, its share kept."""
         assert self.ledger is not None and self.pool is not None
         self.pushed_this_step = 0
         if self.rng.random() >= self.config.fetch_probability:
             return
         chosen, _ = self.choose_peers()
+        for peer in chosen:  # the previous push to a receiver still on its way: wait for its verdict (bounded)
+            previous = self.ledger.open_push(peer)
+            if previous is not None and previous.status == "sending":
+                self.ledger.wait_for(previous, max(0.0, previous.deadline + VERDICT_SLACK_S - time.monotonic()))
         ready = [p for p in chosen if not self.ledger.busy(p) and p not in self.ledger.unsupported]
         if snapshot is None or not ready:
             self.stats.add("pushes_skipped")
@@ -348,6 +360,7 @@ class Node:
         prepare = functools.partial(self.pool.prepare_push, snapshot)
         for peer, given in zip(ready, shares):
             self.pool.retain(snapshot)
+            given = {**given, "round": self.step}  # the receiver's in-neighbour wait looks for it
             push = Push(peer, next(self.requests), given, snapshot, deadline, prepare=prepare)
             self.ledger.open(push)
             self.tx.submit_push(push)
@@ -405,12 +418,57 @@ class Node:
                 self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
                 self.params_moved = False
                 return 0.0
-            return self.wait_and_mix(job)
+            in_round, self.in_round = self.in_round, False
+            self.sources_late, self.sources_wait_ms = [], 0.0
+            if not in_round:  # an update_wait with no update_send before it: fold whatever is there
+                return self.wait_and_mix(job)
+            self.wait_for_sources()
+            return self.wait_and_mix(job, self.step - 1)
         finally:
             self.mixing = False
 
-    def wait_and_mix(self, job: FetchJob | None) -> float:
-        """update_wait's work: wait for the TX thread's verdict (bounded), run the rule, record the exchange."""
+    def source_window(self) -> int:
+        """How many rounds behind the awaited one an in-neighbour may be and still be waited for: a node in
+        lock-step is at most a graph's diameter (``ceil(log2 N)`` on the exponential graph) plus the overlap
+        away; one further behind (it restarted, or it is not synchronous) is not waited for."""
+        return 2 * max(1, math.ceil(math.log2(max(2, len(self.names))))) + self.rule.overlap + 2
+
+    def wait_for_sources(self) -> None:
+        """``push`` rules on a fixed schedule (SGP, OSGP): wait, at most ``timeout_ms``, until every in-neighbour
+        of round ``k - overlap`` (``k`` the round just pushed) has a push of that round settled in the inbox.
+
+        Not waited for: a source that is down, that never sent a push naming its round (it is starting, or not
+        a synchronous node), or that is more than :meth:`source_window` rounds behind. A push that comes late is
+        folded at the next update_wait (:meth:`PushReceiver.drain` takes every one there)."""
+        self.sources_late, self.sources_wait_ms = [], 0.0
+        if self.ledger is None or self.inbox is None or self.step < 1:
+            return
+        awaited = self.step - 1 - self.rule.overlap
+        if awaited < 0:
+            return
+        with self.state_lock:
+            sources = self.schedule.sources(Round(self.name, tuple(self.names), awaited, self.state))
+        if not sources:
+            return
+        with self.flow_lock:
+            up = set(self.flow.up_peers())
+        floor = awaited - self.source_window()
+        wanted = {
+            s: awaited for s in sources if s != self.name and s in up and self.inbox.latest_round(s) >= max(0, floor)
+        }
+        if not wanted:
+            return
+        started = time.perf_counter()
+        self.sources_late = self.inbox.wait_rounds(wanted, self.config.timeout_ms / 1000.0)
+        self.sources_wait_ms = (time.perf_counter() - started) * 1000.0
+        if self.sources_late:
+            self.stats.add("sources_late", len(self.sources_late))
+
+    def wait_and_mix(self, job: FetchJob | None, upto: int | None = None) -> float:
+        """update_wait's work: wait for the TX thread's verdict (bounded), run the rule, record the exchange.
+
+        ``upto``: the round just pushed; a push rule leaves the pushes of a later round within
+        :meth:`source_window` in the inbox for that round (None: fold everything, as a leaving node does)."""
         assert self.params is not None
         waited = time.perf_counter()
         for target in job.wait() if job is not None else ():  # a busy or stalled TX thread: timed out here
@@ -420,7 +478,10 @@ class Node:
         mixing = time.perf_counter()
         targets = job.targets if job is not None else []
         peers = [self.fetched(t) for t in targets if t.status == "ok" and t.header is not None]
-        slots = self.inbox.drain() if self.inbox is not None else []
+        slots = []
+        if self.inbox is not None:
+            every = self.ledger is not None
+            slots = self.inbox.drain(every=every, upto=upto if every else None, window=self.source_window())
         try:
             received = [self.slot_message(s) for s in slots]
             peers += received
@@ -466,6 +527,8 @@ class Node:
             record["push_ms"] = self.push_ms
             record["returned"] = len(returned)
             record["unacked"] = len(self.ledger.unresolved())
+            record["sources_late"] = len(self.sources_late)
+            record["sources_wait_ms"] = self.sources_wait_ms
         record.update(outcome.metrics)
         self.last_exchange = record
         self.params_moved = outcome.changed

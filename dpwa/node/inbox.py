@@ -14,9 +14,13 @@ frame order, finite values) and copies it into a free slot. A slot's life::
 Rules of the inbox:
 
 * at most ``slots`` pushes are held, and at most ``per_sender`` from one sender (one more is
-  refused ``busy``, so the sender keeps its mass); an ``update_wait`` mixes one push per sender,
-  its oldest, so a push that lands while its sender's previous one is unmixed waits one step
-  instead of being refused (a jitter buffer for two clocks that drift);
+  refused ``busy``, so the sender keeps its mass); push-sum's ``update_wait`` mixes every push
+  that is here, oldest first (a late push is folded with the next round's), an exchange rule's one
+  per sender, its oldest, so a push that lands while its sender's previous one is unmixed waits one
+  step instead of being refused (a jitter buffer for two clocks that drift);
+* per sender, the round a push names (``extras["round"]``, the sender's step) is remembered once
+  the push has its verdict, taken or refused: :meth:`PushReceiver.wait_rounds` is SGP's wait for
+  the in-neighbours of a round;
 * per sender, sequence numbers only grow: a push or a SETTLE names sequence number ``q``, and
   once ``q`` has a verdict (accepted, or refused) it never changes. A SETTLE ``query`` closes a
   push still arriving (its remaining chunks are dropped) so that the sender's reading of the
@@ -32,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +47,7 @@ from dpwa.node import wire
 from dpwa.node.frames import discard_rest, receive_payload
 from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Layout, PayloadReader, WireError
 
-__all__ = ["HOLD_TIMEOUTS", "InboxSlot", "PushReceiver"]
+__all__ = ["HOLD_TIMEOUTS", "InboxSlot", "PushReceiver", "round_of"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,22 @@ class InboxSlot:
     deadline: float = 0.0
     served: Any = None
     """An exchange: the snapshot (leased) this node served to the sender's fetch: the other half of the pair."""
+
+
+def round_of(header: Header | None) -> int | None:
+    """The round a push names (``extras["round"]``, the sender's step: a non-negative integer), or None."""
+    value = header.extras.get("round") if header is not None else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _early(slot: InboxSlot, upto: int | None, window: int) -> bool:
+    """True when ``slot``'s push is of a round after ``upto`` but at most ``window`` after it."""
+    if upto is None:
+        return False
+    r = round_of(slot.header)
+    return r is not None and upto < r <= upto + window
 
 
 class PushReceiver:
@@ -108,12 +128,15 @@ class PushReceiver:
         self._release = release
         self._chunk = chunk
         self._check_identity = check_identity
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        """Guards everything below; notified when a sender's round is settled here (:meth:`wait_rounds`)."""
         self._slots: list[InboxSlot] = []
         self._reader: PayloadReader | None = None
         self._bounds: list[tuple[int, int]] = []
         self._verdicts: dict[str, tuple[int, bool | None]] = {}
         """sender -> (its latest sequence number seen, True accepted / False refused / None pending)."""
+        self._rounds: dict[str, int] = {}
+        """sender -> the round (``extras["round"]``) of its latest push that has a verdict here."""
         self._delayed: list[tuple[float, bytes, bytes]] = []
         self.drop: Callable[[str], bool] | None = None
         """Test hook: ``drop("push")`` True ignores a push header (as if lost); ``drop("ack")`` True loses an ACK."""
@@ -132,6 +155,7 @@ class PushReceiver:
             held = {s.sender for s in self._slots if s.state != "free"}
             for sender in [n for n in self._verdicts if n not in self._senders and n not in held]:
                 del self._verdicts[sender]
+                self._rounds.pop(sender, None)
 
     def allocate(self, local: Layout) -> None:
         """Allocate the slots for ``local`` (once, at the node's first publish)."""
@@ -191,10 +215,12 @@ class PushReceiver:
                 return self._verdict_reply(header.req, last, verdict)
             if self.closing:  # the node is leaving: it takes no more mass, the sender keeps it
                 self._verdicts[sender] = (header.req, False)
+                self._settle_round(sender, header)
                 self._on_event("pushes_busy", 1)
                 return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "this node is leaving")
             if sum(s.state != "free" and s.sender == sender for s in self._slots) >= self._per_sender:
                 self._verdicts[sender] = (header.req, False)
+                self._settle_round(sender, header)
                 self._on_event("pushes_busy", 1)
                 return wire.encode_error(
                     self.name, header.req, ErrorCode.BUSY, f"this sender has {self._per_sender} unmixed pushes here"
@@ -202,6 +228,7 @@ class PushReceiver:
             slot = next((s for s in self._slots if s.state == "free"), None)
             if slot is None:
                 self._verdicts[sender] = (header.req, False)
+                self._settle_round(sender, header)
                 self._on_event("pushes_busy", 1)
                 return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "inbox full")
             self._verdicts[sender] = (header.req, None)
@@ -241,6 +268,7 @@ class PushReceiver:
                 return None
             slot.state = "full"
             self._verdicts[slot.sender] = (seq, True)
+            self._settle_round(slot.sender, slot.header)
         self._on_event("pushes_received", 1)
         return self._ack(identity, seq)
 
@@ -335,6 +363,14 @@ class PushReceiver:
             return None
         return frame
 
+    def _settle_round(self, sender: str, header: Header) -> None:
+        """A push of ``sender`` got its verdict (taken, or refused: its mass went back): its round, if it names
+        one, is settled here (caller holds the lock)."""
+        value = round_of(header)
+        if value is not None:
+            self._rounds[sender] = value
+            self._lock.notify_all()
+
     def _stranger(self, sender: str, user: str | None) -> bool:
         """True (counted under ``identity``) when ``sender`` is no peer of the cluster, or, with CURVE, not the
         name the connection authenticated as (``user``)."""
@@ -354,18 +390,42 @@ class PushReceiver:
 
     # ------------------------------------------------------------ trainer thread
 
-    def drain(self) -> list[InboxSlot]:
-        """The pushes to mix now: per sender its oldest ready one (whole push, committed exchange), in
-        sender order, marked ``mixing`` until :meth:`release`."""
+    def drain(self, *, every: bool = False, upto: int | None = None, window: int = 0) -> list[InboxSlot]:
+        """The pushes to mix now, marked ``mixing`` until :meth:`release`: per sender its oldest ready one
+        (whole push, committed exchange), in sender order; ``every``: all ready ones, by sender then sequence.
+
+        ``upto`` (a round): a push naming a round in ``(upto, upto + window]`` stays for its own round (a
+        sender in lock-step, a little ahead); one naming none, an earlier round, or a later one is taken."""
         with self._lock:
-            oldest: dict[str, InboxSlot] = {}
-            for s in self._slots:
-                if s.state in ("full", "committed") and (s.sender not in oldest or s.seq < oldest[s.sender].seq):
-                    oldest[s.sender] = s
-            ready = [oldest[sender] for sender in sorted(oldest)]
+            ready = sorted(
+                (s for s in self._slots if s.state in ("full", "committed") and not _early(s, upto, window)),
+                key=lambda s: (s.sender, s.seq),
+            )
+            if not every:
+                oldest: dict[str, InboxSlot] = {}
+                for s in ready:
+                    oldest.setdefault(s.sender, s)
+                ready = list(oldest.values())
             for s in ready:
                 s.state = "mixing"
         return ready
+
+    def latest_round(self, sender: str) -> int:
+        """The round of ``sender``'s latest push with a verdict here (-1: none named a round)."""
+        with self._lock:
+            return self._rounds.get(sender, -1)
+
+    def wait_rounds(self, wanted: Mapping[str, int], timeout_s: float) -> list[str]:
+        """Wait (at most ``timeout_s`` seconds) until each sender ``s`` of ``wanted`` has a push of round
+        ``>= wanted[s]`` settled here (taken or refused); the senders still missing, in order."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._lock:
+            while True:
+                missing = [s for s, r in wanted.items() if self._rounds.get(s, -1) < r]
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    return missing
+                self._lock.wait(left)
 
     def release(self, slots: Sequence[InboxSlot]) -> None:
         """The trainer is done with ``slots``: free them."""

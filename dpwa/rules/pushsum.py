@@ -22,7 +22,8 @@ first hands its whole ``(x, w)`` to a member (:meth:`PushSumRule.hand_off`), so 
 Only a node that dies takes its mass along (as in any push-sum).
 
 ``overlap`` (OSGP's tau): ``update_wait`` returns while at most ``overlap`` of the node's
-pushes still await their ACK; 0 is SGP (every push acknowledged by the step's end).
+pushes still await their ACK, and (on a fixed schedule) once every in-neighbour's push of round
+``k - overlap`` is in (the node's wait, bounded by ``timeout_ms``; docs/rules.md); 0 is synchronous SGP.
 
 The local step goes to the numerator (SGP, Assran et al. 2019, Algorithm 1: the gradient is taken at the
 de-biased ``x`` and applied to ``z``). Whatever the user's optimizer did between ``update_send`` and

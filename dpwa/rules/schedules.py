@@ -73,6 +73,11 @@ class Schedule(ABC):
     def targets(self, rnd: Round) -> Sequence[str] | None:
         """The peers to fetch this round, or None: let flow control pick ``fanout`` of them."""
 
+    def sources(self, rnd: Round) -> Sequence[str] | None:
+        """The nodes whose ``targets`` at round ``rnd.index`` include ``rnd.me`` (a push rule's in-neighbours of
+        the round), or None when that depends on state this node cannot see (flow control's choice)."""
+        return None
+
 
 class RandomSchedule(Schedule):
     """Flow control picks the peer: largest ``score + U{10..1000}``, dead peers probed rarely."""
@@ -92,8 +97,19 @@ class ExponentialSchedule(Schedule):
         n = len(rnd.names)
         if n < 2:
             return []
-        hops = max(1, math.ceil(math.log2(n)))
-        return [rnd.names[(rnd.rank + 2 ** (rnd.index % hops)) % n]]
+        return [rnd.names[(rnd.rank + self.hop(n, rnd.index)) % n]]
+
+    @staticmethod
+    def hop(n_nodes: int, index: int) -> int:
+        """``2^(k mod ceil(log2 N))``: how far round ``k`` pushes."""
+        return 2 ** (index % max(1, math.ceil(math.log2(n_nodes))))
+
+    def sources(self, rnd: Round) -> list[str]:
+        """``(i - 2^(k mod ceil(log2 N))) mod N``: the one node pushing to ``i`` at round ``k``."""
+        n = len(rnd.names)
+        if n < 2:
+            return []
+        return [rnd.names[(rnd.rank - self.hop(n, rnd.index)) % n]]
 
 
 class RingSchedule(Schedule):
@@ -104,6 +120,11 @@ class RingSchedule(Schedule):
     def targets(self, rnd: Round) -> list[str]:
         n = len(rnd.names)
         return [] if n < 2 else [rnd.names[(rnd.rank + 1) % n]]
+
+    def sources(self, rnd: Round) -> list[str]:
+        """``(i - 1) mod N``."""
+        n = len(rnd.names)
+        return [] if n < 2 else [rnd.names[(rnd.rank - 1) % n]]
 
 
 class LeaderSchedule(Schedule):
@@ -159,6 +180,10 @@ class GroupsSchedule(Schedule):
         rank = rnd.rank
         return [rnd.names[j] for j in self.group(rank, len(rnd.names), rnd.index) if j != rank]
 
+    def sources(self, rnd: Round) -> list[str]:
+        """A group is symmetric: the same nodes."""
+        return self.targets(rnd)
+
 
 class NeighboursSchedule(Schedule):
     """Every neighbour of an undirected regular graph, every step (:func:`dpwa.rules.dpsgd.neighbours`)."""
@@ -174,6 +199,10 @@ class NeighboursSchedule(Schedule):
 
     def targets(self, rnd: Round) -> list[str]:
         return [rnd.names[j] for j in neighbours(rnd.rank, len(rnd.names), self.graph)]
+
+    def sources(self, rnd: Round) -> list[str]:
+        """The graph is undirected: the same nodes."""
+        return self.targets(rnd)
 
 
 SCHEDULES: dict[str, type[Schedule]] = {
