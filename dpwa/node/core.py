@@ -129,6 +129,7 @@ class Node:
         self.requests = itertools.count(1)
         self.step = 0  # update_send calls so far: the schedules' round index
         self.in_round = False  # an update_send started a round that its update_wait has not ended yet
+        self.started_with: set[str] = set()  # the peers that answered wait_for_peers: in-neighbours from round 0
         self.alone = False
         self.caught_up = False  # recovery: a peer was copied, or the first reply was checked for "far behind"
         self.mixing = False
@@ -438,7 +439,8 @@ class Node:
         of round ``k - overlap`` (``k`` the round just pushed) has a push of that round settled in the inbox.
 
         Not waited for: a source that is down, that never sent a push naming its round (it is starting, or not
-        a synchronous node), or that is more than :meth:`source_window` rounds behind. A push that comes late is
+        a synchronous node; in the first :meth:`source_window` rounds a peer that answered :meth:`wait_for_peers`
+        is waited for all the same), or that is more than :meth:`source_window` rounds behind. A push that comes late is
         folded at the next update_wait (:meth:`PushReceiver.drain` takes every one there)."""
         self.sources_late, self.sources_wait_ms = [], 0.0
         if self.ledger is None or self.inbox is None or self.step < 1:
@@ -452,10 +454,14 @@ class Node:
             return
         with self.flow_lock:
             up = set(self.flow.up_peers())
-        floor = awaited - self.source_window()
-        wanted = {
-            s: awaited for s in sources if s != self.name and s in up and self.inbox.latest_round(s) >= max(0, floor)
-        }
+        window = self.source_window()
+        floor = awaited - window
+
+        def in_step(source: str) -> bool:  # heard naming a recent round; or, in the first rounds, started with us
+            latest = self.inbox.latest_round(source)
+            return latest >= max(0, floor) or (latest < 0 and awaited < window and source in self.started_with)
+
+        wanted = {s: awaited for s in sources if s != self.name and s in up and in_step(s)}
         if not wanted:
             return
         started = time.perf_counter()
@@ -1116,6 +1122,7 @@ class Node:
             return wire.encode_members(self.name, next(self.requests), news)
 
         answered = self.ask_members(members, message, deadline, refused_ends=False)
+        self.started_with |= answered
         return {m.name: m.name in answered for m in members}
 
     def ask_members(

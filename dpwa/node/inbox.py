@@ -200,7 +200,9 @@ class PushReceiver:
             self._on_event("pushes_dropped_by_hook", 1)
             return None
         ready = self._ready()
-        if ready is None:
+        if ready is None:  # refused before this node's first publish: the sender keeps its mass, the round is over
+            with self._lock:
+                self._settle_round(sender, header)
             return wire.encode_error(self.name, header.req, ErrorCode.NOT_READY, "no layout yet")
         wire_layout, _ = ready
         try:
