@@ -104,6 +104,27 @@ def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0
         time.sleep(interval)
 
 
+def in_threads(n: int, body: Callable[[int], None], timeout: float = 120.0) -> None:
+    """Run ``body(i)`` for i in 0..n-1, each in its own thread (one trainer per node); fail the test if one
+    is still running after ``timeout`` seconds or raised (its exception is shown)."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            body(i)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
+    assert not errors, errors
+
+
 def traced(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn``; return its result and the peak of Python/numpy memory allocated meanwhile (tracemalloc)."""
     tracemalloc.start()

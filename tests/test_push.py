@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import free_ports, wait_until, write_cluster
+from conftest import free_ports, in_threads, wait_until, write_cluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,29 +52,19 @@ def run_threads(
     """Every node: ``steps`` rounds of update_send, a "step" of ``step_s(node, k)`` seconds (and ``train(node,
     params)``, a local step on the arrays), update_wait."""
     barrier = threading.Barrier(len(conns))
-    errors: list[BaseException] = []
 
     def node(i: int) -> None:
-        try:
-            barrier.wait(timeout=10)
-            for k in range(steps):
-                conns[i].update_send(params[i], 1.0)
-                time.sleep(step_s(i, k))
-                if train is not None:
-                    train(i, params[i])
-                conns[i].update_wait(1.0)
-                if on_wait is not None:
-                    on_wait(i, conns[i])
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        barrier.wait(timeout=10)
+        for k in range(steps):
+            conns[i].update_send(params[i], 1.0)
+            time.sleep(step_s(i, k))
+            if train is not None:
+                train(i, params[i])
+            conns[i].update_wait(1.0)
+            if on_wait is not None:
+                on_wait(i, conns[i])
 
-    threads = [threading.Thread(target=node, args=(i,)) for i in range(len(conns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
-    assert not errors, errors
+    in_threads(len(conns), node)
 
 
 def quiesce(conns: Sequence[DpwaConnection], timeout: float = 20.0) -> None:

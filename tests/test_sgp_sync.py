@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import free_ports, wait_until, write_cluster
+from conftest import free_ports, in_threads, wait_until, write_cluster
 
 from dpwa.config import load_config
 from dpwa.node.connection import DpwaConnection
@@ -84,28 +84,18 @@ def _run(
     ``before_send(node, k)`` runs before iteration ``k``'s update_send (a gate the test controls),
     ``after_wait(node, k, record)`` after its update_wait."""
     records: list[list[dict[str, Any]]] = [[] for _ in conns]
-    errors: list[BaseException] = []
 
     def node(i: int) -> None:
-        try:
-            for k in range(steps):
-                if before_send is not None:
-                    before_send(i, k)
-                conns[i].update_send(params[i], 1.0)
-                conns[i].update_wait(1.0)
-                records[i].append(dict(conns[i].last_exchange or {}))
-                if after_wait is not None:
-                    after_wait(i, k, records[i][-1])
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for k in range(steps):
+            if before_send is not None:
+                before_send(i, k)
+            conns[i].update_send(params[i], 1.0)
+            conns[i].update_wait(1.0)
+            records[i].append(dict(conns[i].last_exchange or {}))
+            if after_wait is not None:
+                after_wait(i, k, records[i][-1])
 
-    threads = [threading.Thread(target=node, args=(i,)) for i in range(len(conns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=timeout_s)
-    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
-    assert not errors, errors
+    in_threads(len(conns), node, timeout_s)
     return records
 
 
