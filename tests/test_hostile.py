@@ -997,6 +997,7 @@ def test_every_outcome_once(tx: TxRig, recipe: Recipe) -> None:
     tx.exchange(recipe)
 
 
+@pytest.mark.slow  # it counts what the slow property test above did: without it (-m "not slow") nothing to count
 def test_tx_rig_is_exercised(tx: TxRig) -> None:
     """The property above really mixed, rejected, refused and timed out (it is not vacuous), and the node is up."""
     s = tx.conn.stats()
