@@ -280,7 +280,7 @@ class DpwaPyTorchAdapter:
         self._step = 0
         self._closed = False
         try:
-            self._conn = DpwaConnection(name, config, seed=seed)
+            self._conn = DpwaConnection(name, config, seed=seed, params=self._arrays)
         finally:
             if reservation is not None:  # the node has bound its port (or failed): nobody else may take it now
                 reservation.release()

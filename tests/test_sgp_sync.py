@@ -149,6 +149,47 @@ def test_in_lock_step_on_the_exponential_graph_every_weight_is_one(tmp_path: Pat
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("given", [True, False], ids=["params-at-start", "params-at-first-send"])
+def test_a_push_before_the_receivers_first_update_send_is_taken_when_it_gave_its_params(
+    tmp_path: Path, given: bool
+) -> None:
+    """4 nodes on the exponential graph, all past ``wait_for_peers``; node ``i`` sends its first push only once
+    node ``i-1``'s round-0 push (to ``i``) has its verdict, so every round-0 push but one reaches a node that
+    has not called ``update_send`` yet. Given its params at construction (as the PyTorch adapter does) a node
+    takes it: every round folds exactly its push and every weight is exactly 1 from round 0 on. Without
+    them the push is refused "not ready", its mass goes back, and the receiver's weight leaves 1."""
+    n = 4
+    params = _params(n)
+    cfg = load_config(write_cluster(tmp_path / "c.yaml", free_ports(n), interpolation="pushsum", timeout_ms=30000))
+    conns = [DpwaConnection(f"w{i + 1}", cfg, seed=i, params=params[i] if given else None) for i in range(n)]
+    try:
+        for c in conns:
+            assert all(c.wait_for_peers(30).values())
+
+        def pushed(c: DpwaConnection) -> bool:
+            s = c.stats()
+            return s["pushes_sent"] >= 1 and s["pushes_unsettled"] == 0
+
+        def gate(i: int, k: int) -> None:
+            if k == 0 and i > 0:
+                wait_until(lambda: pushed(conns[i - 1]), 30, message=f"w{i}'s round-0 push settled")
+
+        records = _run(conns, params, 12, before_send=gate)
+        weights = [[r["weight"] for r in node_records] for node_records in records]
+        if given:
+            assert all(abs(w - 1.0) <= 1e-9 for ws in weights for w in ws), weights
+            assert all(r["received"] == 1 for node_records in records for r in node_records), records
+            assert sum(c.stats()["pushes_returned"] for c in conns) == 0
+        else:  # the contrast: the same gating refuses the pushes and moves the weights
+            assert min(min(ws) for ws in weights) <= 0.5 + 1e-9, weights
+        _quiesce(conns)
+        assert math.fsum(_weights(conns)) == pytest.approx(n, abs=1e-9)
+    finally:
+        for c in conns:
+            c.close()
+
+
+@pytest.mark.integration
 def test_a_late_push_is_folded_at_the_next_step_once_and_mass_stays_exact(tmp_path: Path) -> None:
     """Two nodes (each the other's in-neighbour every round), ``timeout_ms`` 300: w2 holds its push of
     iteration 5 back until w1's update_wait of iteration 5 has given up on it (``sources_late`` 1). w1 goes

@@ -36,7 +36,10 @@ class DpwaConnection:
 
     ``DpwaConnection(name, config)`` where ``config`` is a cluster file path or a
     loaded :class:`~dpwa.config.ClusterConfig`. ``seed`` makes peer choice and
-    fetch coin-flips reproducible; ``rule`` overrides the configured rule.
+    fetch coin-flips reproducible; ``rule`` overrides the configured rule. ``params``, the arrays later
+    passed to :meth:`update_send`, sets the node's buffers up before it answers anyone, so that a push
+    arriving before the first ``update_send`` is taken instead of refused "not ready" (push-sum's first
+    rounds then stay synchronous).
     """
 
     def __init__(
@@ -46,13 +49,14 @@ class DpwaConnection:
         *,
         seed: int | None = None,
         rule: Rule | None = None,
+        params: Sequence[np.ndarray] | None = None,
     ) -> None:
         cfg = resolve_config(config)
         cfg.node(name)  # a clear ConfigError before anything starts
         if rule is None:
             rule = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
         schedule = make_schedule(cfg.schedule, cfg.settings)
-        self._node = Node(name, cfg, rule, schedule, seed)
+        self._node = Node(name, cfg, rule, schedule, seed, params)
         self._finalizer = weakref.finalize(self, Node.close, self._node)
 
     @property

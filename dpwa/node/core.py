@@ -94,7 +94,15 @@ class Node:
     ``state_lock``, flow control only under ``flow_lock``; only the trainer's thread writes ``params``.
     """
 
-    def __init__(self, name: str, config: ClusterConfig, rule: Rule, schedule: Schedule, seed: int | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: ClusterConfig,
+        rule: Rule,
+        schedule: Schedule,
+        seed: int | None,
+        params: Sequence[np.ndarray] | None = None,
+    ) -> None:
         self.name = name
         self.config = config
         me = config.node(name)
@@ -153,6 +161,8 @@ class Node:
                 check_identity=config.security.curve,
                 per_sender=config.inbox_per_sender,
             )
+        if params is not None:  # buffers and inbox ready before the server answers anyone: no "not ready" pushes
+            self.take_params(params)
         self.pushed_this_step = 0
         self.push_ms = 0.0  # the slowest push delivered (send to ACK) found by the last update_wait
         self.sources_late: list[str] = []  # in-neighbours whose push of the awaited round did not come in time
