@@ -194,7 +194,9 @@ def _pair_config(wire: str, ports: Sequence[int], n: int, fetch_probability: flo
     """The YAML cluster file of the trainer node ``t`` and the peer node ``p`` for wire dtype ``wire``.
 
     The peer gets ``fetch_probability`` 0: it only serves, so nothing else moves while (b) is timed.
-    ``push``: the pair of (d), rule ``pushsum`` with the smallest inbox (two slots).
+    ``push``: the pair of (d), rule ``pushsum`` with the smallest inbox (two slots), on random peers: there
+    push-sum is asynchronous (``update_wait`` waits for the ACK, not for the peer's push of the round, which in
+    (d) comes only after it).
     """
     doc: dict[str, Any] = {
         "nodes": [{"name": name, "host": "127.0.0.1", "port": port} for name, port in zip("tp", ports)],
@@ -202,7 +204,7 @@ def _pair_config(wire: str, ports: Sequence[int], n: int, fetch_probability: flo
         "timeout_ms": max(5000.0, n * 4 / 1e6 * 200),  # generous: 200 ms per MB, this is a benchmark not a test
     }
     if push:
-        doc.update(interpolation="pushsum", inbox_slots=2)
+        doc.update(interpolation="pushsum", peers="random", inbox_slots=2)
     if "wire_dtype" in {f for f in ClusterConfig.__dataclass_fields__}:
         doc["wire_dtype"] = wire
     elif wire != "float32":
