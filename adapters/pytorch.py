@@ -327,6 +327,18 @@ class DpwaPyTorchAdapter:
         return self._step
 
     @property
+    def progress(self) -> int:
+        """The step index to schedule by: :attr:`step`, or, if a node this one has heard of (directly or through
+        its peers) has started a later step, that step (``connection.front - 1``).
+
+        Asynchronous nodes drift apart by a few percent of their steps. Indexed by :attr:`step`, a schedule that
+        decays to 0 gives a node that lags steps several times larger than its peers' near the end, and its
+        data then dominate the point the nodes agree on (docs/rules.md, "Heterogeneous data"). Indexed by
+        ``progress``, every node takes the step size of the furthest one; a node that is still behind when the
+        others finish runs its last steps with the schedule's final value."""
+        return max(self._step, self._conn.front - 1)
+
+    @property
     def tensors(self) -> list[torch.Tensor]:
         """The model's tensors that are exchanged, in wire order."""
         return [e.tensor for e in self._entries]

@@ -88,6 +88,11 @@ def test_fetch_state_error_round_trip():
     assert h.gen == -1  # a reply that names no generation (a server older than the field)
     h = wire.decode_header(wire.encode_state("w2", 7, clock=1, loss=1, extras={}, layout=layout, gen=12))
     assert h.gen == 12
+    assert h.front == -1  # a sender that does not say how far the cluster is
+    h = wire.decode_header(wire.encode_state("w2", 7, clock=1, loss=1, extras={}, layout=layout, front=0))
+    assert h.front == 0
+    h = wire.decode_header(wire.encode_push("w2", 7, clock=1, loss=1, extras={}, layout=layout, front=2999))
+    assert h.kind is Kind.PUSH and h.front == 2999
 
     h = wire.decode_header(wire.encode_error("w2", 7, ErrorCode.LAYOUT, "mine differs"))
     assert h.kind is Kind.ERROR and h.code == "layout-mismatch" and h.detail == "mine differs"
@@ -144,6 +149,12 @@ GOOD_STATE = {
         (_raw(2, {**GOOD_STATE, "gen": True}), "header"),
         (_raw(2, {**GOOD_STATE, "gen": "3"}), "header"),
         (_raw(2, {**GOOD_STATE, "gen": 2**64}), "header"),
+        (_raw(2, {**GOOD_STATE, "front": -1}), "header"),  # -1 means "not said" only inside the node
+        (_raw(2, {**GOOD_STATE, "front": None}), "header"),
+        (_raw(2, {**GOOD_STATE, "front": False}), "header"),
+        (_raw(2, {**GOOD_STATE, "front": 1.5}), "header"),
+        (_raw(2, {**GOOD_STATE, "front": "3"}), "header"),
+        (_raw(2, {**GOOD_STATE, "front": 2**64}), "header"),
     ],
 )
 def test_decode_rejects(frame, reason):

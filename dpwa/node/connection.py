@@ -78,6 +78,13 @@ class DpwaConnection:
         return self._node.state.clock
 
     @property
+    def front(self) -> int:
+        """The most ``update_send`` calls this node has heard of: its own, or any peer's (each snapshot and push
+        carries its sender's front, and a node keeps the maximum, so it spreads through the cluster in a few
+        exchanges). A lower bound of how far the furthest node is, late by the age of what arrived."""
+        return self._node.front
+
+    @property
     def last_exchange(self) -> dict[str, Any] | None:
         """The last update_wait as a metrics record.
 

@@ -136,6 +136,7 @@ class Node:
         self.pending: FetchJob | None = None
         self.requests = itertools.count(1)
         self.step = 0  # update_send calls so far: the schedules' round index
+        self.front = 0  # the most update_send calls heard of: this node's, or a peer's (gossiped as a maximum)
         self.in_round = False  # an update_send started a round that its update_wait has not ended yet
         self.started_with: set[str] = set()  # the peers that answered wait_for_peers: in-neighbours from round 0
         self.alone = False
@@ -302,7 +303,8 @@ class Node:
             if tick:
                 self.state.clock += 1
             clock, loss, extras = self.state.clock, self.state.loss, dict(self.state.extras)
-        snapshot = self.pool.publish(self.params, clock, loss, extras)
+        self.front = max(self.front, self.step + 1 if tick else self.step)  # step counts update_send after this
+        snapshot = self.pool.publish(self.params, clock, loss, extras, self.front)
         if snapshot is None:
             self.stats.add("snapshots_skipped")
             self.once.warning(
@@ -558,6 +560,7 @@ class Node:
         with self.sync_lock:  # forget_member drops the peer's entry from another thread
             repeat = header.gen >= 1 and self.fetched_gens.get(target.peer) == header.gen
             self.fetched_gens[target.peer] = header.gen
+        self.front = max(self.front, header.front)
         return PeerSnapshot(
             NodeState(target.peer, header.clock, header.loss, dict(header.extras)), target.views, repeat=repeat
         )
@@ -584,6 +587,7 @@ class Node:
         """What an inbox slot holds, as a peer for the rule (an exchange with the snapshot served as reference)."""
         header = slot.header
         assert header is not None
+        self.front = max(self.front, header.front)
         reference = slot.served.readonly if slot.served is not None else None
         return PeerSnapshot(
             NodeState(slot.sender, header.clock, header.loss, dict(header.extras)), slot.views, reference
@@ -854,6 +858,7 @@ class Node:
                 layout=layout,
                 stream=stream,
                 gen=snapshot.gen,
+                front=snapshot.front,
             )
             try:
                 header = encode(news=news)

@@ -75,6 +75,9 @@ class Snapshot:
     clock: float = 0.0
     loss: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
+    front: int = -1
+    """The most steps (``update_send`` calls) the publishing node knew any node to have started, its own
+    included; -1: not said."""
     gen: int = 0
     """Which publish of the pool this buffer holds: a counter that starts at a random value per pool (so a node
     restarted under the same name does not repeat the generations its peers saw) and grows by 1 per publish. A
@@ -146,7 +149,7 @@ class SnapshotPool:
         return len(self._all)
 
     def publish(
-        self, arrays: Sequence[np.ndarray], clock: float, loss: float, extras: dict[str, Any]
+        self, arrays: Sequence[np.ndarray], clock: float, loss: float, extras: dict[str, Any], front: int = -1
     ) -> Snapshot | None:
         """Copy ``arrays`` into a free buffer and make it current; None (counted) if every buffer is busy."""
         with self._lock:
@@ -165,7 +168,7 @@ class SnapshotPool:
             if free.wire_views is not None:
                 free.ready = 0  # no other thread touches a buffer that is neither current nor leased
             free.leases -= 1
-            free.clock, free.loss, free.extras = clock, loss, dict(extras)
+            free.clock, free.loss, free.extras, free.front = clock, loss, dict(extras), front
             self._published += 1
             free.gen = self._published
             self._current = free

@@ -695,6 +695,7 @@ class TxFetcher(threading.Thread):
             chunk=self._chunk,
             hold=hold,
             whole=len(snap.frames) == 1,
+            front=snap.front,
         )
         try:
             header = encode(news=news)

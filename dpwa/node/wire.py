@@ -319,6 +319,8 @@ class Header:
     """MEMBERS announcing a leave: the receiver's latest push sequence number there and its final verdict."""
     mass: float | None = None
     """MEMBERS answering a JOIN: the sender's bound on the cluster's push-sum mass (members ever admitted)."""
+    front: int = -1
+    """STATE, PUSH: the most steps the sender knew any node to have started (its own included); -1: not said."""
     gen: int = -1
     """STATE: the snapshot's generation (the server's publish count, from 1); -1 when the reply carries none."""
 
@@ -379,12 +381,14 @@ def encode_push(
     hold: bool = False,
     whole: bool = False,
     news: MemberNews | None = None,
+    front: int = -1,
 ) -> bytes:
     """The header of push ``seq`` of a snapshot of (wire) ``layout``; its chunks follow as tagged messages,
     or, ``whole`` (a layout of one chunk), its one chunk follows in the same message.
 
-    ``hold``: an exchange's push, kept by the receiver until a SETTLE commit."""
-    body = _payload_body(node, seq, clock, loss, extras, layout, chunk)
+    ``hold``: an exchange's push, kept by the receiver until a SETTLE commit. ``front`` (>= 0): see
+    :attr:`Header.front`."""
+    body = _payload_body(node, seq, clock, loss, extras, layout, chunk, front)
     if not whole:
         body["stream"] = True
     if hold:
@@ -416,10 +420,12 @@ def encode_state(
     stream: bool = False,
     news: MemberNews | None = None,
     gen: int = -1,
+    front: int = -1,
 ) -> bytes:
     """The header of a reply carrying a snapshot of (wire) ``layout``; ``stream``: the chunks follow as messages;
-    ``gen`` (>= 1): the snapshot's generation, so the requester can tell a snapshot it already has."""
-    body = _payload_body(node, req, clock, loss, extras, layout, chunk)
+    ``gen`` (>= 1): the snapshot's generation, so the requester can tell a snapshot it already has; ``front``
+    (>= 0): see :attr:`Header.front`."""
+    body = _payload_body(node, req, clock, loss, extras, layout, chunk, front)
     if stream:
         body["stream"] = True
     if gen >= 1:
@@ -428,10 +434,17 @@ def encode_state(
 
 
 def _payload_body(
-    node: str, req: int, clock: float, loss: float, extras: dict[str, Any], layout: Layout, chunk: int
+    node: str,
+    req: int,
+    clock: float,
+    loss: float,
+    extras: dict[str, Any],
+    layout: Layout,
+    chunk: int,
+    front: int = -1,
 ) -> dict[str, Any]:
     """The header fields of a message that carries a snapshot (STATE, PUSH)."""
-    return {
+    body: dict[str, Any] = {
         "node": node,
         "req": req,
         "fp": layout.fingerprint,
@@ -442,6 +455,9 @@ def _payload_body(
         "chunk": chunk,
         "nframes": len(layout.frame_bounds(chunk)),
     }
+    if front >= 0:
+        body["front"] = front
+    return body
 
 
 def can_stream(req: int) -> bool:
@@ -609,6 +625,9 @@ def decode_header(frame: bytes | memoryview) -> Header:
         and (isinstance(gen, bool) or not isinstance(gen, int) or not 1 <= gen <= MAX_REQ)
     ):
         raise WireError("header", "field 'gen' is not an integer in [1, 2^64 - 1]")
+    front = body.get("front", -1)  # -1: a message that does not say
+    if "front" in body and (isinstance(front, bool) or not isinstance(front, int) or not 0 <= front <= MAX_REQ):
+        raise WireError("header", "field 'front' is not an integer in [0, 2^64 - 1]")
     return Header(
         kind,
         node,
@@ -625,6 +644,7 @@ def decode_header(frame: bytes | memoryview) -> Header:
         digest=digest,
         members=members,
         gen=gen,
+        front=front,
     )
 
 

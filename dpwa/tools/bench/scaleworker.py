@@ -75,6 +75,10 @@ class RecordingExchange:
         self.model = model
         self.steps = 0
 
+    @property
+    def progress(self) -> int:
+        return int(self.adapter.progress)
+
     def update_send(self, loss: float) -> None:
         self.adapter.update_send(loss)
 
