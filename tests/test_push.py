@@ -434,8 +434,10 @@ def test_a_sender_fills_at_most_inbox_per_sender_and_its_oldest_push_is_mixed_fi
     refuses the rest busy; push-sum's update_wait folds every one kept, the oldest first (a late push of an
     in-neighbour is folded with the round's)."""
     cfg = load_config(
-        write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation="pushsum", inbox_per_sender=per_sender)
-    )
+        write_cluster(
+            tmp_path / "c.yaml", free_ports(2), interpolation="pushsum", inbox_per_sender=per_sender, timeout_ms=300
+        )
+    )  # timeout_ms: how long the first update_wait waits on the push to w2, which nobody takes
     node = DpwaConnection("w1", cfg, seed=1)
     params = [np.zeros(40, np.float32)]
     node.update_send(params, 1.0)  # publishes (its own push to w2 is refused: nobody there)
