@@ -65,7 +65,7 @@ def bench(*args: str, **kwargs: object) -> subprocess.Popen[str]:
     )  # type: ignore[call-overload]
 
 
-@pytest.mark.slow  # 80 s here: the largest part of the fast subset
+@pytest.mark.slow  # two processes, gloo and three wire dtypes: ~10 s here
 def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
     plot = importlib.util.find_spec("matplotlib") is not None
     proc = bench("--floats", "10000,2k", "--repeat", "2", "--run-dir", str(tmp_path), *(["--plot"] if plot else []))
