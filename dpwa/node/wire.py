@@ -434,14 +434,7 @@ def encode_state(
 
 
 def _payload_body(
-    node: str,
-    req: int,
-    clock: float,
-    loss: float,
-    extras: dict[str, Any],
-    layout: Layout,
-    chunk: int,
-    front: int = -1,
+    node: str, req: int, clock: float, loss: float, extras: dict[str, Any], layout: Layout, chunk: int, front: int
 ) -> dict[str, Any]:
     """The header fields of a message that carries a snapshot (STATE, PUSH)."""
     body: dict[str, Any] = {
