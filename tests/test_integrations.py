@@ -120,6 +120,7 @@ def test_lightning_under_torchrun_meets_through_the_rendezvous(tmp_path: Path) -
     pytest.importorskip("lightning", reason="the dpwa[lightning] extra is not installed")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DPWA_", "SLURM_"))}
     env["DPWA_RUN_DIR"] = str(tmp_path / "run")
+    env["TMPDIR"] = str(tmp_path)  # torchrun's agent leaves a torchelastic_* directory there, not in /tmp
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(ROOT / "examples" / "lightning" / "train.py"), "--steps", "60"],

@@ -33,13 +33,18 @@ def results(text: str) -> list[dict]:
     )
 
 
-def clean_env() -> dict[str, str]:
+def clean_env(tmp: Path | None = None) -> dict[str, str]:
+    """This process's environment without engine variables; ``tmp``: TMPDIR for torchrun, whose agent leaves a
+    ``torchelastic_*`` directory in the temp directory (in the test's own, not in /tmp)."""
     skip = ("SLURM_", "DPWA_", "TORCHELASTIC_")
-    return {
+    env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(skip) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
+    return env
 
 
 @pytest.mark.parametrize("restarts", [0, pytest.param(1, marks=pytest.mark.slow)])
@@ -49,7 +54,7 @@ def test_torchrun_standalone_workers_meet_and_mix(tmp_path: Path, restarts: int)
     script = ENGINE_WORKER
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     argv += ["--max-restarts", str(restarts), "--monitor-interval", "0.1", str(script), str(restarts)]
-    done = subprocess.run(argv, env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(argv, env=clean_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     # A failed attempt's other workers may finish before TorchElastic stops them (the failed worker left
     # cleanly, so they lose no time on it): the last attempt's results are the ones to check.
@@ -130,7 +135,12 @@ def test_multi_host_torchrun_across_three_network_namespaces(tmp_path: Path) -> 
             argv += [address[ns], "--monitor-interval", "0.1", str(script), "0"]
             procs.append(
                 subprocess.Popen(
-                    argv, env=clean_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                    argv,
+                    env=clean_env(tmp_path),
+                    cwd=tmp_path,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
                 )
             )
         out = ""
