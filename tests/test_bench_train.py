@@ -139,6 +139,7 @@ def test_shared_counter_sums_every_nodes_slot(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the bench
 
 
+@pytest.mark.slow  # 10-15 s here: two gloo workers and dpwa nodes
 @pytest.mark.integration
 def test_bench_train_tiny_run_writes_a_table_json_and_plot(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -207,6 +208,7 @@ def _workers_of(run_dir: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # 10-15 s here: two gloo workers and dpwa nodes
 @pytest.mark.integration
 def test_sigint_stops_every_worker(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
