@@ -97,6 +97,7 @@ def test_synthetic_two_nodes_write_loadable_checkpoints(tmp_path: Path) -> None:
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")], "a temporary checkpoint was left"
 
 
+@pytest.mark.slow  # ~7 s here: three runs of the example
 @pytest.mark.integration
 def test_resume_continues_from_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "torchvision-imported"

@@ -226,6 +226,7 @@ def test_pushsum_mass_survives_dropped_pushes_and_dropped_acks(tmp_path: Path) -
         close_all(conns)
 
 
+@pytest.mark.slow  # ~11 s here: the receiver is slow on purpose
 def test_osgp_keeps_at_most_overlap_pushes_unacknowledged_under_a_slow_receiver(tmp_path: Path) -> None:
     """OSGP (overlap 2) against receivers that hold every ACK 0.2 s: update_wait returns with at most two
     pushes unacknowledged, blocking only beyond; with overlap 0 every push is acknowledged by its step's end."""
