@@ -516,6 +516,16 @@ def _field(body: dict[str, Any], key: str, types: type | tuple[type, ...]) -> An
     return value
 
 
+def _optional_count(body: dict[str, Any], key: str, lowest: int) -> int:
+    """``body[key]``: an integer in ``[lowest, MAX_REQ]``, or -1 when the field is absent (-1 itself is invalid)."""
+    if key not in body:
+        return -1
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= MAX_REQ:
+        raise WireError("header", f"field {key!r} is not an integer in [{lowest}, 2^64 - 1]")
+    return value
+
+
 def decode_header(frame: bytes | memoryview) -> Header:
     """Parse and type-check a header frame; raises WireError naming what is wrong."""
     data = bytes(frame)
@@ -611,16 +621,8 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if not (math.isfinite(clock) and math.isfinite(loss)):
         raise WireError("non-finite", "clock or loss is not finite")
     extras = _field(body, "extras", dict)
-    gen = body["gen"] if kind is Kind.STATE and "gen" in body else -1  # -1: a reply that names no generation
-    if (
-        kind is Kind.STATE
-        and "gen" in body
-        and (isinstance(gen, bool) or not isinstance(gen, int) or not 1 <= gen <= MAX_REQ)
-    ):
-        raise WireError("header", "field 'gen' is not an integer in [1, 2^64 - 1]")
-    front = body.get("front", -1)  # -1: a message that does not say
-    if "front" in body and (isinstance(front, bool) or not isinstance(front, int) or not 0 <= front <= MAX_REQ):
-        raise WireError("header", "field 'front' is not an integer in [0, 2^64 - 1]")
+    gen = _optional_count(body, "gen", 1) if kind is Kind.STATE else -1  # -1: a reply that names no generation
+    front = _optional_count(body, "front", 0)  # -1: a message that does not say
     return Header(
         kind,
         node,
