@@ -14,23 +14,90 @@ the Trainer has put the model on its device, and closed at ``on_train_end`` (the
 cleanly). The loss an exchange reports is the last one the Trainer logged (``logging_steps=1``: every step's).
 Every log entry of ``trainer.state.log_history`` (and so ``trainer_state.json``) gets ``dpwa/factor``,
 ``dpwa/fetch_ms``, ``dpwa/exchanges`` and ``dpwa/mixes``.
+
+Every node trains on its own shard of the training data: the Trainer's training sampler becomes a
+:class:`~dpwa.adapters.sampler.DpwaSampler` (``partition``, default ``iid``, seeded by ``data_seed``), so that
+its epochs, ``max_steps`` and learning-rate schedule are those of the shard. The callback learns its Trainer at
+``on_init_end`` (the Trainer's constructor is the caller: the only moment before the loader is built, since no
+hook receives the Trainer) and wraps its ``_get_train_sampler``; a sampler of the user's own (a
+DistributedSampler, a custom one) is refused with a message saying what to do, and ``on_train_begin`` refuses
+to train when the loader it got is not sharded (a callback added after construction: pass it to ``Trainer(...,
+callbacks=[...])``). ``partition=None`` leaves the data alone.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from dpwa.adapters.sampler import DpwaSampler, node_sampler
 from dpwa.adapters.stepping import NodeCallback
+from dpwa.config import ClusterConfig
 
 __all__ = ["DpwaTrainerCallback"]
 
+_CALLER_DEPTH = 8
+"""How many frames up ``on_init_end`` looks for the Trainer whose constructor called it (3 in transformers 5)."""
+
+
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose method is on the call stack (the constructor calling ``on_init_end``), or None."""
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_DEPTH):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _loader_sampler(loader: Any) -> Any:
+    """The item sampler of a DataLoader, also of one accelerate prepared (its batch sampler's sampler)."""
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    return inner if inner is not None else getattr(loader, "sampler", None)
+
 
 class DpwaTrainerCallback(NodeCallback, TrainerCallback):
-    """Gossip the Trainer's model after every optimizer step; see the module doc-string. The keywords are
-    :class:`~dpwa.adapters.stepping.NodeCallback`'s; the adapter is built at ``on_train_begin``."""
+    """Gossip the Trainer's model after every optimizer step; see the module doc-string. ``partition`` (``iid``,
+    ``dirichlet:ALPHA``, ``classes:K``; None: the data are left alone) and ``data_seed`` choose this node's shard;
+    the other keywords are :class:`~dpwa.adapters.stepping.NodeCallback`'s; the adapter is built at
+    ``on_train_begin``."""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        config: ClusterConfig | str | os.PathLike[str] | None = None,
+        *,
+        partition: str | None = "iid",
+        data_seed: int = 0,
+        **options: Any,
+    ) -> None:
+        super().__init__(name, config, **options)
+        self._name, self._config = name, config
+        self._partition, self._data_seed = partition, data_seed
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        trainer = _calling_trainer()
+        if trainer is None or self._partition is None:
+            return
+        original = trainer._get_train_sampler
+
+        def train_sampler(train_dataset: Any = None) -> Any:
+            theirs = original(train_dataset)
+            dataset = train_dataset if train_dataset is not None else trainer.train_dataset
+            mine = node_sampler(
+                theirs, dataset, self._partition or "iid", seed=self._data_seed, framework="DpwaTrainerCallback",
+                name=self._name, config=self._config,
+            )  # fmt: skip
+            return theirs if mine is None else mine
+
+        trainer._get_train_sampler = train_sampler  # type: ignore[method-assign]
 
     def on_train_begin(
         self,
@@ -43,6 +110,14 @@ class DpwaTrainerCallback(NodeCallback, TrainerCallback):
     ) -> None:
         if model is None:
             raise ValueError("DpwaTrainerCallback: the Trainer gave no model to on_train_begin")
+        loader = kwargs.get("train_dataloader")
+        if self._partition is not None and loader is not None and not isinstance(_loader_sampler(loader), DpwaSampler):
+            raise ValueError(
+                "DpwaTrainerCallback: the training data are not split between the nodes (the callback was added "
+                "after the Trainer was built, or the Trainer has no training sampler); pass it as "
+                "Trainer(..., callbacks=[DpwaTrainerCallback()]), or pass partition=None and split the data yourself "
+                "(dpwa.shard)"
+            )
         self.node.start(model, optimizer)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:

@@ -17,6 +17,14 @@ A Callback, not a Strategy: the exchange needs only a hook after the optimizer s
 parameters, and leaves Lightning's own device, precision and (single-process) strategy handling alone; a
 Strategy would have to re-implement those. The adapter is built at ``on_fit_start``, once the module is on its
 device and in its dtype, and closed (the node leaves the cluster cleanly) at ``teardown``.
+
+Every node trains on its own shard of the training data: when Lightning builds the training loader, the
+callback puts a :class:`~dpwa.adapters.sampler.DpwaSampler` (``partition``, default ``iid``, seeded by
+``data_seed``) in place of the default sampler, through Lightning's own loader re-instantiation -- the one it
+uses to insert a ``DistributedSampler`` (a DataLoader subclass keeps its class and arguments). A loader that
+already has a DistributedSampler or a sampler of the user's is refused with a message saying what to do;
+``partition=None`` leaves the loader alone. This hooks ``trainer._data_connector._prepare_dataloader`` (Lightning
+has no public hook before the loader's length is taken); a Lightning without it is refused at ``setup``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,11 @@ from typing import Any
 
 import lightning
 import torch
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader
 
+from dpwa.adapters.sampler import node_sampler
 from dpwa.adapters.stepping import (
     NodeCallback,
     gossip_state_dict,
@@ -38,18 +50,52 @@ __all__ = ["DpwaCallback"]
 
 
 class DpwaCallback(NodeCallback, lightning.pytorch.Callback):
-    """Gossip ``pl_module``'s parameters after every optimizer step; see the module doc-string. The keywords are
-    :class:`~dpwa.adapters.stepping.NodeCallback`'s; the adapter is built at ``on_fit_start``."""
+    """Gossip ``pl_module``'s parameters after every optimizer step; see the module doc-string. ``partition``
+    (``iid``, ``dirichlet:ALPHA``, ``classes:K``; None: the loader is left alone) and ``data_seed`` choose this
+    node's shard; the other keywords are :class:`~dpwa.adapters.stepping.NodeCallback`'s; the adapter is built at
+    ``on_fit_start``."""
 
     def __init__(
         self,
         name: str | None = None,
         config: ClusterConfig | str | os.PathLike[str] | None = None,
+        *,
+        partition: str | None = "iid",
+        data_seed: int = 0,
         **options: Any,
     ) -> None:
         super().__init__(name, config, **options)  # NodeCallback: the node's settings (linger, idle, adapter's)
         self._saved: dict[str, Any] | None = None
         self._global_step = 0
+        self._name, self._config = name, config
+        self._partition, self._data_seed = partition, data_seed
+
+    def setup(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str) -> None:
+        """Before Lightning loads the data: have its training loader built over this node's shard."""
+        if stage != "fit" or self._partition is None:
+            return
+        connector = getattr(trainer, "_data_connector", None)
+        original = getattr(connector, "_prepare_dataloader", None)
+        if original is None or getattr(original, "dpwa_shard", False):
+            if original is None:
+                raise RuntimeError(
+                    f"DpwaCallback: this Lightning {lightning.__version__} has no loader hook to put the node's shard "
+                    "in place; pass partition=None and give the loader a dpwa.adapters.sampler.DpwaSampler yourself"
+                )
+            return
+
+        def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+            if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
+                sampler = node_sampler(
+                    dataloader.sampler, dataloader.dataset, self._partition or "iid", seed=self._data_seed,
+                    framework="DpwaCallback", name=self._name, config=self._config,
+                )  # fmt: skip
+                if sampler is not None:
+                    dataloader = _update_dataloader(dataloader, sampler, mode=mode)
+            return original(dataloader, shuffle=shuffle, mode=mode)
+
+        prepare.dpwa_shard = True  # type: ignore[attr-defined]
+        connector._prepare_dataloader = prepare
 
     def on_fit_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
         self.node.start(pl_module, trainer.optimizers[0] if trainer.optimizers else None)

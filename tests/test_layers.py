@@ -48,7 +48,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "formats": {"security", "utils"},
     "engines": {"formats", "utils"},
     "node": {"rules", "security", "formats", "utils"},
-    "api": {"node", "formats"},
+    "api": {"node", "engines", "formats", "utils"},
     "launcher": {"engines", "formats", "utils"},
     "adapters": {"api", "engines", "node", "rules", "formats", "utils"},
     "tools": {"api", "adapters", "engines", "launcher", "node", "rules", "security", "formats", "utils"},

@@ -3,7 +3,8 @@
     dpwa run -n 2 examples/huggingface/train.py --steps 200
 
 The model is built in code (a small MLP returning ``{"loss", "logits"}`` as Trainer models do; nothing is
-downloaded) and fits a generated regression problem, each node on its own draws from its own random start.
+downloaded) and fits one generated regression problem (the same data set on every node), each node on its own shard (the
+callback replaces the Trainer's sampler with one over this node's part) from its own random start.
 ``trainer_state.json`` in ``<run_dir>/hf/<node>/`` has ``dpwa/factor``, ``dpwa/fetch_ms``, ... beside every
 logged loss. At the end each node reports four fixed random projections of its parameters (``params_0..3``,
 to compare the models) to its metrics file.
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+import dpwa
 from dpwa.adapters.huggingface import DpwaTrainerCallback
 
 
@@ -63,7 +65,7 @@ def main() -> None:
     node = os.environ.get("DPWA_NODE", "w1")
     seed = zlib.crc32(node.encode())
     torch.manual_seed(seed)
-    x = torch.randn(32 * args.steps, 6, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(32 * args.steps * dpwa.world_size(), 6, generator=torch.Generator().manual_seed(0))
     y = x @ (torch.arange(1.0, 7.0).unsqueeze(1) / 6)
     data = [{"x": xi, "labels": yi} for xi, yi in zip(x, y)]
     gossip = DpwaTrainerCallback(wait_for_peers_s=30.0)  # start training together with the peer

@@ -2,8 +2,10 @@
 
     dpwa run -n 2 examples/lightning/train.py --steps 200
 
-Each node starts from its own random weights and fits the same generated regression problem (no download) on
-its own draws. Lightning logs ``dpwa/factor``, ``dpwa/fetch_ms``, ... with the loss (a CSV log in the node's
+Each node starts from its own random weights and fits one generated regression problem (no download, the same
+data set on every node) on its own shard: the callback puts a sampler over this node's part in place, so with
+``dpwa.world_size()`` nodes each trains one epoch of ``--steps`` batches on a disjoint part. Lightning logs
+``dpwa/factor``, ``dpwa/fetch_ms``, ... with the loss (a CSV log in the node's
 run directory, ``<run_dir>/lightning/<node>/``). At the end each node reports four fixed random projections of
 its parameters (``params_0..3``, to compare the models) to its metrics file.
 """
@@ -21,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import dpwa
 from dpwa.adapters.lightning import DpwaCallback
 
 
@@ -62,9 +65,9 @@ def main() -> None:
     node = os.environ.get("DPWA_NODE", "w1")
     seed = zlib.crc32(node.encode())
     torch.manual_seed(seed)
-    x = torch.randn(32 * args.steps, 6, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(32 * args.steps * dpwa.world_size(), 6, generator=torch.Generator().manual_seed(0))
     y = x @ (torch.arange(1.0, 7.0).unsqueeze(1) / 6)
-    data = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
+    data = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # the callback makes it this node's shard
     run_dir = os.environ.get("DPWA_RUN_DIR", ".")
     trainer = lightning.Trainer(
         max_steps=args.steps,
