@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,4 +130,50 @@ def test_validate_under_srun_prints_the_steps_nodes_or_why_not(tmp_path: Path) -
     result = CliRunner().invoke(cli.main, ["validate", str(path)], env=torch_env)
     assert result.stdout.splitlines()[-1].endswith(
         "torchrun / PyTorchJob: a rendezvous of 3 workers in the TCPStore at 10.0.0.1:29500"
+    )
+
+
+def test_validate_names_a_local_nodes_port_in_use_and_leaves_other_hosts_alone(tmp_path: Path) -> None:
+    """Another process's socket on a node's port: one line naming file, line, node, host and port, exit 2. The
+    same port on a host of another machine (TEST-NET-1, RFC 5737) is not this machine's to check."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]
+        path = tmp_path / "c.yaml"
+        path.write_text(
+            "nodes:\n"
+            f"  - {{name: w1, host: 127.0.0.1, port: {free}}}\n"
+            f"  - {{name: w2, host: localhost, port: {port}}}\n"
+            f"  - {{name: w3, host: 192.0.2.10, port: {port}}}\n"
+        )
+        result = CliRunner().invoke(cli.main, ["validate", str(path)])
+        assert result.exit_code == 2
+        assert result.stdout == ""
+        assert result.stderr == (
+            f"error: {path}:3: nodes[1].port: node w2: port {port} on localhost (127.0.0.1) is already in use\n"
+        )
+        proc = run_module("validate", str(path))  # the installed command: one line, no traceback
+        assert proc.returncode == 2 and proc.stdout == "" and proc.stderr == result.stderr
+    result = CliRunner().invoke(cli.main, ["validate", str(path)])  # the socket closed: the file is fine
+    assert result.exit_code == 0, result.output
+
+
+def test_validate_names_every_port_in_use_on_its_one_line(tmp_path: Path) -> None:
+    with socket.socket() as first, socket.socket() as second:
+        for sock in (first, second):
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+        ports = [first.getsockname()[1], second.getsockname()[1]]
+        path = tmp_path / "c.yaml"
+        path.write_text("nodes:\n" + "".join(f"  - {{name: w{i + 1}, host: 127.0.0.1, port: {p}}}\n"
+                                             for i, p in enumerate(ports)))  # fmt: skip
+        result = CliRunner().invoke(cli.main, ["validate", str(path)])
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    assert result.stderr == (
+        f"error: {path}:2: nodes[0].port: node w1: port {ports[0]} on 127.0.0.1 is already in use; "
+        f"node w2: port {ports[1]} on 127.0.0.1 is already in use\n"
     )

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from test_launcher import NODE_SCRIPT, _demo_runnable, alive, finish, launch, lo
 from dpwa.cli import app as cli
 from dpwa.cli.run import _names_node_count, _split_at_script
 from dpwa.config import parse_config
+from dpwa.engines import local
 from dpwa.engines.local import local_nodes, lock_dir, reserve_ports
 from dpwa.metrics import read_metrics
 
@@ -68,6 +70,114 @@ def test_a_port_locked_by_another_process_or_in_use_is_skipped() -> None:
         listener.close()
         holder.kill()
         holder.wait(timeout=10)
+
+
+@pytest.fixture
+def private_lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``<tmp>/dpwa-ports`` in this test's own temporary directory: nothing else's lock files in it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert lock_dir() == tmp_path / "dpwa-ports"
+    return lock_dir()
+
+
+def test_released_ports_leave_no_lock_file(private_lock_dir: Path) -> None:
+    span = (30200, 30219)
+    with reserve_ports(3, port_range=span) as held:
+        assert sorted(p.name for p in private_lock_dir.iterdir()) == sorted(f"{p}.lock" for p in held.ports)
+        other = reserve_ports(2, port_range=span)
+        assert not set(other.ports) & set(held.ports)
+        other.release()
+        other.release()  # idempotent
+        assert sorted(p.name for p in private_lock_dir.iterdir()) == sorted(f"{p}.lock" for p in held.ports)
+    assert list(private_lock_dir.iterdir()) == []
+    with pytest.raises(OSError, match="only 0 of 1 ports free"):  # a failed reservation leaves none either
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 30220))
+            busy.listen()
+            reserve_ports(1, port_range=(30220, 30220))
+    assert list(private_lock_dir.iterdir()) == []
+
+
+def test_a_stale_lock_file_of_a_killed_launcher_is_taken_and_removed(private_lock_dir: Path) -> None:
+    private_lock_dir.mkdir()
+    (private_lock_dir / "30230.lock").touch()  # nobody holds it: its launcher was killed
+    with reserve_ports(1, port_range=(30230, 30230)) as held:
+        assert held.ports == (30230,)
+    assert list(private_lock_dir.iterdir()) == []
+
+
+def _holds(port: int, directory: Path) -> bool:
+    """Whether some open file description holds ``port``'s lock now (another open of the file cannot lock it)."""
+    handle = local._lock(port, directory)
+    if handle is None:
+        return True
+    local._unlock(*handle)
+    return False
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["removed", "removed-and-recreated"])
+def test_a_lock_file_removed_while_being_locked_is_opened_again_and_one_process_holds_the_port(
+    private_lock_dir: Path, monkeypatch: pytest.MonkeyPatch, replaced: bool
+) -> None:
+    """The flock-and-unlink race: B opens the lock file, A (the holder) releases -- unlinks it and closes -- and
+    only then B locks the descriptor it opened: an unlinked inode. B must notice and open the path again;
+    else a third launcher C could create and lock a new file for the same port, and both would hold it.
+
+    ``replaced``: C has already created and locked the new file when B notices; B must then not hold the port."""
+    port = 30240
+    private_lock_dir.mkdir()
+    holder = local._lock(port, private_lock_dir)  # A
+    assert holder is not None
+    path = private_lock_dir / f"{port}.lock"
+    opened: list[int] = []
+    third: list[tuple[int, Path] | None] = []
+    real_open = local._open_lock_file
+
+    def open_then_race(target: Path) -> int:
+        fd = real_open(target)
+        opened.append(os.fstat(fd).st_ino)
+        if len(opened) == 1:  # B has its descriptor, not yet its lock: A releases the port now
+            local.PortReservation([port], [holder]).release()
+            assert not path.exists()
+            if replaced:
+                monkeypatch.setattr(local, "_open_lock_file", real_open)
+                third.append(local._lock(port, private_lock_dir))  # C: a new file, locked
+                monkeypatch.setattr(local, "_open_lock_file", open_then_race)
+        return fd
+
+    monkeypatch.setattr(local, "_open_lock_file", open_then_race)
+    got = local._lock(port, private_lock_dir)  # B
+    monkeypatch.setattr(local, "_open_lock_file", real_open)
+    assert len(opened) == 2, "B locked the removed file and did not open the path again"
+    if replaced:
+        assert got is None  # C holds the port: B saw the new file locked
+        assert third[0] is not None and os.fstat(third[0][0]).st_ino == os.stat(path).st_ino
+        local._unlock(*third[0])
+    else:
+        assert got is not None
+        assert os.fstat(got[0]).st_ino == os.stat(path).st_ino  # (the number may be the freed one's again)
+        assert _holds(port, private_lock_dir)  # nobody else can lock the file now at the path
+        local._unlock(*got)
+    assert not path.exists() and not _holds(port, private_lock_dir)
+
+
+def test_a_lock_file_that_keeps_being_removed_is_given_up_after_a_bounded_number_of_tries(
+    private_lock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    private_lock_dir.mkdir()
+    path = private_lock_dir / "30250.lock"
+    tries: list[int] = []
+    real_open = local._open_lock_file
+
+    def open_then_remove(target: Path) -> int:
+        fd = real_open(target)
+        tries.append(fd)
+        os.unlink(target)  # some holder's release, every time
+        return fd
+
+    monkeypatch.setattr(local, "_open_lock_file", open_then_remove)
+    assert local._lock(30250, private_lock_dir) is None
+    assert len(tries) == local.LOCK_ATTEMPTS and not path.exists()
 
 
 def test_local_nodes_are_w1_to_wn_on_loopback() -> None:

@@ -84,12 +84,20 @@ def validate(cluster: str) -> None:
 
     Prints the config with every default filled in, as YAML, then a one-line summary
     as a YAML comment (and, for a file without `nodes`, where they would come from); exits 0.
-    An invalid file prints one line `error: file:line: key: reason` on stderr and exits 2.
+    An invalid file prints one line `error: file:line: key: reason` on stderr and exits 2, and so
+    does a node whose host is this machine (localhost, 127.x, this host's names and addresses) when
+    another process already uses its port (nodes of other hosts are not checked).
     """
+    from dpwa.launcher.placement import LocalHosts
+    from dpwa.launcher.ports import busy_ports, busy_ports_message
+
     try:
         config = load_config(cluster)
     except ConfigError as err:
         fail(err)
+    busy = busy_ports(config.nodes, is_local=LocalHosts()) if config.nodes else []
+    if busy:
+        fail(busy_ports_message(config, busy))
     click.echo(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), nl=False)
     click.echo(f"# {config.source}: {summary(config)}")
     if not config.nodes:

@@ -4,8 +4,14 @@ A port is *reserved* by an exclusive ``flock`` on ``<tmp>/dpwa-ports/<port>.lock
 launcher until its job ends (the kernel drops it when the launcher exits, however it exits), and
 checked free by binding it. Ports are drawn at random from below Linux's ephemeral range
 (32768-60999), where no outgoing connection is given one, so nothing else takes a reserved port
-between the reservation and the node's bind. The lock files stay (empty): removing one while
-another launcher has it open would let two launchers lock different files for one port.
+between the reservation and the node's bind.
+
+A lock file is removed when its port is released (:meth:`PortReservation.release`): unlinked while still
+locked, then closed. That opens the classic flock-and-unlink race -- B opens the file, A unlinks and closes
+it, B locks the unlinked inode while C creates a new file and locks that: both would hold the port -- so a
+lock only counts once the locked descriptor is still the file at the path (same ``st_dev`` and ``st_ino``);
+otherwise it is dropped and the path opened again, at most :data:`LOCK_ATTEMPTS` times. A launcher killed
+outright leaves its (unlocked) files behind; the next reservation of such a port removes it.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import random
 import socket
@@ -22,11 +29,15 @@ from pathlib import Path
 
 from dpwa.config import NodeSpec
 
-__all__ = ["LOCAL_HOST", "PORT_RANGE", "PortReservation", "local_nodes", "lock_dir", "reserve_ports"]
+log = logging.getLogger(__name__)
+
+__all__ = ["LOCAL_HOST", "LOCK_ATTEMPTS", "PORT_RANGE", "PortReservation", "local_nodes", "lock_dir", "reserve_ports"]
 
 LOCAL_HOST = "127.0.0.1"
 PORT_RANGE = (20000, 32767)
 """Ports ``dpwa run -n`` draws from: below the ephemeral range, above most well-known services."""
+LOCK_ATTEMPTS = 8
+"""How often :func:`_lock` opens a port's lock file again after the file it locked was removed or replaced."""
 
 
 def lock_dir() -> Path:
@@ -35,16 +46,18 @@ def lock_dir() -> Path:
 
 
 class PortReservation:
-    """Ports held by this process (one open, exclusively locked file each) until :meth:`release`."""
+    """Ports held by this process (one open, exclusively locked file each) until :meth:`release`.
 
-    def __init__(self, ports: Sequence[int], handles: Sequence[int]) -> None:
+    ``handles`` are (descriptor, path) pairs of the locked files, one per port."""
+
+    def __init__(self, ports: Sequence[int], handles: Sequence[tuple[int, Path]]) -> None:
         self.ports = tuple(ports)
         self._handles = list(handles)
 
     def release(self) -> None:
-        """Unlock and close every lock file (idempotent); the ports are free for other launchers."""
+        """Remove, unlock and close every lock file (idempotent); the ports are free for other launchers."""
         while self._handles:
-            os.close(self._handles.pop())
+            _unlock(*self._handles.pop())
 
     def __enter__(self) -> PortReservation:
         return self
@@ -53,17 +66,55 @@ class PortReservation:
         self.release()
 
 
-def _lock(port: int, directory: Path) -> int | None:
-    """An open descriptor of ``port``'s lock file, exclusively locked; None when another process holds it."""
-    fd = os.open(directory / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+def _open_lock_file(path: Path) -> int:
+    """Open (creating it if need be) a lock file for reading and writing."""
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+
+
+def _is_file_at(fd: int, path: Path) -> bool:
+    """True when ``fd`` is the file ``path`` names now (not removed, not replaced by another file)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        os.close(fd)
-        if err.errno in (errno.EWOULDBLOCK, errno.EACCES):
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _lock(port: int, directory: Path) -> tuple[int, Path] | None:
+    """(descriptor, path) of ``port``'s lock file, exclusively locked and still the file at the path; None
+    when another process holds it (or, after :data:`LOCK_ATTEMPTS` removed files in a row, may hold it)."""
+    path = directory / f"{port}.lock"
+    for _ in range(LOCK_ATTEMPTS):
+        try:
+            fd = _open_lock_file(path)
+        except PermissionError:  # another user's lock file this user may not open: that port is not ours to take
             return None
-        raise
-    return fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                return None
+            raise
+        if _is_file_at(fd, path):
+            return fd, path
+        os.close(fd)  # its holder removed it after we opened it: another process may lock the new file
+        log.debug("lock file %s was removed or replaced while it was being locked; opening it again", path)
+    return None
+
+
+def _unlock(fd: int, path: Path) -> None:
+    """Remove ``path`` while ``fd`` still holds its lock (when it is still that file), then close ``fd``.
+
+    A file another user created stays (a sticky temporary directory lets only its owner remove it)."""
+    try:
+        if _is_file_at(fd, path):
+            os.unlink(path)
+    except OSError as err:
+        log.debug("cannot remove the lock file %s: %s", path, err)
+    finally:
+        os.close(fd)
 
 
 def _bindable(port: int, host: str) -> bool:
@@ -90,25 +141,25 @@ def reserve_ports(
     candidates = list(range(lo, hi + 1))
     (rng or random.Random()).shuffle(candidates)
     ports: list[int] = []
-    handles: list[int] = []
+    handles: list[tuple[int, Path]] = []
     try:
         for port in candidates:
-            fd = _lock(port, directory)
-            if fd is None:
+            handle = _lock(port, directory)
+            if handle is None:
                 continue
             if not _bindable(port, host):
-                os.close(fd)
+                _unlock(*handle)
                 continue
             ports.append(port)
-            handles.append(fd)
+            handles.append(handle)
             if len(ports) == n:
                 return PortReservation(ports, handles)
     except BaseException:
-        for fd in handles:
-            os.close(fd)
+        for handle in handles:
+            _unlock(*handle)
         raise
-    for fd in handles:
-        os.close(fd)
+    for handle in handles:
+        _unlock(*handle)
     raise OSError(errno.EADDRINUSE, f"only {len(ports)} of {n} ports free in {lo}-{hi} on {host}")
 
 
