@@ -11,8 +11,9 @@
 
 ``step()`` runs the wrapped optimizer's step, then mixes what the exchange started at the previous step
 brought (``update_wait``: ``p <- (1-f)*p + f*p_peer``), then publishes the result and starts the next
-exchange (``update_send``), which runs while the next batch's forward and backward do. Optimizer state
-(momentum, Adam moments) is never touched by mixing.
+exchange (``update_send``), which runs while the next batch's forward and backward do. ``close()`` (or
+``finish()``) mixes what the last step's exchange brought, so N steps are N exchanges in the metrics.
+Optimizer state (momentum, Adam moments) is never touched by mixing.
 
 * **Loss**: rules that weigh by loss (``loss``, divergence damping) need it. Pass it to ``step(loss=...)``,
   return it from the closure, or call :meth:`DpwaOptimizer.set_loss` (with a ``GradScaler``: the unscaled loss).
@@ -33,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,6 +137,21 @@ class DpwaOptimizer(torch.optim.Optimizer):
         state = load_gossip_state_dict(self.adapter, state_dict["dpwa"])
         self._exchange.set_loss(state.loss)
 
+    def finish(self) -> None:
+        """Complete the exchange the last ``step()`` started (mix its peers in, write its metrics record): after
+        N steps the adapter's ``step`` and metrics then number N. :meth:`close` calls it; call it yourself to
+        read or report the final model before closing. A later ``step()`` starts a new exchange."""
+        self._exchange.finish()
+
+    def save_model(self, path: str | os.PathLike[str] | None = None, meta: dict[str, Any] | None = None) -> Path:
+        """The model's file for ``dpwa average`` (:meth:`DpwaPyTorchAdapter.save_model`); call :meth:`finish` first
+        for the last step's mix, and save before :meth:`close`."""
+        return self.adapter.save_model(path, meta)
+
     def close(self, linger: float = 0.0, idle: float = 1.0) -> None:
-        """Close the node underneath (:meth:`DpwaPyTorchAdapter.close`): it leaves the cluster cleanly."""
-        self.adapter.close(linger=linger, idle=idle)
+        """Complete the last step's exchange (:meth:`finish`), then close the node underneath
+        (:meth:`DpwaPyTorchAdapter.close`): it leaves the cluster cleanly."""
+        try:
+            self.finish()
+        finally:
+            self.adapter.close(linger=linger, idle=idle)

@@ -62,6 +62,7 @@ from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.engines.slurm import in_slurm_step
 from dpwa.engines.variables import in_torch_launch
 from dpwa.metrics import MetricsWriter
+from dpwa.modelfile import model_path, write_model
 from dpwa.node.connection import DpwaConnection
 from dpwa.utils.bfloat16 import BFLOAT16
 
@@ -288,6 +289,7 @@ class DpwaPyTorchAdapter:
         self._model = model
         self._optimizer = optimizer
         run_dir = run_dir if run_dir is not None else os.environ.get(ENV_RUN_DIR) or None
+        self._run_dir = Path(run_dir) if run_dir is not None else None
         self._checkpoint = checkpoint_path(run_dir, name) if run_dir is not None else None
         self._checkpoint_every = self._conn.config.checkpoint_every if run_dir is not None else 0
         try:
@@ -342,6 +344,11 @@ class DpwaPyTorchAdapter:
     def tensors(self) -> list[torch.Tensor]:
         """The model's tensors that are exchanged, in wire order."""
         return [e.tensor for e in self._entries]
+
+    @property
+    def run_dir(self) -> Path | None:
+        """Where the metrics file, checkpoints and saved model go (``run_dir=`` or ``DPWA_RUN_DIR``), or None."""
+        return self._run_dir
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -438,8 +445,9 @@ class DpwaPyTorchAdapter:
         record["loss"] = loss
         for key, default in _EXCHANGE_DEFAULTS.items():
             record[key] = exchange.get(key, default)
+        record["reasons"] = list(exchange.get("reasons") or [])  # one per outcome in status other than ok / pushed
         record["mixes"] = int(stats["mixes"])
-        record["failed"] = int(stats["fetches_timed_out"] + stats["fetches_refused"] + stats["fetches_rejected"])
+        record["failed"] = int(stats["fetches_failed"])  # not the declined refusals (not ready, busy, left)
         record["bytes_in"] = int(stats["bytes_in"])
         record["bytes_out"] = int(stats["bytes_out"])
         for key, value in exchange.items():  # the rule's own metrics
@@ -488,6 +496,23 @@ class DpwaPyTorchAdapter:
         arrays.update({f"dpwa/{k}": a for k, a in state.arrays.items()})
         written = write_checkpoint(target, arrays, document)
         log.debug("node %s: checkpoint at step %d in %s", self.name, self._step, written)
+        return written
+
+    def save_model(self, path: str | os.PathLike[str] | None = None, meta: Mapping[str, Any] | None = None) -> Path:
+        """Write the model's state dict (parameters and buffers, any dtype) to ``path`` (default
+        ``<run_dir>/<name>.model.npz``) with this node's push-sum weight (1 under other rules), the step and
+        ``meta`` (JSON-safe values of the caller's): the file ``dpwa average RUN_DIR`` averages
+        (:mod:`dpwa.modelfile`). Call it before :meth:`close`."""
+        self._check_open()
+        if path is None:
+            if self._run_dir is None:
+                raise ValueError("save_model() needs a path: this adapter has no run directory")
+            path = model_path(self._run_dir, self.name)
+        weight = float(self._conn.dpwa_state().extras.get("weight", 1.0))
+        written = write_model(
+            path, model_arrays(self._model), node=self.name, weight=weight, step=self._step, user=dict(meta or {})
+        )
+        log.info("node %s: model saved to %s (step %d, weight %g)", self.name, written, self._step, weight)
         return written
 
     def gossip_state(self) -> DpwaState:
@@ -584,18 +609,26 @@ class DpwaPyTorchAdapter:
         out["tensors"] = len(self._entries)
         return out
 
-    def close(self, linger: float = 0.0, idle: float = 1.0) -> None:
+    def close(self, linger: float = 0.0, idle: float = 1.0, *, final_mix: bool = False) -> None:
         """Stop the node (free its port) and close the metrics file; idempotent.
 
         ``linger``: keep serving peers that still fetch for up to that many seconds first, until
         nobody fetched for ``idle`` seconds (:meth:`dpwa.DpwaConnection.close`) -- what a node
         that finished before its peers should do.
+
+        The model is left as the last ``update_wait`` left it: under a push rule the node folds the pushes that
+        arrived since into the mass it hands to a member as it leaves, and (``final_mix`` False, the default)
+        puts the model back as it was, so what a script evaluated before closing is what it saves after.
+        ``final_mix=True`` keeps that fold in the model. Call :meth:`save_model` before closing: a push-sum node
+        has given its weight away once closed.
         """
         if self._closed:
             return
         self._closed = True
         try:
-            self._conn.close(linger=linger, idle=idle)
+            self._conn.close(linger=linger, idle=idle, final_mix=final_mix)
+            if final_mix and self._staged:
+                self._to_device()
         finally:
             if self._metrics is not None:
                 self._member_events()  # its own leave

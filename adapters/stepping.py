@@ -4,7 +4,9 @@ The optimizer wrapper (:mod:`dpwa.adapters.optimizer`), the Lightning callback (
 and the Hugging Face callback (:mod:`dpwa.adapters.huggingface`) all see the loop only *after* an optimizer step.
 :class:`StepExchange` turns that into the adapter's two calls: at each step it mixes what the exchange started
 at the previous step brought (``update_wait``), then publishes the stepped parameters and starts the next one
-(``update_send``), which runs while the next batch's forward and backward do.
+(``update_send``), which runs while the next batch's forward and backward do. When training ends,
+:meth:`StepExchange.finish` (the callbacks' and the optimizer's ``close``) mixes what the last one brought: N
+steps are N exchanges, each with its ``update_wait`` and its metrics record.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ __all__ = ["IntegrationNode", "NodeCallback", "StepExchange", "gossip_state_dict
 
 
 class StepExchange:
-    """``adapter``'s exchange, once per optimizer step: ``update_wait`` (from the 2nd step), then ``update_send``."""
+    """``adapter``'s exchange, once per optimizer step: ``update_wait`` (from the 2nd step), then ``update_send``;
+    :meth:`finish` gives the last step its ``update_wait``. After N steps and ``finish``, the adapter's ``step``
+    and its metrics records number N, as in a loop that calls both at every step."""
 
     def __init__(self, adapter: DpwaPyTorchAdapter) -> None:
         self.adapter = adapter
@@ -48,6 +52,14 @@ class StepExchange:
         self.adapter.update_send(self.loss)
         self._sent = True
         self.exchanges += 1
+
+    def finish(self) -> None:
+        """End of training: complete the exchange the last step started (``update_wait``: its peers are mixed in
+        and its metrics record written), so that every step has had its ``update_wait``. Nothing to do when no
+        exchange is open or the adapter is closed; the next :meth:`exchange` starts afresh."""
+        if self._sent and not self.adapter.closed:
+            self.factor = self.adapter.update_wait(self.loss)
+        self._sent = False
 
     def metrics(self) -> dict[str, float]:
         """What an integration logs: the last factor, its fetch time (also as ``dpwa/fetch_ms/<peer>``, per peer,
@@ -106,8 +118,17 @@ class IntegrationNode:
         return self.exchange
 
     def close(self) -> None:
-        """Serve peers still training for up to ``linger`` s, then leave the cluster cleanly."""
-        if self.adapter is not None:
+        """Complete the last step's exchange (:meth:`StepExchange.finish`), save the model to
+        ``<run_dir>/<node>.model.npz`` when there is a run directory (what ``dpwa average RUN_DIR`` averages), serve
+        peers still training for up to ``linger`` s, then leave the cluster cleanly."""
+        if self.adapter is None:
+            return
+        try:
+            if self.exchange is not None:
+                self.exchange.finish()
+            if self.adapter.run_dir is not None and not self.adapter.closed:  # for `dpwa average RUN_DIR`
+                self.adapter.save_model()
+        finally:
             self.adapter.close(linger=self._linger, idle=self._idle)
 
 

@@ -17,9 +17,48 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsTail", "MetricsWriter", "parse_metrics_line", "read_metrics"]
+__all__ = [
+    "DECLINED_CODES",
+    "MetricsTail",
+    "MetricsWriter",
+    "fetch_reason",
+    "is_failure",
+    "parse_metrics_line",
+    "read_metrics",
+]
 
 log = logging.getLogger(__name__)
+
+DECLINED_CODES = frozenset({"not-ready", "busy", "left", "not-a-member"})
+"""Codes of the refusals that are not failures (docs/metrics.md): the peer is there and answered, but did not
+take part this time -- it has published nothing yet (``not-ready``: starting), it is in other exchanges
+(``busy``: AD-PSGD's contention, a full inbox), or it has left the cluster (``left``, ``not-a-member``). Flow
+control does not penalise them either. Every other non-ok outcome is a failure."""
+
+
+def fetch_reason(status: str, code: str = "", late: bool = False) -> str | None:
+    """The reason of one fetch outcome as the metrics record and the summary name it; None for ``ok``.
+
+    ``timeout`` (no reply before the deadline), ``timeout: late`` (the TX thread gave no verdict in time:
+    ``late``), ``timeout: <code>`` (e.g. ``send-queue-full``), ``refused: <code>`` (the peer's ERROR code, e.g.
+    ``busy``, ``not-ready``, ``layout-mismatch``), ``rejected: <reason>`` (the validation reason); a status with
+    no code is the reason itself."""
+    if status == "ok":
+        return None
+    if status == "timeout" and late:
+        return "timeout: late"
+    if not code or (status == "timeout" and code == "timeout"):
+        return status
+    return f"{status}: {code}"
+
+
+def is_failure(reason: str) -> bool:
+    """Whether an outcome of reason ``reason`` (:func:`fetch_reason`; a bare status of an older record too) is a
+    failure: every one but ``pushed`` and the refusals of :data:`DECLINED_CODES`."""
+    status, _, code = reason.partition(": ")
+    if status == "refused":
+        return code not in DECLINED_CODES
+    return status not in ("ok", "pushed")
 
 
 def _clean(value: Any) -> Any:

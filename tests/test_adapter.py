@@ -40,6 +40,7 @@ EXCHANGE_KEYS = {
     "factor": float,
     "peer": (str, type(None)),
     "status": (str, type(None)),
+    "reasons": list,
     "bytes": int,
     "fetch_ms": float,
     "clock_gap": (float, type(None)),
@@ -428,7 +429,7 @@ def test_metrics_file_follows_docs_metrics_md(adapters, tmp_path: Path):
         for key, types in EXCHANGE_KEYS.items():
             assert isinstance(record[key], types) or (types is float and isinstance(record[key], int)), (key, record)
         assert record["node"] == "w1" and record["step"] == i and record["factor"] == 0.5
-        assert record["peer"] == "w2" and record["status"] == "ok" and record["bytes"] > 0
+        assert record["peer"] == "w2" and record["status"] == "ok" and record["reasons"] == [] and record["bytes"] > 0
         assert record["mixes"] == i and record["failed"] == 0 and record["bytes_in"] >= i * record["bytes"]
         assert isinstance(record["raw_factor"], float)  # a rule metric
         assert "event" not in record

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from dpwa.modelfile import read_model
+
 N_ITEMS = 48
 BATCH = 8
 
@@ -70,19 +72,28 @@ def test_lightning_nodes_train_on_disjoint_shards_covering_the_data(cluster: Pat
 
     def fit(name: str, loader: DataLoader) -> Recording:
         module = Recording()
+        gossip = DpwaCallback(name, str(cluster), linger=0.0, run_dir=tmp_path / "run")
         trainer = lightning.Trainer(
-            max_epochs=1, callbacks=[DpwaCallback(name, str(cluster), linger=0.0)], logger=False,
+            max_epochs=1, callbacks=[gossip], logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=str(tmp_path), accelerator="cpu", devices=1,
         )  # fmt: skip
         trainer.fit(module, loader)
         return module
 
-    seen = {name: fit(name, DataLoader(indexed_data(), batch_size=BATCH, shuffle=True)).seen for name in ("w1", "w2")}
-    assert_disjoint_halves(seen)
+    modules = {name: fit(name, DataLoader(indexed_data(), batch_size=BATCH, shuffle=True)) for name in ("w1", "w2")}
+    assert_disjoint_halves({name: module.seen for name, module in modules.items()})
+    assert_saved(tmp_path / "run", {name: module.net for name, module in modules.items()})
     theirs = DataLoader(indexed_data(), batch_size=BATCH, sampler=DistributedSampler(indexed_data(), 2, 0))
     with pytest.raises(ValueError, match="DpwaCallback: the training data loader already has a DistributedSampler"):
         fit("w1", theirs)
+
+
+def assert_saved(run_dir: Path, nets: dict[str, nn.Module]) -> None:
+    """Each node saved its final model for `dpwa average` when it closed (its ``net.`` entries are the module's)."""
+    for name, net in nets.items():
+        saved = read_model(run_dir / f"{name}.model.npz")
+        assert all(torch.equal(torch.from_numpy(saved.arrays[f"net.{k}"]), v) for k, v in net.state_dict().items())
 
 
 class Items(Dataset):
@@ -116,7 +127,7 @@ def test_hugging_face_nodes_train_on_disjoint_shards_covering_the_data(cluster: 
             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
             dataloader_num_workers=0, logging_steps=1,
         )  # fmt: skip
-        gossip = DpwaTrainerCallback(name, str(cluster), linger=0.0)
+        gossip = DpwaTrainerCallback(name, str(cluster), linger=0.0, run_dir=tmp_path / "run")
         callbacks = [] if add_later else [gossip]
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Items(), callbacks=callbacks)
         if add_later:
@@ -124,7 +135,8 @@ def test_hugging_face_nodes_train_on_disjoint_shards_covering_the_data(cluster: 
         trainer.train()
         return model
 
-    seen = {name: train(name).seen for name in ("w1", "w2")}
-    assert_disjoint_halves(seen)
+    models = {name: train(name) for name in ("w1", "w2")}
+    assert_disjoint_halves({name: model.seen for name, model in models.items()})
+    assert_saved(tmp_path / "run", {name: model.net for name, model in models.items()})
     with pytest.raises(ValueError, match="DpwaTrainerCallback: the training data are not split between the nodes"):
         train("w1", add_later=True)

@@ -36,6 +36,8 @@ def run_example(tmp_path: Path, example: str, steps: int) -> dict[str, dict]:
     for name in ("w1", "w2"):
         records = read_metrics(run_dir / f"{name}.metrics.jsonl")
         reports[name] = next(r for r in reversed(records) if r.get("event") == "report")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {n: summary["nodes"][n]["steps"] for n in ("w1", "w2")} == {"w1": steps, "w2": steps}  # not steps - 1
     return reports
 
 
@@ -100,7 +102,7 @@ def test_lightning_exchanges_once_per_optimizer_step_under_gradient_accumulation
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     cluster = write_cluster(tmp_path / "solo.yaml", free_ports(1))
-    gossip = DpwaCallback("w1", cluster, linger=0.0)
+    gossip = DpwaCallback("w1", cluster, linger=0.0, run_dir=tmp_path / "run")
     trainer = lightning.Trainer(
         max_steps=5, accumulate_grad_batches=3, accelerator="cpu", devices=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[gossip],
@@ -110,7 +112,9 @@ def test_lightning_exchanges_once_per_optimizer_step_under_gradient_accumulation
     assert trainer.global_step == 5 and gossip.exchange is not None and gossip.exchange.exchanges == 5
     assert gossip.exchange.loss > 0 and gossip.adapter is not None and gossip.adapter.closed
     saved = gossip.state_dict()
-    assert saved["meta"]["step"] == 4  # update_wait calls: every exchange but the first waited
+    assert saved["meta"]["step"] == 5  # update_wait calls: one per exchange, the last one's at teardown
+    records = [r for r in read_metrics(tmp_path / "run" / "w1.metrics.jsonl") if r.get("event") is None]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.slow

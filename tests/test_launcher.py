@@ -8,6 +8,7 @@ started is gone, the ports are free, and a process it did not start is untouched
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -19,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,10 +29,13 @@ from click.testing import CliRunner
 from conftest import free_ports, port_is_free, wait_until
 
 from dpwa.cli import app as cli
+from dpwa.cli import run as run_command
 from dpwa.cli.run import _split_at_script, _with_option
 from dpwa.config import ClusterConfig, parse_config
+from dpwa.launcher.job import _watch
 from dpwa.launcher.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
 from dpwa.launcher.progress import NodeView, Progress, summary_table
+from dpwa.launcher.restarts import Restarter
 from dpwa.launcher.rundir import NodeMetrics, RunDir
 from dpwa.launcher.supervisor import STOP_GRACE_S
 from dpwa.metrics import MetricsTail, read_metrics
@@ -328,6 +333,77 @@ def test_summary_table_shows_each_nodes_classes_when_nodes_wrote_their_data() ->
     assert "data" not in summary_table({"w1": {"status": "ok"}}).splitlines()[0]
 
 
+def test_metrics_count_every_outcome_under_its_reason_and_only_failures_as_failed() -> None:
+    """A start-up "not ready" and AD-PSGD's "busy" are declined, not failed; the failures add up to failed."""
+    records = [
+        {"step": 1, "status": "refused", "reasons": ["refused: not-ready"], "failed": 0},
+        {"step": 2, "status": "ok,pushed", "reasons": [], "fetch_ms": 4.0, "failed": 0},
+        {"step": 3, "status": "refused,pushed", "reasons": ["refused: busy"], "failed": 0},
+        {"step": 4, "status": "timeout", "reasons": ["timeout"], "failed": 1},
+        {"step": 5, "status": "refused,rejected", "reasons": ["refused: busy", "rejected: nan"], "failed": 2},
+        {"step": 6, "status": "refused", "reasons": ["refused: layout-mismatch"], "failed": 3},
+        {"step": 7, "status": "timeout", "reasons": ["timeout: late"], "failed": 4},
+    ]
+    summary = NodeMetrics.of(records).summary()
+    assert summary["steps"] == 7 and summary["timeouts"] == 2 and summary["mean_fetch_ms"] == 4.0
+    assert summary["failed_fetches"] == 4 == sum(summary["failed_by_reason"].values())
+    assert summary["failed_by_reason"] == {"refused: layout-mismatch": 1, "rejected: nan": 1, "timeout": 1,
+                                           "timeout: late": 1}  # fmt: skip
+    assert summary["declined_fetches"] == 3
+    assert list(summary["declined_by_reason"].items()) == [("refused: busy", 2), ("refused: not-ready", 1)]
+    assert summary["mean_push_ms"] is None
+
+
+def test_metrics_of_an_older_file_without_reasons_take_the_statuses_as_reasons() -> None:
+    records = [
+        {"step": 1, "status": "ok,pushed", "failed": 0},
+        {"step": 2, "status": "refused", "failed": 1},
+        {"step": 3, "status": "timeout,pushed"},  # no cumulative counter either: counted here
+    ]
+    summary = NodeMetrics.of(records).summary()
+    assert summary["failed_fetches"] == 2 and summary["failed_by_reason"] == {"refused": 1, "timeout": 1}
+    assert summary["declined_fetches"] == 0 and summary["declined_by_reason"] == {}
+
+
+def test_metrics_of_a_push_rule_average_the_push_latency_of_exchanges_that_had_a_push_delivered() -> None:
+    records = [
+        {"step": 1, "status": "pushed", "reasons": [], "fetch_ms": 0.0, "delivered": 1, "push_ms": 3.0},
+        {"step": 2, "status": None, "reasons": [], "fetch_ms": 0.0, "delivered": 0, "push_ms": 0.0},
+        {"step": 3, "status": "pushed", "reasons": [], "fetch_ms": 0.0, "delivered": 2, "push_ms": 5.0},
+    ]
+    summary = NodeMetrics.of(records).summary()
+    assert summary["mean_push_ms"] == 4.0 and summary["mean_fetch_ms"] is None
+    assert summary["failed_fetches"] == 0 and summary["steps"] == 3
+
+
+def test_summary_table_shows_failures_and_declined_fetches_by_reason() -> None:
+    rows = {
+        "w1": {"status": "ok", "steps": 300, "mixes": 279, "failed_fetches": 3, "timeouts": 2, "mean_fetch_ms": 10.5,
+               "declined_fetches": 35, "failed_by_reason": {"timeout": 2, "rejected: nan": 1},
+               "declined_by_reason": {"refused: busy": 34, "refused: not-ready": 1}},
+        "w2": {"status": "ok", "steps": 300, "mixes": 281, "failed_fetches": 0, "timeouts": 0, "mean_fetch_ms": 9.0,
+               "declined_fetches": 0, "failed_by_reason": {}, "declined_by_reason": {}},
+    }  # fmt: skip
+    header, first, second = summary_table(rows).splitlines()
+    assert header.split()[-4:] == ["fetch", "ms", "declined", "reasons"]
+    assert first.split("  ")[-1] == "timeout 2, rejected: nan 1, busy 34, not-ready 1"
+    assert first.split()[6:11] == ["3", "2", "10.5", "35", "timeout"]
+    assert second.split()[-2:] == ["0", "-"]
+    quiet = summary_table({"w2": rows["w2"]}).splitlines()[0]  # nothing declined, nothing failed: no columns
+    assert "declined" not in quiet and "reasons" not in quiet
+
+
+def test_summary_table_shows_push_latency_for_push_rules_and_says_so() -> None:
+    push = {"status": "ok", "steps": 60, "mean_fetch_ms": None, "mean_push_ms": 2.5}
+    lines = summary_table({"w1": push, "w2": {**push, "mean_push_ms": 3.25}}).splitlines()
+    assert lines[0].split()[-2:] == ["push", "ms"]
+    assert [line.split()[-1] for line in lines[1:]] == ["2.5", "3.2"]
+    mixed = summary_table({"w1": push, "w2": {"status": "ok", "mean_fetch_ms": 4.0}}).splitlines()
+    assert mixed[0].split()[-2:] == ["fetch/push", "ms"]
+    assert mixed[1].endswith("2.5 (push)") and mixed[2].endswith("4.0")
+    assert summary_table({"w1": {"status": "ok"}}).splitlines()[0].split()[-2:] == ["fetch", "ms"]
+
+
 def test_resume_with_steps_keeps_the_other_demo_options() -> None:
     command = ["python", "-m", "dpwa.tools.demo", "--partition", "classes:3", "--steps", "10"]
     assert _with_option(command, "--steps", "20") == [*command[:-1], "20"]
@@ -367,6 +443,221 @@ def test_run_usage_errors(tmp_path: Path, node_script: Path, monkeypatch: pytest
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
     result = CliRunner().invoke(cli.main, ["run", str(path), str(node_script)], env=env)
     assert result.exit_code == 2 and "SLURM_NTASKS=4 but the file has 1 node" in result.stderr
+    result = CliRunner().invoke(cli.main, ["run", "--stop-on-failure", "--keep-going", str(path), str(node_script)])
+    assert result.exit_code == 2 and "--stop-on-failure and --keep-going contradict each other" in result.stderr
+
+
+# --------------------------------------------------------------------------- ports checked before anything starts
+
+
+def recording_start(what: Any, into: list[Any]) -> Any:
+    """A stand-in for ``dpwa.cli.run._start`` that records ``what(*args)`` and exits 0, as a job that succeeded."""
+
+    def start(*args: Any) -> None:
+        into.append(what(*args))
+        sys.exit(0)
+
+    return start
+
+
+def line_of(path: Path, text: str) -> int:
+    """The 1-based number of the only line of ``path`` that contains ``text``."""
+    (number,) = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if text in line]
+    return number
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port another socket of this process listens on, for the test's duration."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_run_with_a_port_in_use_exits_2_with_one_line_before_starting_anything(
+    tmp_path: Path, node_script: Path, busy_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    path = cluster(tmp_path / "c.yaml", [free_ports(1)[0], busy_port])
+    result = CliRunner().invoke(cli.main, ["run", str(path), str(node_script)])
+    assert result.exit_code == 2, result.output
+    line = line_of(path, f"port: {busy_port}")
+    said = f"error: {path}:{line}: nodes[1].port: node w2: port {busy_port} on 127.0.0.1 is already in use\n"
+    assert result.stderr == said
+    assert result.stdout == "" and not (tmp_path / "runs").exists()  # no run directory, no process
+    # --node w1 starts only w1: w2's port is not this launcher's business
+    started: list[list[str]] = []
+    monkeypatch.setattr(
+        run_command, "_start", recording_start(lambda config, nodes, *a: [n.name for n in nodes], started)
+    )
+    result = CliRunner().invoke(cli.main, ["run", "--node", "w1", str(path), str(node_script)])
+    assert result.exit_code == 0, result.output
+    assert started == [["w1"]]
+
+
+def test_ports_the_launcher_reserves_or_an_engine_derives_are_not_checked(
+    tmp_path: Path, node_script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-n N's ports are locked for this run, SLURM's come from the step: only a file's nodes are bound to check."""
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    checked: list[list[str]] = []
+    started: list[list[str]] = []
+
+    def busy_ports(nodes: list[Any], *, is_local: Any) -> list[Any]:
+        checked.append([n.name for n in nodes])
+        return []
+
+    monkeypatch.setattr(run_command, "busy_ports", busy_ports)
+    monkeypatch.setattr(
+        run_command, "_start", recording_start(lambda config, nodes, *a: [n.name for n in nodes], started)
+    )
+    assert CliRunner().invoke(cli.main, ["run", "-n", "2", str(node_script)]).exit_code == 0
+    settings = tmp_path / "rules.yaml"
+    settings.write_text("base_port: 47000\n")
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "1"}  # fmt: skip
+    result = CliRunner().invoke(cli.main, ["run", str(settings), str(node_script)], env=slurm)
+    assert result.exit_code == 0, result.output
+    assert started == [["w1", "w2"], ["localhost-0"]] and checked == []
+    result = CliRunner().invoke(cli.main, ["run", str(cluster(tmp_path / "c.yaml", [1, 2])), str(node_script)])
+    assert result.exit_code == 0 and checked == [["w1", "w2"]]  # a file's nodes are
+
+
+def test_a_node_whose_port_was_taken_after_the_check_fails_with_one_line(tmp_path: Path, busy_port: int) -> None:
+    """The race the check cannot close: the node's own bind says what is wrong, without ZeroMQ's traceback."""
+    from dpwa import DpwaConnection
+    from dpwa.node.transport import PortInUseError
+
+    with pytest.raises(PortInUseError) as caught:
+        DpwaConnection("w1", cluster(tmp_path / "c.yaml", [busy_port]))
+    assert str(caught.value) == f"node w1: cannot bind tcp://127.0.0.1:{busy_port}: the port is already in use"
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # no zmq error chained
+    assert port_is_free(busy_port) is False
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("torch"), reason="the built-in demo needs torch")
+def test_the_built_in_demo_on_a_taken_port_logs_one_error_line(tmp_path: Path, busy_port: int) -> None:
+    path = cluster(tmp_path / "c.yaml", [busy_port])
+    env = {**os.environ, "DPWA_NODE": "w1", "DPWA_CONFIG": str(path), "DPWA_RUN_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "dpwa.tools.demo", "--steps", "1"], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and errors[0].endswith(f"node w1: cannot bind tcp://127.0.0.1:{busy_port}: "
+                                                   "the port is already in use")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- a failed node and the others
+
+
+@dataclasses.dataclass
+class Exited:
+    name: str
+    state: str
+
+    def describe_exit(self) -> str:
+        return "exit status 1" if self.state == "failed" else "exit status 0"
+
+
+class ScriptedSupervisor:
+    """A Supervisor stand-in: each poll() returns the next round of exits; a child runs until its exit."""
+
+    def __init__(self, *rounds: list[Exited]) -> None:
+        self.rounds = list(rounds)
+        self.children = {c.name: c for r in rounds for c in r}
+        self.alive = set(self.children)
+
+    def poll(self) -> list[Exited]:
+        exited = self.rounds.pop(0) if self.rounds else []
+        self.alive -= {c.name for c in exited}
+        return exited
+
+    def running(self) -> list[Exited]:
+        return [self.children[name] for name in sorted(self.alive)]
+
+
+def test_watch_reports_a_failure_and_lets_the_others_finish_unless_told_to_stop() -> None:
+    trap = SimpleNamespace(received=False)
+
+    def script() -> ScriptedSupervisor:
+        return ScriptedSupervisor([Exited("w2", "failed")], [], [Exited("w1", "ok")])
+
+    seen: list[str] = []
+    supervisor = script()
+    assert _watch(supervisor, trap, None, False, lambda: None, None, seen.append) == "failed"  # type: ignore[arg-type]
+    assert seen == ["w2"] and supervisor.running() == [] and supervisor.rounds == []  # w1 ran to its end
+    supervisor = script()
+    assert _watch(supervisor, trap, None, True, lambda: None) == "failed"  # type: ignore[arg-type]
+    assert [c.name for c in supervisor.running()] == ["w1"]  # --stop-on-failure: returned at w2's failure
+    # --timeout-s: w1 never ends; the failure is reported and the deadline still ends the run
+    supervisor = ScriptedSupervisor([Exited("w2", "failed")], [], [])
+    supervisor.children["w1"] = Exited("w1", "running")
+    supervisor.alive.add("w1")
+    seen.clear()
+    deadline = time.monotonic() + 0.5
+    assert _watch(supervisor, trap, deadline, False, lambda: None, None, seen.append) == "timeout"  # type: ignore[arg-type]
+    assert seen == ["w2"]
+
+
+def test_watch_reports_a_node_whose_restart_was_given_up_and_waits_for_the_others() -> None:
+    """--restart-failed: a node restarted is no failure; one whose restart is given up on is, and the others run on."""
+    trap = SimpleNamespace(received=False)
+    started: list[str] = []
+    restarter = Restarter(1, {"w1": ("127.0.0.1", 1), "w2": ("127.0.0.1", 2)}, started.append, port_wait_s=0.0,
+                          port_free=lambda host, port: False)  # fmt: skip
+    supervisor = ScriptedSupervisor([Exited("w2", "failed")], [], [Exited("w1", "ok")])
+    seen: list[str] = []
+    assert _watch(supervisor, trap, None, False, lambda: None, restarter, seen.append) == "failed"  # type: ignore[arg-type]
+    assert seen == ["w2"] and started == [] and supervisor.running() == []
+
+
+def write_run_dir(path: Path, ports: list[int], **launch: Any) -> Path:
+    """A run directory of `dpwa run` as --resume reads it: cluster.yaml and launch.json."""
+    path.mkdir()
+    cluster(path / "cluster.yaml", ports, checkpoint_every=10)  # else --resume warns that nodes start over
+    record = {"version": 1, "nodes": [f"w{i + 1}" for i in range(len(ports))], "command": ["python", "t.py"],
+              "threads": 1, "evaluate": False, "demo": False, **launch}  # fmt: skip
+    (path / "launch.json").write_text(json.dumps(record))
+    return path
+
+
+def test_resume_keeps_the_runs_failure_policy_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policies: list[bool] = []
+    monkeypatch.setattr(run_command, "_start", recording_start(lambda *args: args[7], policies))  # stop_on_failure
+    ports = free_ports(2)
+    stopping = write_run_dir(tmp_path / "stopping", ports, stop_on_failure=True)
+    older = write_run_dir(tmp_path / "older", ports)  # a launch.json from before the option was recorded
+    for argv in (
+        [str(stopping)],
+        [str(stopping), "--keep-going"],
+        [str(older)],
+        [str(older), "--stop-on-failure"],
+    ):
+        result = CliRunner().invoke(cli.main, ["run", "--resume", *argv])
+        assert result.exit_code == 0, result.output
+    assert policies == [True, False, False, True]
+    bad = write_run_dir(tmp_path / "bad", ports, stop_on_failure="yes")
+    result = CliRunner().invoke(cli.main, ["run", "--resume", str(bad)])
+    assert result.exit_code == 2 and "unreadable launch record: stop_on_failure must be true or false" in result.stderr
+
+
+def test_resume_checks_the_ports_too(tmp_path: Path, busy_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_command, "_start", lambda *args: pytest.fail("started despite a port in use"))
+    run_dir = write_run_dir(tmp_path / "run", [busy_port])
+    result = CliRunner().invoke(cli.main, ["run", "--resume", str(run_dir)])
+    assert result.exit_code == 2
+    config = run_dir / "cluster.yaml"
+    line = line_of(config, f"port: {busy_port}")
+    assert (
+        result.stderr
+        == f"error: {config}:{line}: nodes[0].port: node w1: port {busy_port} on 127.0.0.1 is already in use\n"
+    )
 
 
 # --------------------------------------------------------------------------- runs
@@ -406,24 +697,40 @@ def test_run_a_script_end_to_end(tmp_path: Path, node_script: Path) -> None:
     assert all(port_is_free(p) for p in ports)
 
 
-@pytest.mark.parametrize("keep_going", [False, True])
+@pytest.mark.parametrize("option", ["", "--keep-going", "--stop-on-failure"], ids=["default", "keep-going", "stop"])
 @pytest.mark.timing
-def test_a_failing_node_fails_the_run_and_shows_its_error(tmp_path: Path, node_script: Path, keep_going: bool) -> None:
+def test_a_failing_node_fails_the_run_and_shows_its_error(tmp_path: Path, node_script: Path, option: str) -> None:
+    """By default (and with the old --keep-going) w1 trains on to its last step after w2 failed; with
+    --stop-on-failure the failure stops w1, which would otherwise run forever. The run exits 1 either way."""
+    stop = option == "--stop-on-failure"
     ports = free_ports(2)
     path = cluster(tmp_path / "c.yaml", ports)
-    steps = "10" if keep_going else "0"  # without --keep-going the healthy node would run forever
-    options = ["--keep-going"] if keep_going else []
-    proc = launch(tmp_path, *options, "--run-dir", "run", str(path), str(node_script), "--steps", steps,
-                  "--fail", "w2", "--sleep", "0.01")  # fmt: skip
-    code, out, err = finish(proc, tmp_path)
-    assert code == 1
+    steps = "0" if stop else "60"  # --barrier: w1 trains once w2 listens, so w2 fails at its step 3 well before
+    proc = launch(tmp_path, *([option] if option else []), "-q", "--run-dir", "run", str(path), str(node_script),
+                  "--steps", steps, "--fail", "w2", "--sleep", "0.02", "--barrier")  # fmt: skip
+    code, out, err = finish(proc, tmp_path, 60)
+    assert code == 1, err
     assert "w2 failed (exit status 1); last lines of" in err
     assert "RuntimeError: boom from w2" in err
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["ok"] is False and summary["nodes"]["w2"]["status"] == "failed"
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] is False and summary["outcome"] == "failed" and summary["stop_on_failure"] is stop
+    assert json.loads((run_dir / "launch.json").read_text())["stop_on_failure"] is stop  # what --resume reuses
+    assert summary["nodes"]["w2"]["status"] == "failed"
     assert summary["nodes"]["w2"]["returncode"] == 1 and summary["nodes"]["w2"]["steps"] == 3
-    assert summary["nodes"]["w1"]["status"] == ("ok" if keep_going else "stopped")
+    assert [line.split()[:2] for line in out.splitlines()[1:3]] == [
+        ["w1", "stopped" if stop else "ok"],
+        ["w2", "failed"],
+    ]
     assert not alive(summary["nodes"]["w1"]["pid"])
+    if stop:
+        assert summary["nodes"]["w1"]["status"] == "stopped" and "keep running" not in err
+    else:
+        assert summary["nodes"]["w1"]["status"] == "ok" and summary["nodes"]["w1"]["steps"] == 60
+        assert "w2 failed (exit status 1); the other nodes keep running" in err
+        failed_at = max(r["time"] for r in read_metrics(run_dir / "w2.metrics.jsonl", missing_ok=True))
+        w1_times = [r["time"] for r in read_metrics(run_dir / "w1.metrics.jsonl", missing_ok=True) if "step" in r]
+        assert sum(t > failed_at for t in w1_times) >= 10, "w1 trained on after w2 failed"
 
 
 @pytest.mark.timing

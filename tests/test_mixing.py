@@ -397,3 +397,22 @@ def test_scale_motion_by_one_is_a_no_op_and_bad_input_writes_nothing():
     with pytest.raises(ValueError):
         scale_motion_([np.array([1.0, 2.0]), np.array([3.0])], [np.array([0.0, 0.0]), np.array([0.0, 0.0])], 2.0)
     np.testing.assert_array_equal(x[0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_relative_distance_is_the_norm_of_the_difference_over_the_norm_of_x(dtype: str) -> None:
+    from dpwa.rules.mixing import BLOCK, relative_distance
+    from dpwa.utils.bfloat16 import BFLOAT16, from_float32
+
+    def arr(values: np.ndarray) -> np.ndarray:
+        if dtype == "bfloat16":
+            return from_float32(values.astype(np.float32), np.empty(values.shape, np.uint16)).view(BFLOAT16)
+        return values.astype(dtype)
+
+    x = [arr(np.full(BLOCK + 3, 2.0)), arr(np.zeros((2, 2)))]  # more than one block
+    peer = [arr(np.full(BLOCK + 3, 1.0)), arr(np.ones((2, 2)))]
+    expected = np.sqrt((BLOCK + 3 + 4) / (4.0 * (BLOCK + 3)))
+    assert relative_distance(x, peer) == pytest.approx(expected, rel=1e-6)
+    assert relative_distance(x, x) == 0.0
+    assert relative_distance([arr(np.zeros(3))], [arr(np.zeros(3))]) == 0.0
+    assert relative_distance([arr(np.zeros(3))], [arr(np.ones(3))]) == float("inf")

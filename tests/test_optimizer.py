@@ -20,6 +20,7 @@ from conftest import free_ports, write_cluster
 from torch import nn
 
 from dpwa.adapters.optimizer import DpwaOptimizer
+from dpwa.launcher.rundir import NodeMetrics
 from dpwa.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration]
@@ -111,10 +112,47 @@ def test_an_unchanged_loop_gossips_and_the_models_converge_to_each_other(
     # near / far over 29 runs (--stress 30 -m outcome, 2026-11-25, 2 cores): mean 0.0274, sd 0.023, max 0.0739;
     # the bound 0.2 is mean + 8 sd.
     assert near < PAIR_BOUND * far, (far, near)
-    assert all(o.exchanges == 60 and o.adapter.step == 59 for o in opts)  # the last exchange is still open
+    assert all(o.exchanges == 60 and o.adapter.step == 59 for o in opts)  # the last exchange is open until close
     assert all(
         o.adapter.stats()["mixes"] > 0 for o in opts
     )  # mixed at all; how often is timing (a node starved of CPU mixes less), the distance above is the measured figure
+
+
+def test_n_steps_are_n_exchanges_in_the_metrics_and_the_summary(pair, tmp_path: Path) -> None:
+    """Each step() waits for the exchange the previous one started; close() waits for the last one's, so a run of
+    N steps writes N exchange records, steps 1..N, and the run summary says N (it said N - 1)."""
+    steps = 25
+    models = [model(1), model(2)]
+    opts = pair(models, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), run_dir=tmp_path / "run")
+    train_together(list(zip(models, opts)), steps, plain_step(batches(0, 10)))
+    for opt in opts:
+        opt.close()
+        opt.close()  # idempotent: no second wait
+    for opt in opts:
+        assert opt.exchanges == steps and opt.adapter.step == steps
+        records = read_metrics(tmp_path / "run" / f"{opt.adapter.name}.metrics.jsonl")
+        exchanged = [r for r in records if r.get("event") is None]
+        assert [r["step"] for r in exchanged] == list(range(1, steps + 1))
+        assert NodeMetrics.of(records).summary()["steps"] == steps
+
+
+def test_finish_completes_the_last_exchange_and_a_later_step_starts_a_new_one(pair, tmp_path: Path) -> None:
+    (m,) = [model(1)]
+    (opt,) = pair([m], lambda m: torch.optim.SGD(m.parameters(), lr=0.01), run_dir=tmp_path / "run")
+    body = plain_step(batches(0, 4))
+    for k in range(3):
+        body(m, opt, k)
+    assert opt.adapter.step == 2
+    opt.finish()
+    opt.finish()  # nothing open: nothing to wait for
+    assert opt.adapter.step == 3
+    body(m, opt, 3)  # training goes on: the new exchange's update_send only
+    assert opt.adapter.step == 3 and opt.exchanges == 4
+    opt.close()
+    assert opt.adapter.step == 4 and opt.adapter.closed
+    opt.finish()  # after close: nothing happens, nothing raises
+    records = [r for r in read_metrics(tmp_path / "run" / "w1.metrics.jsonl") if r.get("event") is None]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
 
 
 def test_mixing_never_touches_the_optimizer_state(pair) -> None:
@@ -237,6 +275,8 @@ def test_a_dpwa_run_of_the_example_converges(tmp_path: Path, record_property: Ca
     record_property("relative_distance", relative)
     # mixed at all; how often is timing (a node starved of CPU mixes less), the distance below is the measured figure
     assert all(r["exchanges"] == 150 and r["mixes"] > 0 for r in reports.values())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [summary["nodes"][n]["steps"] for n in ("w1", "w2")] == [150, 150]  # every step's exchange, the last too
     # Timing decides how many steps one node trains after the other stopped (unmixed).
     # relative distance over 29 runs (--stress 30 -m outcome, 2026-11-25, 2 cores): mean 0.011, sd 0.008, max
     # 0.0439; the bound 0.1 is mean + 11 sd.

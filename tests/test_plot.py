@@ -11,7 +11,7 @@ import yaml
 from click.testing import CliRunner
 
 from dpwa.cli import app as cli
-from dpwa.tools.plot import MISSING_MATPLOTLIB, series
+from dpwa.tools.plot import LATENCY_TITLES, MISSING_MATPLOTLIB, latency_kind, reported, series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -68,11 +68,64 @@ def test_series_skips_reports_and_bad_values_and_counts_only_ok_fetches() -> Non
         {"time": 10.0, "step": 1, "loss": 2.0, "factor": 0.5, "status": "ok", "fetch_ms": 3.0},
         {"time": 11.0, "step": 2, "loss": None, "factor": 0.0, "status": "timeout", "fetch_ms": 500.0},
         {"time": 12.0, "event": "report", "accuracy": 0.9, "loss": 1.0, "step": 9},
-        {"time": 13.0, "step": 3, "loss": 1.0, "factor": 0.5, "status": "timeout,ok", "fetch_ms": 7.0},
-    ]
+        {"time": 13.0, "step": 3, "loss": 1.0, "factor": 0.5, "status": "timeout,ok", "fetch_ms": 7.0,
+         "distance": 0.02},
+        {"time": 14.0, "step": 4, "loss": 1.0, "factor": 0.5, "status": "ok", "fetch_ms": 2.0, "distance": None},
+        {"time": 15.0, "event": "report", "accuracy": 0.95, "note": "text"},
+    ]  # fmt: skip
     cols = series(records, t0=10.0)
-    assert cols == {"step": [1, 3], "loss": [2.0, 1.0], "time": [0.0, 1.0, 3.0], "factor": [0.5, 0.0, 0.5],
-                    "fetch_ms": [3.0, 7.0]}  # fmt: skip
+    assert cols == {"step": [1, 3, 4], "loss": [2.0, 1.0, 1.0], "time": [0.0, 1.0, 3.0, 4.0],
+                    "factor": [0.5, 0.0, 0.5, 0.5], "fetch_ms": [3.0, 7.0, 2.0], "push_ms": [],
+                    "distance_step": [3], "distance": [0.02]}  # fmt: skip
+    assert latency_kind({"w1": cols}) == "fetch"
+    # the reports' numbers, at the step the node had reached (the record before them)
+    assert reported(records) == {"accuracy": ([2, 4], [0.9, 0.95]), "loss": ([2], [1.0]), "step": ([2], [9.0])}
+
+
+def test_series_of_a_push_rule_takes_the_push_latency_of_exchanges_that_found_a_push_delivered() -> None:
+    """pushsum / osgp records: no fetch (status only ``pushed``), push_ms the slowest push ACKed since the last
+    step; one with ``delivered`` 0 (nothing ACKed yet: push_ms 0.0) is not a latency."""
+    records = [
+        {"time": 10.0, "step": 1, "loss": 2.0, "factor": 0.5, "status": "pushed", "fetch_ms": 0.0,
+         "pushed": 1, "delivered": 1, "push_ms": 4.5},
+        {"time": 11.0, "step": 2, "loss": 1.5, "factor": 0.0, "status": None, "fetch_ms": 0.0,
+         "pushed": 1, "delivered": 0, "push_ms": 0.0},
+        {"time": 12.0, "step": 3, "loss": 1.0, "factor": 0.5, "status": "pushed,pushed", "fetch_ms": 0.0,
+         "pushed": 1, "delivered": 2, "push_ms": 6.0},
+        {"time": 13.0, "step": 4, "loss": 1.0, "factor": 0.5, "status": "pushed", "push_ms": 2.0},  # no delivered
+        {"time": 14.0, "step": 5, "loss": 1.0, "factor": 0.5, "status": "pushed", "push_ms": 0.0},
+    ]  # fmt: skip
+    cols = series(records, t0=10.0)
+    assert cols["push_ms"] == [4.5, 6.0, 2.0] and cols["fetch_ms"] == []
+    assert latency_kind({"w1": cols, "w2": series([], t0=0.0)}) == "push"
+    assert LATENCY_TITLES["push"].startswith("push latency") and LATENCY_TITLES["fetch"].startswith("fetch latency")
+    pull = series([{"time": 1.0, "status": "ok", "fetch_ms": 3.0}], t0=0.0)
+    assert latency_kind({"w1": cols, "w2": pull}) == "fetch"  # a node with fetches: the fetch latency is shown
+
+
+def test_plot_of_a_push_rule_run_draws_the_push_latency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figure = pytest.importorskip("matplotlib.figure")
+    drawn: list = []
+    monkeypatch.setattr(figure.Figure, "savefig", lambda fig, *args, **kwargs: drawn.append(fig))  # keep the figure
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "cluster.yaml").write_text(yaml.safe_dump({"nodes": [{"name": "w1", "host": "localhost", "port": 1}]}))
+    records = [
+        {"time": 100.0 + step, "node": "w1", "step": step, "loss": 1.0 / step, "factor": 0.5, "status": "pushed",
+         "fetch_ms": 0.0, "pushed": 1, "delivered": 1, "push_ms": 1.0 + step % 4}
+        for step in range(1, 41)
+    ]  # fmt: skip
+    metrics = run_dir / "w1.metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert CliRunner().invoke(cli.main, ["plot", str(run_dir)]).exit_code == 0
+    latency = drawn[-1].axes[2]
+    assert latency.get_title() == LATENCY_TITLES["push"]
+    assert len(latency.patches) == 1 and not latency.texts  # one histogram, the node's
+
+    metrics.write_text("".join(json.dumps({**r, "delivered": 0, "push_ms": 0.0}) + "\n" for r in records))
+    assert CliRunner().invoke(cli.main, ["plot", str(run_dir)]).exit_code == 0
+    latency = drawn[-1].axes[2]  # no push was ever delivered: no histogram, a line saying so
+    assert not latency.patches and [t.get_text() for t in latency.texts] == ["no fetch or push latency"]
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

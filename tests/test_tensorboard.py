@@ -52,7 +52,10 @@ def test_which_record_values_become_scalars() -> None:
                                  "mix_ms": 0.2, "weight": 0.75, "mixes": 2.0, "failed": 0.0,
                                  "mb_per_s": 2.0, "fetch_ms/w2": 2.0}  # fmt: skip
     assert scalars({"event": "member", "member": "j1", "state": "joined", "members": 4}) == {"members": 4.0}
-    assert scalars({"event": "report", "accuracy": 0.9}) == {}
+    assert scalars({"event": "report", "time": 1.0, "node": "w1", "accuracy": 0.9, "note": "x"}) == {
+        "report/accuracy": 0.9
+    }
+    assert scalars({"event": "resume", "step": 3}) == {}
     assert "mb_per_s" not in scalars({**EXCHANGE, "bytes": 0})
     assert "fetch_ms/w2" not in scalars({**EXCHANGE, "status": "timeout"})
     assert "loss" not in scalars({**EXCHANGE, "loss": float("nan")})

@@ -22,6 +22,7 @@ __all__ = ["COMMANDS", "LOG_LEVELS", "main", "summary", "validate"]
 
 COMMANDS: dict[str, str] = {
     "run": "dpwa.cli.run:run",
+    "average": "dpwa.cli.average:average",
     "plot": "dpwa.cli.plot:plot",
     "bench": "dpwa.cli.bench:bench",
     "keys": "dpwa.cli.keys:keys",

@@ -18,7 +18,8 @@ from dpwa.engines import EngineError, engine_nodes
 from dpwa.engines.join import joining_nodes
 from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
 from dpwa.launcher.job import DEMO_MODULE, Job, run_job
-from dpwa.launcher.placement import select_nodes, threads_per_node
+from dpwa.launcher.placement import LocalHosts, select_nodes, threads_per_node
+from dpwa.launcher.ports import busy_ports, busy_ports_message
 from dpwa.launcher.progress import Progress
 from dpwa.launcher.rundir import RunDir, default_run_dir
 from dpwa.tools.options import check_partition
@@ -120,7 +121,17 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
     help="Stop everything after this many seconds and exit 1.",
 )
 @click.option("--threads", type=click.IntRange(min=1), help="Threads per node  [default: usable cores // local nodes]")
-@click.option("--keep-going", is_flag=True, help="Keep the other nodes running when one fails.")
+@click.option(
+    "--stop-on-failure",
+    is_flag=True,
+    help="Stop every node when one fails for good  [default: the others keep running; the run still exits 1]",
+)
+@click.option(
+    "--keep-going",
+    is_flag=True,
+    help="The default, kept for old command lines: the other nodes keep running when one fails. With --resume it "
+    "overrides the run's recorded --stop-on-failure.",
+)
 @click.option(
     "--restart-failed",
     type=click.IntRange(min=0),
@@ -133,6 +144,13 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     metavar="RUN_DIR",
     help="Resume the run in RUN_DIR (its nodes, cluster file and command) from the nodes' last checkpoints.",
+)
+@click.option(
+    "--evaluate",
+    "average",
+    metavar="MODULE:FUNCTION",
+    help="With SCRIPT, once every node succeeded: `dpwa average RUN_DIR --evaluate MODULE:FUNCTION` (the average of "
+    "the models the nodes saved, evaluated beside each node's); its figure goes into the summary.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No live progress (the summary is still printed).")
 @click.option(
@@ -153,9 +171,11 @@ def run(
     run_dir: Path | None,
     timeout_s: float | None,
     threads: int | None,
+    stop_on_failure: bool,
     keep_going: bool,
     restart_failed: int,
     resume: Path | None,
+    average: str | None,
     quiet: bool,
     tensorboard: bool,
 ) -> None:
@@ -170,17 +190,22 @@ def run(
     or when named with --node. Under SLURM (SLURM_PROCID and SLURM_NTASKS set, no --node) each task
     starts node number SLURM_PROCID, so `srun dpwa run cluster.yaml train.py` starts one node per task;
     a file without `nodes` takes them from the step (one per task, `<host>-<SLURM_LOCALID>` on
-    base_port + SLURM_LOCALID).
+    base_port + SLURM_LOCALID). Before anything starts, the port of every node of the cluster file that
+    runs here is bound for an instant: one in use by another process is one error line and exit status 2.
 
     Every node process gets DPWA_NODE, DPWA_CONFIG (the resolved copy in the run directory),
     DPWA_RUN_DIR, and OMP/MKL/OPENBLAS_NUM_THREADS and DPWA_TORCH_THREADS so the nodes share the cores.
     Its output goes to RUN_DIR/<node>.log. Without SCRIPT each node runs `python -m dpwa.tools.demo`, and once
-    all succeeded the averaged model is compared with a single-process baseline.
+    all succeeded the averaged model is compared with a single-process baseline. A SCRIPT's nodes that saved
+    their models (adapter.save_model) get the models' disagreement in the summary, and with --evaluate
+    MODULE:FUNCTION the averaged model's figure (`dpwa average`).
 
     `dpwa run --resume RUN_DIR` starts the same nodes with the same command again; each resumes from its
     last checkpoint (`checkpoint_every` in the cluster file) and copies a peer's model if it is ahead
     (DPWA_RESUME=1, DPWA_BOOTSTRAP=peer). --restart-failed N restarts a failed node the same way.
 
+    A node that fails (for good, after its --restart-failed restarts) is reported and the others keep
+    running to their end; --stop-on-failure stops them all at once instead. Either way the run exits 1.
     Ctrl-C or SIGTERM stops every process the run started (SIGTERM, then SIGKILL after 3 s).
     Exit status: 0 all nodes succeeded; 1 a node failed or --timeout-s passed; 2 a bad cluster file
     or usage; 130/143 interrupted.
@@ -195,6 +220,9 @@ def run(
         raise click.UsageError("--config goes with -n N; without -n the cluster file is the first argument")
     elif join is not None:
         raise click.UsageError("--join goes with -n N; in a cluster file, write `join: HOST:PORT`")
+    if stop_on_failure and keep_going:
+        raise click.UsageError("--stop-on-failure and --keep-going contradict each other: give one")
+    stop = True if stop_on_failure else False if keep_going else None  # None: not given on this command line
     reservation = None
     if resume is not None:
         if node_count is not None:
@@ -203,9 +231,14 @@ def run(
             raise click.UsageError("--resume RUN_DIR takes the cluster file, nodes and command from RUN_DIR")
         if partition is not None:
             raise click.UsageError("--resume RUN_DIR keeps the run's data split; drop --partition")
-        config, nodes, command, directory, evaluate, per_node = _resume_plan(RunDir(resume), steps, threads)
-        _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, True,
-               quiet, tensorboard)  # fmt: skip
+        config, nodes, command, directory, evaluate, per_node, recorded, spec = _resume_plan(
+            RunDir(resume), steps, threads
+        )
+        _check_ports(config, nodes)  # an `-n` run's ports too: nothing holds them for it any more
+        stop = recorded if stop is None else stop
+        _start(config, nodes, command, directory, evaluate, per_node, timeout_s, stop, restart_failed, True,
+               quiet, tensorboard, average if average is not None else spec)  # fmt: skip
+    listed = False  # the nodes come from the cluster file (not from -n's reservation or an engine)
     if node_count is not None:
         config, reservation = _local_cluster(node_count, settings_file, join)
     elif cluster is None:
@@ -221,6 +254,12 @@ def run(
             except EngineError as err:
                 fail(f"{cluster}: {err}")
             node_names = node_names or ((mine,) if mine is not None else ())
+        else:
+            listed = True
+    if script is None and average is not None:
+        raise click.UsageError("--evaluate MODULE:FUNCTION is for a SCRIPT's saved models; the demo evaluates itself")
+    if average is not None and average.rpartition(":")[0] in ("", ".py"):
+        raise click.UsageError(f"--evaluate {average!r}: expected MODULE:FUNCTION or path/to/file.py:FUNCTION")
     if script is None:
         if importlib.util.find_spec(DEMO_MODULE) is None:
             fail(f"the built-in demo ({DEMO_MODULE}) is not installed; give a SCRIPT to run")
@@ -234,21 +273,31 @@ def run(
         if not os.path.isfile(script):
             fail(f"{script}: no such file")
         command = [sys.executable, os.path.abspath(script), *script_args]
+    is_local = LocalHosts()
     try:
-        nodes, warnings = select_nodes(config, node_names)
+        nodes, warnings = select_nodes(config, node_names, is_local=is_local)
     except ConfigError as err:
         fail(err)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
+    if listed:  # ports -n reserved, or an engine derived, are this launcher's own: not checked
+        _check_ports(config, nodes, is_local)
     directory = RunDir(run_dir if run_dir is not None else default_run_dir())
     evaluate = script is None and len(nodes) == len(config.nodes) and not config.join
     per_node = threads if threads is not None else threads_per_node(len(nodes))
     try:  # the reserved ports stay locked until the job is over (and the process exits)
-        _start(config, nodes, command, directory, evaluate, per_node, timeout_s, keep_going, restart_failed, False,
-               quiet, tensorboard)  # fmt: skip
+        _start(config, nodes, command, directory, evaluate, per_node, timeout_s, bool(stop), restart_failed, False,
+               quiet, tensorboard, average)  # fmt: skip
     finally:
         if reservation is not None:
             reservation.release()
+
+
+def _check_ports(config: ClusterConfig, nodes: list[NodeSpec], is_local: LocalHosts | None = None) -> None:
+    """Exit 2 with one line when the port of one of ``nodes`` whose host is this machine is in use."""
+    busy = busy_ports(nodes, is_local=is_local if is_local is not None else LocalHosts())
+    if busy:
+        fail(busy_ports_message(config, busy))
 
 
 def _local_cluster(n: int, settings_file: str | None, join: str | None = None) -> tuple[ClusterConfig, PortReservation]:
@@ -285,14 +334,16 @@ def _start(
     evaluate: bool,
     per_node: int,
     timeout_s: float | None,
-    keep_going: bool,
+    stop_on_failure: bool,
     restart_failed: int,
     resume: bool,
     quiet: bool,
     tensorboard: bool = False,
+    average: str | None = None,
 ) -> NoReturn:
     """Check the nodes' keys, prepare the run directory (kept as it is by ``resume``), run the job and exit
-    (``tensorboard``: after writing the nodes' TensorBoard scalars)."""
+    (``tensorboard``: after writing the nodes' TensorBoard scalars; ``average``: the ``--evaluate`` of a SCRIPT's
+    models). ``launch.json`` records ``stop_on_failure`` and ``average`` for ``--resume``."""
     try:
         for node in nodes if config.security.curve else ():  # every node started here needs its secret key
             config.check_secret_key(node.name)
@@ -303,7 +354,10 @@ def _start(
         if not resume:
             directory.write_config(config)
         launch = {"version": 1, "nodes": [n.name for n in nodes], "command": command, "threads": per_node}
-        directory.write_launch({**launch, "evaluate": evaluate, "demo": command[1:3] == ["-m", DEMO_MODULE]})
+        demo = command[1:3] == ["-m", DEMO_MODULE]
+        directory.write_launch(
+            {**launch, "evaluate": evaluate, "demo": demo, "stop_on_failure": stop_on_failure, "average": average}
+        )
     except OSError as err:
         fail(f"{directory.path}: cannot write the run directory: {err.strerror or err}")
     if not quiet:
@@ -311,7 +365,8 @@ def _start(
         plural = "s" if per_node != 1 else ""
         what = "resuming" if resume else "run dir"
         click.echo(f"dpwa run: {names} ({per_node} thread{plural} each); {what} {directory.path}", err=True)
-    job = Job(config, nodes, command, directory, per_node, evaluate, timeout_s, keep_going, restart_failed, resume)
+    job = Job(config, nodes, command, directory, per_node, evaluate, timeout_s, stop_on_failure, restart_failed,
+              resume, average)  # fmt: skip
     progress = None if quiet else Progress(sys.stderr)
     code = run_job(job, progress=progress)
     if tensorboard:
@@ -349,8 +404,10 @@ def _with_option(command: list[str], option: str, value: str) -> list[str]:
 
 def _resume_plan(
     directory: RunDir, steps: int | None, threads: int | None
-) -> tuple[ClusterConfig, list[NodeSpec], list[str], RunDir, bool, int]:
-    """(config, nodes, command, run dir, evaluate, threads) of the run recorded in ``directory``'s launch.json."""
+) -> tuple[ClusterConfig, list[NodeSpec], list[str], RunDir, bool, int, bool, str | None]:
+    """(config, nodes, command, run dir, evaluate, threads, stop on failure, the SCRIPT's --evaluate) of the run
+    recorded in ``directory``'s launch.json. A record written before ``stop_on_failure`` (``average``) was recorded
+    gives False (None), the default."""
     record = directory.read_launch()
     if record is None:
         fail(f"{directory.path}: no {directory.launch_path.name}: not a run directory of `dpwa run`")
@@ -362,6 +419,12 @@ def _resume_plan(
         nodes = [config.node(name) for name in record["nodes"]]
         command = [str(arg) for arg in record["command"]]
         evaluate, demo, per_node = bool(record["evaluate"]), bool(record["demo"]), int(record["threads"])
+        stop_on_failure = record.get("stop_on_failure", False)
+        if not isinstance(stop_on_failure, bool):
+            raise TypeError(f"stop_on_failure must be true or false, got {stop_on_failure!r}")
+        spec = record.get("average")
+        if spec is not None and not isinstance(spec, str):
+            raise TypeError(f"average must be MODULE:FUNCTION or null, got {spec!r}")
     except (KeyError, TypeError, ValueError) as err:
         fail(f"{directory.launch_path}: unreadable launch record: {err}")
     if steps is not None:
@@ -370,4 +433,5 @@ def _resume_plan(
         command = _with_option(command, "--steps", str(steps))
     if config.checkpoint_every == 0:
         click.echo(f"warning: {config.source}: checkpoint_every is 0: the nodes start over from step 0", err=True)
-    return config, nodes, command, directory, evaluate, threads if threads is not None else per_node
+    per_node = threads if threads is not None else per_node
+    return config, nodes, command, directory, evaluate, per_node, stop_on_failure, spec

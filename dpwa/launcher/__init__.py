@@ -4,6 +4,8 @@
   the run loop (start, watch, restart, stop, evaluate the demo, write ``summary.json``);
 * :mod:`~dpwa.launcher.placement` -- which nodes of a cluster file run on this machine, and each
   node process's environment (``DPWA_NODE``, ``DPWA_CONFIG``, ``DPWA_RUN_DIR``, thread counts);
+* :mod:`~dpwa.launcher.ports` -- whether a node's port is already in use here (checked by ``dpwa run``
+  and ``dpwa validate`` before anything starts);
 * :mod:`~dpwa.launcher.supervisor` -- child processes: start, watch, stop (only its own, by pid
   and process group);
 * :mod:`~dpwa.launcher.restarts` -- the ``--restart-failed`` policy;

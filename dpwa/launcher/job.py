@@ -1,9 +1,11 @@
 """One ``dpwa run`` on this machine: start the local nodes, show their progress, stop them, summarize.
 
 :func:`run_job` is the loop: start every node of a :class:`Job` (chosen by :mod:`dpwa.launcher.placement`)
-under a :class:`~dpwa.launcher.supervisor.Supervisor`, watch them with live progress, stop them all on the
-first failure (unless ``keep_going``), on Ctrl-C or SIGTERM, evaluate the built-in demo, and write the
-summary into the run directory. The ``dpwa run`` command that builds the job is :mod:`dpwa.cli.run`.
+under a :class:`~dpwa.launcher.supervisor.Supervisor`, watch them with live progress, stop them all on
+Ctrl-C or SIGTERM, when ``timeout_s`` passes, or on the first failure when ``stop_on_failure`` (by default
+a failed node is reported at once and the others run to their end; the run fails all the same), evaluate
+the built-in demo once every node succeeded, and write the summary into the run directory. The ``dpwa run``
+command that builds the job is :mod:`dpwa.cli.run`.
 This module never imports torch.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 
 import click
 
+from dpwa.checkpoint import CheckpointError
 from dpwa.config import ClusterConfig, NodeSpec
 from dpwa.launcher.placement import node_env, usable_cores
 from dpwa.launcher.progress import NodeView, Progress, summary_table
@@ -29,6 +32,7 @@ from dpwa.launcher.restarts import Restarter, resume_env
 from dpwa.launcher.rundir import NodeMetrics, RunDir, tail_lines
 from dpwa.launcher.supervisor import POLL_S, SignalTrap, Supervisor, stop_quietly
 from dpwa.metrics import MetricsTail
+from dpwa.modelfile import average_models, disagreement, read_model
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +53,10 @@ class Job:
     threads: int
     evaluate: bool = False  # built-in demo with every node here: run `dpwa.tools.demo --evaluate RUN_DIR` after
     timeout_s: float | None = None
-    keep_going: bool = False
+    stop_on_failure: bool = False  # stop every node at the first failure (--stop-on-failure); else they run on
     restart_failed: int = 0  # restarts per node after a failure (--restart-failed); dpwa/launcher/restarts.py
     resume: bool = False  # dpwa run --resume: every node resumes from its checkpoint and bootstraps from a peer
+    average: str | None = None  # a SCRIPT's --evaluate MODULE:FUNCTION: `dpwa average RUN_DIR --evaluate` after
 
 
 def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | None = None) -> int:
@@ -98,15 +103,26 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
         start(specs[name], restart=True)
 
     restarter = Restarter(job.restart_failed, {n.name: (n.host, n.port) for n in job.nodes}, restart)
+
+    def run_on(name: str) -> None:  # a node failed for good; the others keep running (no --stop-on-failure)
+        child = supervisor.children[name]
+        message = f"{name} failed ({child.describe_exit()}); the other nodes keep running (the run will exit 1)"
+        log.info("%s", message)
+        if progress is not None:
+            progress.message(message)
+        else:
+            click.echo(message, err=True)
+
     status = "failed"
     with SignalTrap() as trap:
         try:
             for node in job.nodes:
                 start(node)
-            status = _watch(supervisor, trap, deadline, not job.keep_going, tick, restarter)
+            on_failure = None if job.stop_on_failure else run_on
+            status = _watch(supervisor, trap, deadline, job.stop_on_failure, tick, restarter, on_failure)
             stop_quietly(supervisor, trap)
             tick(force=True)
-            if status == "ok" and job.evaluate:
+            if status == "ok" and (job.evaluate or job.average is not None):
                 status = _evaluate(job, supervisor, trap, deadline, base, progress)
         except OSError as err:
             click.echo(f"error: cannot start a node process: {err}", err=True)
@@ -130,12 +146,13 @@ def _watch(
     fail_fast: bool,
     tick: Callable[[], None],
     restarter: Restarter | None = None,
+    on_failure: Callable[[str], None] | None = None,
 ) -> str:
     """Poll until every child has exited (``ok`` or ``failed``), one failed (``failed``, if ``fail_fast``),
     a signal arrived (``interrupted``) or the deadline passed (``timeout``). Does not stop anything.
 
     With a ``restarter``, a failed child it schedules for a restart is not a failure (yet); one whose
-    restart it gives up on is."""
+    restart it gives up on is. ``on_failure(name)`` is told of each failure as it is seen."""
     while True:
         exited = supervisor.poll()
         tick()
@@ -143,6 +160,9 @@ def _watch(
             return "interrupted"
         failed = [c for c in exited if c.state == "failed" and not (restarter is not None and restarter.handle(c))]
         gave_up = restarter.tick() if restarter is not None else []
+        if on_failure is not None:
+            for name in [c.name for c in failed] + gave_up:
+                on_failure(name)
         if fail_fast and (failed or gave_up):
             return "failed"
         if not supervisor.running() and not (restarter is not None and restarter.pending):
@@ -160,13 +180,18 @@ def _evaluate(
     base: Mapping[str, str],
     progress: Progress | None,
 ) -> str:
-    """Run ``python -m dpwa.tools.demo --evaluate RUN_DIR`` (averaged model vs one-process baseline), every core."""
+    """Run ``python -m dpwa.tools.demo --evaluate RUN_DIR`` (averaged model vs one-process baseline), or for a
+    SCRIPT's ``--evaluate MODULE:FUNCTION`` ``dpwa average RUN_DIR --evaluate ...``, on every core."""
     if progress is not None:
-        progress.message("evaluating the averaged model and a single-process baseline ...")
+        what = "a single-process baseline" if job.average is None else "each node's model"
+        progress.message(f"evaluating the averaged model and {what} ...")
     helper_env = node_env(
         base, node=None, config_path=job.run_dir.config_path, run_dir=job.run_dir.path, threads=usable_cores()
     )
-    argv = [sys.executable, "-m", DEMO_MODULE, "--evaluate", str(job.run_dir.path)]
+    if job.average is None:
+        argv = [sys.executable, "-m", DEMO_MODULE, "--evaluate", str(job.run_dir.path)]
+    else:
+        argv = [sys.executable, "-m", "dpwa.cli", "average", str(job.run_dir.path), "--evaluate", job.average]
     supervisor.start("evaluate", argv, env=helper_env, log_path=job.run_dir.evaluate_log)
     return _watch(supervisor, trap, deadline, True, lambda: None)
 
@@ -204,14 +229,19 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
         "outcome": status,
         "exit_code": code,
         "restart_failed": job.restart_failed,
+        "stop_on_failure": job.stop_on_failure,
         "resumed": job.resume,
         "ok": status == "ok",
         "nodes": nodes,
     }
     evaluation = supervisor.children.get("evaluate")
-    demo = job.run_dir.read_demo() if evaluation is not None and evaluation.state == "ok" else None
+    evaluated = evaluation is not None and evaluation.state == "ok"
+    demo = job.run_dir.read_demo() if evaluated and job.evaluate else None
     if job.evaluate:
         summary["demo"] = demo
+    models = None if job.evaluate else _models(job, job.run_dir.read_average() if evaluated else None)
+    if models is not None:
+        summary["models"] = models
     try:
         job.run_dir.write_summary(summary)
     except OSError as err:
@@ -225,6 +255,8 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
         )
     elif not job.evaluate and job.command[1:3] == ["-m", DEMO_MODULE] and status == "ok":
         click.echo("(averaged-model evaluation skipped: it needs every node of the file in one run directory)")
+    if models is not None:
+        click.echo(_models_line(models, job.run_dir.path))
     for child in supervisor.children.values():
         if child.state == "failed":
             click.echo(f"{child.name} failed ({child.describe_exit()}); last lines of {child.log_path}:", err=True)
@@ -235,6 +267,42 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
     elif status == "timeout":
         click.echo(f"timed out after {job.timeout_s:g} s: stopped the processes still running", err=True)
     click.echo(f"run dir: {job.run_dir.path}")
+
+
+def _models(job: Job, average: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The models this run's nodes saved (``<node>.model.npz``): how many, their disagreement (relative distance to
+    their mean, :mod:`dpwa.modelfile`), and the ``--evaluate`` figures (``average.json``) when there are; None when
+    no node saved one. A file that cannot be read is reported, not raised."""
+    paths = [job.run_dir.model_path(node.name) for node in job.nodes]
+    present = [path for path in paths if path.exists()]
+    if not present:
+        return None
+    try:
+        saved = [read_model(path) for path in present]
+        spread = disagreement(saved, average_models(saved))
+    except (CheckpointError, ValueError) as err:
+        return {"saved": len(present), "error": str(err)}
+    out: dict[str, Any] = {"saved": len(saved), "disagreement": spread.overall, "node_distance": dict(spread.nodes)}
+    if average is not None:
+        out.update({k: average[k] for k in ("evaluate", "averaged", "node_figures", "averaged_model") if k in average})
+    return out
+
+
+def _models_line(models: Mapping[str, Any], run_dir: object) -> str:
+    """One line: the saved models' disagreement and, when evaluated, the averaged model's headline figure."""
+    if "error" in models:
+        return f"models: {models['saved']} saved, not averaged: {models['error']}"
+    apart = f"{100 * models['disagreement']:.3g} % apart (relative distance to their mean)"
+    line = f"models: {models['saved']} saved, {apart}"
+    averaged, nodes = models.get("averaged"), models.get("node_figures")
+    if isinstance(averaged, Mapping) and averaged and isinstance(nodes, Mapping):
+        key = next(iter(averaged))
+        figures = [f[key] for f in nodes.values() if isinstance(f, Mapping) and key in f]
+        spread = f" (nodes {_num(min(figures))} to {_num(max(figures))})" if figures else ""
+        line += f"; averaged model {key} {_num(averaged[key])}{spread}"
+    else:
+        line += f"; `dpwa average {run_dir} --evaluate MODULE:FUNCTION` evaluates their average"
+    return line
 
 
 def _iso(t: float) -> str:

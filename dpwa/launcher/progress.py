@@ -114,10 +114,18 @@ class Progress:
 def summary_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
     """The end-of-run table: one row per node (name -> summary.json node entry), no trailing newline.
 
-    A ``data`` column (the classes holding at least 5% of the node's samples, from ``<node>.data.json``)
-    is added when some node wrote its data file."""
+    The latency column is ``fetch ms`` (``mean_fetch_ms``) or, for push rules, ``push ms`` (``mean_push_ms``:
+    send to ACK); ``fetch/push ms`` when nodes differ, a push latency then marked ``(push)``. When some node
+    had a fetch declined (not ready, busy, left: not failures) a ``declined`` column is added, and when some
+    fetch did not end ok a ``reasons`` column: each reason and its count, the most frequent first, failures
+    before declined ones (``refused:`` left out: ``busy 34, timeout 2``). A ``data`` column (the classes holding
+    at least 5% of the node's samples, from ``<node>.data.json``) is added when some node wrote its data file."""
+    kinds = {_latency(row)[0] for row in rows.values()} - {None}
+    latency = {"push"} == kinds
     header: tuple[str, ...] = ("node", "status", "steps", "final loss", "accuracy", "mixes", "failed", "timeouts")
-    header += ("fetch ms",)
+    header += ("push ms" if latency else "fetch/push ms" if len(kinds) > 1 else "fetch ms",)
+    with_declined = any(_number(row.get("declined_fetches")) for row in rows.values())
+    with_reasons = any(_reasons(row) != "-" for row in rows.values())
     with_data = any(isinstance(row.get("data"), Mapping) for row in rows.values())
     body = [
         (
@@ -129,20 +137,59 @@ def summary_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
             _fmt(row.get("mixes"), "d"),
             _fmt(row.get("failed_fetches"), "d"),
             _fmt(row.get("timeouts"), "d"),
-            _fmt(row.get("mean_fetch_ms"), ".1f"),
+            _latency_cell(row, mixed=len(kinds) > 1),
+            *((_fmt(row.get("declined_fetches"), "d"),) if with_declined else ()),
+            *((_reasons(row),) if with_reasons else ()),
             *((_data(row.get("data")),) if with_data else ()),
         )
         for name, row in rows.items()
     ]
-    if with_data:
-        header += ("data (classes >= 5%)",)
-    left = {0, 1, len(header) - 1} if with_data else {0, 1}
+    header += ("declined",) if with_declined else ()
+    header += ("reasons",) if with_reasons else ()
+    header += ("data (classes >= 5%)",) if with_data else ()
+    text_columns = int(with_reasons) + int(with_data)  # the last ones, left-aligned as the first two
+    left = {0, 1} | set(range(len(header) - text_columns, len(header)))
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
     def line(r: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
     return "\n".join([line(header), *(line(r).rstrip() for r in body)])
+
+
+def _latency(row: Mapping[str, Any]) -> tuple[str | None, float | None]:
+    """A node's latency: ``("fetch", mean_fetch_ms)``, else ``("push", mean_push_ms)``, else ``(None, None)``."""
+    for kind in ("fetch", "push"):
+        value = _number(row.get(f"mean_{kind}_ms"))
+        if value is not None:
+            return kind, value
+    return None, None
+
+
+def _latency_cell(row: Mapping[str, Any], *, mixed: bool) -> str:
+    kind, value = _latency(row)
+    if value is None:
+        return "-"
+    return f"{value:.1f} (push)" if mixed and kind == "push" else f"{value:.1f}"
+
+
+def _reasons(row: Mapping[str, Any]) -> str:
+    """``failed_by_reason`` then ``declined_by_reason``, compactly: ``busy 34, timeout 2`` (``-``: none)."""
+    parts = []
+    for key in ("failed_by_reason", "declined_by_reason"):
+        counts = row.get(key)
+        if not isinstance(counts, Mapping):
+            continue
+        ranked = sorted(((str(r), n) for r, n in counts.items() if _number(n)), key=lambda rn: (-rn[1], rn[0]))
+        parts += [f"{reason.removeprefix('refused: ')} {int(n)}" for reason, n in ranked]
+    return ", ".join(parts) or "-"
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a float when it is a number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _data(data: object) -> str:

@@ -6,9 +6,11 @@ The layout is a contract with the adapter (docs/metrics.md)::
     <run_dir>/<node>.log              the node's stdout and stderr       (launcher)
     <run_dir>/<node>.metrics.jsonl    one JSON object per line           (adapter)
     <run_dir>/summary.json            per-node summary, run outcome      (launcher)
-    <run_dir>/<node>.model.npz        final parameters                   (built-in demo)
+    <run_dir>/<node>.model.npz        final model (dpwa/modelfile.py)    (adapter.save_model, built-in demo)
     <run_dir>/<node>.data.json        the node's data: partition, class histogram (built-in demo, benchmarks)
     <run_dir>/demo.json               averaged-model and baseline accuracy (built-in demo)
+    <run_dir>/averaged.model.npz      the average of the nodes' models     (dpwa average)
+    <run_dir>/average.json            its disagreement and evaluation      (dpwa average)
     <run_dir>/launch.json             nodes, command, threads: what `dpwa run --resume` restarts (launcher)
     <run_dir>/checkpoints/<node>.ckpt.npz[.prev]  latest (and previous) checkpoint (adapter, dpwa/checkpoint.py)
 
@@ -35,7 +37,8 @@ import yaml
 
 from dpwa.checkpoint import checkpoint_path, remove_checkpoints
 from dpwa.config import ClusterConfig
-from dpwa.metrics import read_metrics
+from dpwa.metrics import is_failure, read_metrics
+from dpwa.modelfile import AVERAGED_MODEL
 from dpwa.utils.atomic import write_atomically
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ __all__ = [
 CONFIG = "cluster.yaml"
 SUMMARY = "summary.json"
 DEMO = "demo.json"
+AVERAGE = "average.json"
 EVALUATE_LOG = "evaluate.log"
 LAUNCH = "launch.json"
 LOG_SUFFIX = ".log"
@@ -143,6 +147,7 @@ class RunDir:
         stale = [kind(n) for n in nodes for kind in kinds]
         if evaluate:
             stale += [self.demo_path, self.evaluate_log]
+        stale += [self.path / AVERAGE, self.path / AVERAGED_MODEL]  # of the models about to be replaced
         for path in stale:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -195,6 +200,10 @@ class RunDir:
         """``summary.json`` as a dict, or None when missing or unreadable."""
         return _read_json(self.summary_path)
 
+    def read_average(self) -> dict[str, Any] | None:
+        """``average.json`` (``dpwa average RUN_DIR``) as a dict, or None when missing or unreadable."""
+        return _read_json(self.path / AVERAGE)
+
     def read_demo(self) -> dict[str, Any] | None:
         """``demo.json`` as a dict, or None when missing or unreadable."""
         return _read_json(self.demo_path)
@@ -212,9 +221,14 @@ class RunDir:
 class NodeMetrics:
     """Running totals of one node's metrics records (exchange lines and ``"event": "report"`` lines).
 
-    Cumulative counters (``mixes``, ``failed``, ``bytes_in``) come from the records when present,
-    else they are counted here; ``timeouts`` counts ``timeout`` outcomes in ``status``; the mean
-    fetch time is over exchanges with at least one ``ok`` outcome.
+    Cumulative counters (``mixes``, ``bytes_in``) come from the records when present, else they are
+    counted here. Every outcome of a record's ``reasons`` (docs/metrics.md) is counted under its reason,
+    in ``failed_by_reason`` if it is a failure (:func:`dpwa.metrics.is_failure`), else in
+    ``declined_by_reason`` (not ready, busy, left); ``failed`` is the sum of the failures, so the two
+    agree (a record without ``reasons``, from an older dpwa, brings its cumulative ``failed`` and its
+    statuses as reasons). ``timeouts`` counts ``timeout`` outcomes in ``status``; the mean fetch time is
+    over exchanges with at least one ``ok`` outcome, the mean push time (push rules: send to ACK) over
+    exchanges that found a push delivered (``delivered``).
     """
 
     steps: int = 0
@@ -225,6 +239,11 @@ class NodeMetrics:
     bytes_in: int = 0
     fetch_ms_total: float = 0.0
     fetches_ok: int = 0
+    push_ms_total: float = 0.0
+    pushes_timed: int = 0
+    """Exchange records whose ``push_ms`` is a delivered push's (``delivered`` > 0)."""
+    failed_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+    declined_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
     first_time: float | None = None
     last_time: float | None = None
     report: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -263,20 +282,44 @@ class NodeMetrics:
         if loss is not None:
             self.loss = loss
         statuses = [s for s in str(record.get("status") or "").split(",") if s]
-        failures = sum(s != "ok" for s in statuses)
+        reasons = record.get("reasons")
+        given = isinstance(reasons, list)
+        if not given:  # an older record: the statuses are the reasons
+            reasons = [s for s in statuses if s not in ("ok", "pushed")]
+        failures = 0
+        for reason in (str(r) for r in reasons):
+            failure = is_failure(reason)
+            failures += failure
+            tally = self.failed_by_reason if failure else self.declined_by_reason
+            tally[reason] = tally.get(reason, 0) + 1
         self.timeouts += statuses.count("timeout")
         factor = finite_number(record.get("factor")) or 0.0
         self.mixes = _counter(record, "mixes", self.mixes + (factor > 0))
-        self.failed = _counter(record, "failed", self.failed + failures)
+        self.failed = self.failed + failures if given else _counter(record, "failed", self.failed + failures)
         self.bytes_in = _counter(record, "bytes_in", self.bytes_in + int(finite_number(record.get("bytes")) or 0))
         fetch_ms = finite_number(record.get("fetch_ms"))
         if "ok" in statuses and fetch_ms is not None:
             self.fetch_ms_total += fetch_ms
             self.fetches_ok += 1
+        push_ms = finite_number(record.get("push_ms"))
+        delivered = finite_number(record.get("delivered"))
+        if push_ms is not None and (delivered > 0 if delivered is not None else push_ms > 0):
+            self.push_ms_total += push_ms
+            self.pushes_timed += 1
 
     @property
     def mean_fetch_ms(self) -> float | None:
         return self.fetch_ms_total / self.fetches_ok if self.fetches_ok else None
+
+    @property
+    def mean_push_ms(self) -> float | None:
+        """Mean of the exchanges' ``push_ms`` (the slowest push delivered since the previous exchange)."""
+        return self.push_ms_total / self.pushes_timed if self.pushes_timed else None
+
+    @property
+    def declined(self) -> int:
+        """Fetches declined (not ready, busy, left): not failures."""
+        return sum(self.declined_by_reason.values())
 
     @property
     def accuracy(self) -> float | None:
@@ -295,8 +338,12 @@ class NodeMetrics:
             "accuracy": self.accuracy,
             "mixes": self.mixes,
             "failed_fetches": self.failed,
+            "failed_by_reason": dict(sorted(self.failed_by_reason.items(), key=_by_count)),
+            "declined_fetches": self.declined,
+            "declined_by_reason": dict(sorted(self.declined_by_reason.items(), key=_by_count)),
             "timeouts": self.timeouts,
             "mean_fetch_ms": self.mean_fetch_ms,
+            "mean_push_ms": self.mean_push_ms,
             "bytes_in": self.bytes_in,
             "report": self.report,
         }
@@ -323,6 +370,11 @@ def finite_number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+def _by_count(item: tuple[str, int]) -> tuple[int, str]:
+    """Sort key of a ``(reason, count)``: the most frequent first, then by name."""
+    return -item[1], item[0]
 
 
 def _counter(record: Mapping[str, Any], key: str, fallback: int) -> int:

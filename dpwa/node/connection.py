@@ -162,18 +162,22 @@ class DpwaConnection:
         """The membership changes this node saw since the last call, oldest first (docs/membership.md)."""
         return self._node.membership.events()
 
-    def close(self, linger: float = 0.0, idle: float = 1.0) -> None:
+    def close(self, linger: float = 0.0, idle: float = 1.0, *, final_mix: bool = False) -> None:
         """Stop the RX/TX threads and free the port; idempotent.
 
         ``linger`` > 0: first keep serving peers that still fetch, for at most that many seconds,
         returning early once nobody fetched for ``idle`` seconds (set it above a peer's step time).
         Then the node leaves cleanly: a push-sum node hands its mass to a member, and every member
-        learns at once that it left (docs/membership.md).
+        learns at once that it left (docs/membership.md). To hand it over, a push rule first folds in the
+        pushes that arrived since the last ``update_wait``; ``final_mix`` False (the default) leaves the arrays
+        given to the node as the trainer last saw them, True leaves that fold in them.
         """
         if linger > 0 and not self.closed:
             spent = self._node.linger(linger, idle)
             log.info("node %s served its peers %.1fs after training", self.name, spent)
-        self._finalizer()
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._node.close(final_mix=final_mix)
 
     @property
     def closed(self) -> bool:

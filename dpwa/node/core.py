@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dpwa.checkpoint import DpwaState
 from dpwa.config import ClusterConfig, JoinAddress
+from dpwa.metrics import DECLINED_CODES, fetch_reason
 from dpwa.node import recovery, wire
 from dpwa.node.inbox import InboxSlot, PushReceiver
 from dpwa.node.members import JoinRefused, Member
@@ -38,7 +39,6 @@ from dpwa.node.pushes import Push, PushLedger
 from dpwa.node.snapshots import Snapshot, SnapshotPool
 from dpwa.node.stats import NodeStats, OnceLog
 from dpwa.node.transport import (
-    NOT_A_MEMBER,
     REPLY_QUEUE_MESSAGES,
     VERDICT_SLACK_S,
     FetchJob,
@@ -52,6 +52,7 @@ from dpwa.node.transport import (
 )
 from dpwa.node.wire import ErrorCode, Header, Kind, Layout
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.mixing import relative_distance
 from dpwa.rules.schedules import Round, Schedule
 from dpwa.security.curve import NodeSecurity, warn_if_exposed
 
@@ -62,6 +63,10 @@ log = logging.getLogger(__name__)
 JOIN_S = 1.0
 """How long :meth:`Node.close` waits for each dpwa thread to end, and the trainer for a dead one to close."""
 ANNOUNCE_S = 0.5
+DISTANCE_EVERY = 10
+"""How often the record's ``distance`` (``||x - x_peer|| / ||x||``, with the first peer mixed in, before the mix) is
+measured: at the first update_wait with a peer, then at the first with a peer once this many have passed (one
+extra read of both models, so not at every step)."""
 CONTROL_RECONNECT_MS = 10
 """How often a control socket (JOIN, MEMBERS) retries connecting to a member that is not listening yet, in ms."""
 UNREACHABLE_EVENTS = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -143,6 +148,7 @@ class Node:
         self.caught_up = False  # recovery: a peer was copied, or the first reply was checked for "far behind"
         self.mixing = False
         self.last_exchange: dict[str, Any] | None = None
+        self.distance_due = 1  # the first mix measures the distance, then every DISTANCE_EVERY-th
         self.params_moved = False
         """Whether the latest update_wait wrote to the parameters (a mix, or push-sum's step scaling)."""
         self.fetched_gens: dict[str, int] = {}  # per peer: the generation of the snapshot last fetched from it
@@ -166,6 +172,7 @@ class Node:
             self.take_params(params)
         self.pushed_this_step = 0
         self.push_ms = 0.0  # the slowest push delivered (send to ACK) found by the last update_wait
+        self.delivered = 0  # pushes delivered (ACK) found by the last update_wait: push_ms is theirs
         self.sources_late: list[str] = []  # in-neighbours whose push of the awaited round did not come in time
         self.sources_wait_ms = 0.0  # how long the latest update_wait waited for them
         self.ctx = zmq.Context(io_threads=1)
@@ -428,7 +435,7 @@ class Node:
         try:
             job, self.pending = self.pending, None
             if self.params is None:
-                self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None}
+                self.last_exchange = {"step": self.state.clock, "factor": 0.0, "peer": None, "reasons": []}
                 self.params_moved = False
                 return 0.0
             in_round, self.in_round = self.in_round, False
@@ -515,6 +522,11 @@ class Node:
                     if t.status in ("timeout", "rejected"):
                         self.rule.on_reply_lost(self.state, dict(t.header.extras) if t.header is not None else None)
                 others = [p for p in peers if p.state.name != self.name]  # a returned push is not a peer
+                distance = None
+                self.distance_due -= 1
+                if others and self.distance_due <= 0:  # before the rule: it may use the peers' arrays as scratch
+                    distance = relative_distance(self.params, others[0].arrays)
+                    self.distance_due = DISTANCE_EVERY
                 outcome = self.catch_up(peers) if others and not self.caught_up else None
                 if outcome is None:
                     outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track motion
@@ -532,17 +544,20 @@ class Node:
             "factor": outcome.factor,
             "peer": ",".join(names) or None,
             "status": ",".join([t.status for t in targets] + ["pushed"] * len(received)) or None,
+            "reasons": [fetch_reason(t.status, t.code, t.late) or t.status for t in targets if t.status != "ok"],
             "bytes": sum(t.nbytes for t in targets),
             "fetch_ms": max((t.ms for t in targets), default=0.0),
             "clock_gap": (sum(p.state.clock for p in peers) / len(peers) - clock_before) if peers else None,
             "wait_ms": (mixing - waited) * 1000.0,
             "mix_ms": (mixed - mixing) * 1000.0,
+            "distance": distance,
         }
         if self.inbox is not None:
             record["received"] = len(received)
         if self.ledger is not None:
             record["pushed"] = self.pushed_this_step
             record["push_ms"] = self.push_ms
+            record["delivered"] = self.delivered
             record["returned"] = len(returned)
             record["unacked"] = len(self.ledger.unresolved())
             record["sources_late"] = len(self.sources_late)
@@ -573,9 +588,11 @@ class Node:
         self.ledger.wait_until(self.rule.overlap, VERDICT_SLACK_S)
         returned = []
         self.push_ms = 0.0
+        self.delivered = 0
         for push in self.ledger.collect():
             if push.status == "delivered":
                 self.push_ms = max(self.push_ms, push.ms)
+                self.delivered += 1
                 self.stats.add("pushes_delivered")
                 self.release_snapshot(push.snapshot, push.tracker)
             else:
@@ -692,13 +709,8 @@ class Node:
         if target.header is not None and target.status in ("ok", "refused"):
             self.membership.observe(target.header)
         # a peer starting up, or whose inbox is full, is alive: no penalty, ask again next time; one that left
-        # has said so (its table, just merged, removes it): no penalty either
-        not_ready = target.status == "refused" and target.code in (
-            ErrorCode.NOT_READY.value,
-            ErrorCode.BUSY.value,
-            ErrorCode.LEFT.value,
-            NOT_A_MEMBER,
-        )
+        # has said so (its table, just merged, removes it): no penalty either. Nor are they failures (stats).
+        not_ready = target.status == "refused" and target.code in DECLINED_CODES
         if target.status == "ok":
             self.stats.fetch_done(target.ms, target.nbytes)
             with self.flow_lock:
@@ -707,6 +719,7 @@ class Node:
                 log.info("node %s: peer %s answers; mixing again", self.name, peer)
                 self.alone = False
             return
+        self.stats.outcome(fetch_reason(target.status, target.code, target.late) or target.status)
         if not not_ready:
             with self.flow_lock:
                 self.flow.failure(peer)
@@ -723,7 +736,7 @@ class Node:
             self.stats.add("fetches_timed_out")
             self.once.warning((peer, "timeout"), "node %s: peer %s did not answer in time", self.name, peer)
         elif target.status == "refused":
-            self.stats.add("fetches_refused")
+            self.stats.refuse(target.code)
             self.once.warning(
                 (peer, target.code),
                 "node %s: peer %s refused: %s (%s)",
@@ -1051,13 +1064,22 @@ class Node:
         )
         return own
 
-    def leave(self, timeout_s: float) -> None:
+    def leave(self, timeout_s: float, final_mix: bool = False) -> None:
         """Trainer thread, at a clean close: hand what the rule holds to a member (push-sum: its mass), mark this
         node ``left`` and tell every member (waiting at most ``ANNOUNCE_S`` for their answers); from then on
-        every request is answered ``left``, with the table. Bounded by ``timeout_s`` in all."""
+        every request is answered ``left``, with the table. Bounded by ``timeout_s`` in all.
+
+        The hand-off folds in what arrived before it hands the mass over; ``final_mix`` False (the default) puts
+        the trainer's arrays back as they were before, so the model the user saves after closing is the one they
+        last trained and evaluated; True leaves the fold in them."""
         deadline = time.monotonic() + timeout_s
         if self.ledger is not None and self.params is not None:
-            self.hand_off(deadline)
+            kept = None if final_mix else [np.array(a, copy=True) for a in self.params]
+            try:
+                self.hand_off(deadline)
+            finally:
+                for array, before in zip(self.params, kept or ()):
+                    np.copyto(array, before)
         self.membership.leave()
         self.announce(min(deadline, time.monotonic() + ANNOUNCE_S))
 
@@ -1247,16 +1269,17 @@ class Node:
                 served, last = current, time.monotonic()
         return time.monotonic() - start
 
-    def close(self, announce: bool = True) -> None:
-        """Leave cleanly (``announce``: :meth:`leave`, bounded by ``2 * timeout_ms`` + 1 s), then stop both threads
-        (within about a second) and free the port. A node whose threads died leaves without announcing."""
+    def close(self, announce: bool = True, final_mix: bool = False) -> None:
+        """Leave cleanly (``announce``: :meth:`leave`, bounded by ``2 * timeout_ms`` + 1 s; ``final_mix``: see there),
+        then stop both threads (within about a second) and free the port. A node whose threads died leaves without
+        announcing."""
         if self.closed:
             return
         if threading.current_thread() in (self.rx, self.tx):  # pragma: no cover - misuse
             raise RuntimeError("close() called from a dpwa thread")
         if announce and self.tx.failure is None and self.rx.failure is None and not self.membership.leaving:
             try:
-                self.leave(2 * self.config.timeout_ms / 1000.0)
+                self.leave(2 * self.config.timeout_ms / 1000.0, final_mix)
             except Exception:  # leaving is a courtesy: the node still closes
                 log.exception("node %s: leaving the cluster failed", self.name)
         self.closed = True

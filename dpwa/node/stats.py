@@ -7,6 +7,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from dpwa.metrics import DECLINED_CODES
+
 __all__ = ["COUNTERS", "NodeStats", "OnceLog"]
 
 COUNTERS = (
@@ -14,7 +16,10 @@ COUNTERS = (
     "fetches_ok",  # replies received, validated and handed to the trainer
     "fetches_timed_out",  # no (complete) reply before the deadline
     "fetches_late",  # of those: update_wait timed out itself, the TX thread had no verdict by deadline + 50 ms
-    "fetches_refused",  # the peer answered with an error (not ready, layout mismatch)
+    "fetches_refused",  # the peer answered with an error (by code in refused_by_reason)
+    "fetches_declined",  # of those: declined, not failures (dpwa.metrics.DECLINED_CODES: not ready, busy, left)
+    "fetches_not_ready",  # of those: "not ready", a peer that has published nothing yet (starting)
+    "fetches_busy",  # of those: "busy", a peer in other exchanges (AD-PSGD: its inbox holds as many as it takes)
     "fetches_rejected",  # a reply that failed validation: dropped, params untouched
     "fetches_skipped",  # a batch wanted a fetch but no peer was up (or one was still in flight)
     "stale_replies",  # messages of no fetch in flight (late replies, stray chunks, other ERRORs), discarded
@@ -67,6 +72,8 @@ class NodeStats:
         self._counts: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._rejected: Counter[str] = Counter()
         self._push_rejected: Counter[str] = Counter()
+        self._refused: Counter[str] = Counter()
+        self._reasons: Counter[str] = Counter()
         self._by_peer: dict[str, Counter[str]] = {}
         self._fetch_ms_total = 0.0
 
@@ -81,6 +88,24 @@ class NodeStats:
             self._counts["fetches_rejected"] += 1
             self._counts["bytes_in"] += received_bytes
             self._rejected[reason] += 1
+
+    def refuse(self, code: str) -> None:
+        """Count a fetch the peer refused (an ERROR), under its code; a declined one (``DECLINED_CODES``) also
+        in ``fetches_declined`` and, for ``not-ready`` and ``busy``, in its own counter."""
+        with self._lock:
+            self._counts["fetches_refused"] += 1
+            self._refused[code] += 1
+            if code in DECLINED_CODES:
+                self._counts["fetches_declined"] += 1
+            if code == "not-ready":
+                self._counts["fetches_not_ready"] += 1
+            elif code == "busy":
+                self._counts["fetches_busy"] += 1
+
+    def outcome(self, reason: str) -> None:
+        """Count a fetch that did not end ``ok`` under its reason (:func:`dpwa.metrics.fetch_reason`)."""
+        with self._lock:
+            self._reasons[reason] += 1
 
     def reject_push(self, reason: str) -> None:
         """Count a push refused by validation, under its reason."""
@@ -106,10 +131,17 @@ class NodeStats:
             self._by_peer.pop(peer, None)
 
     def snapshot(self) -> dict[str, Any]:
-        """All counters, ``rejected_by_reason``, ``push_rejected_by_reason``, ``by_peer``, ``mean_fetch_ms``."""
+        """All counters, ``rejected_by_reason``, ``refused_by_reason``, ``push_rejected_by_reason``,
+        ``fetches_by_reason`` (every fetch not ``ok``, by reason), ``by_peer``, ``mean_fetch_ms``, and
+        ``fetches_failed``: timed out + refused + rejected, less the declined refusals (not ready, busy, left)."""
         with self._lock:
             out: dict[str, Any] = dict(self._counts)
+            out["fetches_failed"] = (
+                out["fetches_timed_out"] + out["fetches_refused"] - out["fetches_declined"] + out["fetches_rejected"]
+            )
             out["rejected_by_reason"] = dict(self._rejected)
+            out["refused_by_reason"] = dict(self._refused)
+            out["fetches_by_reason"] = dict(self._reasons)
             out["push_rejected_by_reason"] = dict(self._push_rejected)
             out["by_peer"] = {peer: dict(c) for peer, c in self._by_peer.items()}
             ok = self._counts["fetches_ok"]

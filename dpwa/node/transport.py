@@ -21,6 +21,7 @@ Every wait here is a poll with a timeout; ``stop()`` ends a thread within
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import queue
@@ -51,6 +52,7 @@ __all__ = [
     "VERDICT_SLACK_S",
     "FetchJob",
     "FetchTarget",
+    "PortInUseError",
     "Reply",
     "RxServer",
     "TxFetcher",
@@ -161,6 +163,20 @@ def _user_id(frame: zmq.Frame) -> str | None:
         return None
 
 
+class PortInUseError(OSError):
+    """The RX server's port is already in use by another process (``errno`` is ``EADDRINUSE``).
+
+    ``str()`` is one line naming the node, the endpoint and the cause; it is raised without the ZeroMQ
+    error chained to it, so a node that does not catch it shows a short traceback ending in that line.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EADDRINUSE, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class RxServer(SocketThread):
     """Serves FETCH requests on a bound ROUTER socket by calling ``serve(header) -> Reply``.
 
@@ -207,6 +223,8 @@ class RxServer(SocketThread):
             self._sock.bind(endpoint)
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
+            if exc.errno == zmq.EADDRINUSE:  # taken since `dpwa run` checked it (dpwa.launcher.ports), or no launcher
+                raise PortInUseError(f"node {node}: cannot bind {endpoint}: the port is already in use") from None
             raise OSError(f"cannot bind {endpoint}: {exc}") from exc
         self.endpoint = endpoint
 

@@ -37,6 +37,7 @@ __all__ = [
     "is_half",
     "mix_clock",
     "narrow",
+    "relative_distance",
     "scale_motion_",
     "weighted_sum_",
     "widen",
@@ -421,3 +422,30 @@ def weighted_sum_(
                 narrow(acc, xv[start:stop], tmp)
             else:
                 np.copyto(xv[start:stop], acc)
+
+
+def relative_distance(x: Sequence[np.ndarray], peer: Sequence[np.ndarray]) -> float:
+    """``||x - peer|| / ||x||`` over all arrays taken as one vector (0.0 when both are 0, inf when only ``x``
+    is): how far apart two models are, for the metrics. Reads both once, block by block; float16 / bfloat16
+    are widened to float32; sums of squares in the arrays' compute dtype per block, accumulated in float64."""
+    if len(x) != len(peer):
+        raise ValueError(f"x has {len(x)} arrays but peer has {len(peer)}")
+    scratch = Scratch()
+    diff2 = norm2 = 0.0
+    for a, b in zip(x, peer):
+        if a.shape != b.shape:
+            raise ValueError(f"x is {a.shape} but peer is {b.shape}")
+        xv, pv = a.reshape(-1), b.reshape(-1)
+        c = compute_dtype(a.dtype)
+        half = is_half(a.dtype)
+        for start in range(0, xv.size, BLOCK):
+            stop = min(start + BLOCK, xv.size)
+            n = stop - start
+            xb = widen(xv[start:stop], scratch.get(c, n, 0)) if half else xv[start:stop]
+            pb = widen(pv[start:stop], scratch.get(c, n, 1)) if half else pv[start:stop]
+            d = np.subtract(xb, pb, out=scratch.get(c, n, 2))
+            diff2 += float(np.dot(d, d))
+            norm2 += float(np.dot(xb, xb))
+    if norm2 == 0.0:
+        return 0.0 if diff2 == 0.0 else math.inf
+    return math.sqrt(diff2 / norm2)

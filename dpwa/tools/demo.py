@@ -73,6 +73,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpwa.adapters.torch_state import model_arrays
+from dpwa.modelfile import average_models, disagreement, read_model, run_models, write_model
 from dpwa.tools.mixture import DataSpec, gaussian_mixture
 from dpwa.utils.atomic import write_atomically
 from dpwa.utils.partition import PARTITION_HELP, class_histogram, parse_partition, partition_indices
@@ -399,19 +401,16 @@ def train(
 # --------------------------------------------------------------------------- model files
 
 
-def save_model(path: Path, model: nn.Module, meta: dict[str, Any]) -> None:
-    """``model.state_dict()`` (parameters and buffers) as numpy arrays plus ``__meta__`` (a JSON string)."""
-    arrays = {name: t.detach().cpu().numpy() for name, t in model.state_dict().items()}
-    arrays[META_KEY] = np.array(json.dumps(meta))
-    write_atomically(path, lambda handle: np.savez(handle, **arrays))
+def save_model(path: Path, model: nn.Module, meta: dict[str, Any], weight: float = 1.0) -> None:
+    """``model.state_dict()`` (parameters and buffers) as a model file (:mod:`dpwa.modelfile`, no pickle), with
+    ``meta`` (``node`` names it) and the node's push-sum ``weight``."""
+    write_model(path, model_arrays(model), node=str(meta.get("node", path.name)), weight=weight, user=meta)
 
 
 def load_model_file(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(state arrays, meta) from a file written by :func:`save_model`; never unpickles."""
-    with np.load(path, allow_pickle=False) as npz:
-        arrays = {name: npz[name] for name in npz.files}
-    meta = json.loads(str(arrays.pop(META_KEY)))
-    return arrays, meta
+    """(state arrays, meta) from a model file (:func:`save_model`, the adapter's ``save_model``); never unpickles."""
+    model = read_model(path)
+    return dict(model.arrays), dict(model.user)
 
 
 def average_states(states: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -443,6 +442,7 @@ def run_node(config: TrainConfig) -> int:
     """One node of the demo (name, cluster file and run directory from the environment); exit status."""
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter  # imported here: `--evaluate` needs no network
     from dpwa.config import ConfigError, load_config
+    from dpwa.node.transport import PortInUseError
 
     name, cluster_file = os.environ.get(ENV_NODE), os.environ.get(ENV_CONFIG)
     if not name or not cluster_file:
@@ -489,9 +489,14 @@ def run_node(config: TrainConfig) -> int:
 
     seed = config.seed * 1000 + index
     wait_s = PEERS_WAIT_S if len(names) > 1 else 0.0  # nodes started together start training together
-    with DpwaPyTorchAdapter(
-        model, name, cluster, seed=seed, run_dir=run_dir, optimizer=optimizer, wait_for_peers_s=wait_s
-    ) as conn:
+    try:
+        adapter = DpwaPyTorchAdapter(
+            model, name, cluster, seed=seed, run_dir=run_dir, optimizer=optimizer, wait_for_peers_s=wait_s
+        )
+    except PortInUseError as err:  # taken since `dpwa run` checked it: one line, not a traceback
+        log.error("%s", err)
+        return 1
+    with adapter as conn:
         restored = conn.restore()  # dpwa run --resume / --restart-failed: checkpoint, then a peer's model
         if restored.checkpoint is not None and restored.meta.get("config", config.to_dict()) != config.to_dict():
             log.warning("node %s: the checkpoint was written with other settings; resuming anyway", name)
@@ -525,9 +530,9 @@ def run_node(config: TrainConfig) -> int:
             samples=result.samples,
             seconds=result.seconds,
         )
-        if run_dir is not None:
+        if run_dir is not None:  # before closing: a push-sum node hands its weight away as it leaves
             meta = {"node": name, "index": index, "nodes": len(names), "samples": result.samples}
-            save_model(run_dir / f"{name}{MODEL_SUFFIX}", model, {**meta, "config": config.to_dict()})
+            conn.save_model(run_dir / f"{name}{MODEL_SUFFIX}", {**meta, "config": config.to_dict()})
         if len(names) > 1:
             conn.close(linger=LINGER_MAX_S, idle=LINGER_IDLE_S)  # serve peers still training, then leave
     return 0
@@ -538,10 +543,10 @@ def run_node(config: TrainConfig) -> int:
 
 def evaluate_run(run_dir: Path) -> dict[str, Any]:
     """Average the run's node models, train the baseline, write and return ``demo.json``'s content."""
-    paths = sorted(run_dir.glob(f"*{MODEL_SUFFIX}"))
-    if not paths:
+    models = run_models(run_dir)
+    if not models:
         raise FileNotFoundError(f"no *{MODEL_SUFFIX} in {run_dir}: did the demo nodes finish?")
-    loaded = [load_model_file(p) for p in paths]
+    loaded = [(model.arrays, model.user) for model in models]
     configs = {json.dumps(meta["config"], sort_keys=True) for _, meta in loaded}
     if len(configs) != 1:
         raise ValueError(f"the node models in {run_dir} were trained with different settings: {sorted(configs)}")
@@ -554,9 +559,11 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
     model = build_model(node_cfg)
     node_accuracy: dict[str, float] = {}
     for arrays, meta in loaded:
-        model.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()})
+        model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
         node_accuracy[meta["node"]] = evaluate(model, data.x_test, data.y_test)[0]
-    model.load_state_dict(average_states([arrays for arrays, _ in loaded]))
+    mean = average_models(models)  # push-sum: weighted by the nodes' weights, its consensus point
+    spread = disagreement(models, mean)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in mean.items()})
     averaged_accuracy, averaged_loss = evaluate(model, data.x_test, data.y_test)
 
     total_samples = sum(int(meta["samples"]) for _, meta in loaded)
@@ -587,6 +594,8 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
         "baseline_accuracy": baseline_accuracy,
         "difference_points": 100.0 * (baseline_accuracy - averaged_accuracy),
         "node_accuracy": node_accuracy,
+        "disagreement": spread.overall,
+        "weights": {m.node: m.weight for m in models},
         "averaged_test_loss": averaged_loss,
         "baseline_test_loss": baseline_loss,
         "total_samples": total_samples,
@@ -602,11 +611,11 @@ def evaluate_run(run_dir: Path) -> dict[str, Any]:
 
 
 def headline(summary: dict[str, Any]) -> str:
-    """The evaluation's result in three lines."""
+    """The evaluation's result in three lines (how far apart the models were: their relative distance to their mean)."""
     nodes = ", ".join(f"{k} {v:.4f}" for k, v in summary["node_accuracy"].items())
     return (
         f"averaged model of {summary['nodes']} nodes: held-out accuracy {summary['averaged_accuracy']:.4f} "
-        f"(nodes: {nodes})\n"
+        f"(nodes: {nodes}; the models {100 * summary.get('disagreement', math.nan):.2f} % apart)\n"
         f"baseline, 1 process on all data, same {summary['total_samples']} samples: "
         f"held-out accuracy {summary['baseline_accuracy']:.4f}\n"
         f"difference: {summary['difference_points']:+.2f} accuracy points (baseline - averaged)"

@@ -2,7 +2,12 @@
 
 1. training loss vs step, one line per node (every batch faint, a moving average bold);
 2. mixing factor over time (seconds since the first record), a moving average per node;
-3. histogram of fetch latency (ms) of the successful fetches, per node.
+3. histogram of fetch latency (ms) of the successful fetches, per node; for a push rule (pushsum, osgp: no
+   fetches) of push latency instead (``push_ms``: a push sent to its ACK), the panel's title saying which;
+4. the models' disagreement vs step: each record's ``distance`` (``||x - x_peer|| / ||x||`` with the peer mixed
+   in, measured every tenth step), a moving average per node, log scale;
+5. the values the script reported (``adapter.report(accuracy=...)``) vs the node's step when it reported them,
+   one line per node and key.
 
 matplotlib is an optional extra (``pip install 'dpwa[plot]'``); it is imported only here, only when
 the command runs, and drawn with the Agg canvas (no display needed, pyplot's global state untouched).
@@ -22,20 +27,32 @@ from dpwa.launcher.rundir import RunDir, finite_number
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_NAME", "MISSING_MATPLOTLIB", "plot_run", "series"]
+__all__ = ["DEFAULT_NAME", "LATENCY_TITLES", "MISSING_MATPLOTLIB", "latency_kind", "plot_run", "reported", "series"]
 
 MISSING_MATPLOTLIB = "dpwa plot needs matplotlib: pip install 'dpwa[plot]'"
 DEFAULT_NAME = "plot.png"
 SMOOTH = 20  # records in the moving average of the mixing factor
+LATENCY_TITLES = {"fetch": "fetch latency (ok fetches)", "push": "push latency (push sent to its ACK)"}
+"""The latency panel's title for each :func:`latency_kind`."""
 
 
 def series(records: Sequence[Mapping[str, Any]], t0: float) -> dict[str, list[float]]:
     """The plotted columns of one node's exchange records (report lines and bad values skipped):
-    ``step``/``loss``, ``time``/``factor`` (time in seconds since ``t0``) and ``fetch_ms`` (ok fetches)."""
-    out: dict[str, list[float]] = {"step": [], "loss": [], "time": [], "factor": [], "fetch_ms": []}
+    ``step``/``loss``, ``time``/``factor`` (time in seconds since ``t0``), ``distance_step``/``distance`` (the
+    records that measured it), ``fetch_ms`` (exchanges with an ok fetch) and ``push_ms`` (push rules: exchanges
+    that found a push delivered, ``delivered`` > 0; a record without ``delivered`` counts when its ``push_ms`` is
+    above 0)."""
+    out: dict[str, list[float]] = {
+        "step": [], "loss": [], "time": [], "factor": [], "fetch_ms": [], "push_ms": [], "distance_step": [],
+        "distance": [],
+    }  # fmt: skip
     for record in records:
         if record.get("event") is not None:
             continue
+        distance, at = finite_number(record.get("distance")), finite_number(record.get("step"))
+        if distance is not None and at is not None:
+            out["distance_step"].append(at)
+            out["distance"].append(distance)
         step, loss, t, factor = (finite_number(record.get(k)) for k in ("step", "loss", "time", "factor"))
         if step is not None and loss is not None:
             out["step"].append(step)
@@ -46,7 +63,35 @@ def series(records: Sequence[Mapping[str, Any]], t0: float) -> dict[str, list[fl
         fetch_ms = finite_number(record.get("fetch_ms"))
         if fetch_ms is not None and "ok" in str(record.get("status") or "").split(","):
             out["fetch_ms"].append(fetch_ms)
+        push_ms, delivered = finite_number(record.get("push_ms")), finite_number(record.get("delivered"))
+        if push_ms is not None and (delivered > 0 if delivered is not None else push_ms > 0):
+            out["push_ms"].append(push_ms)
     return out
+
+
+def reported(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[float], list[float]]]:
+    """The numbers of one node's ``"event": "report"`` records, by key: (the node's step when it reported -- that
+    of the exchange record before it, 0 before any --, the value)."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    step = 0.0
+    for record in records:
+        event = record.get("event")
+        if event is None:
+            step = finite_number(record.get("step")) or step
+        elif event == "report":
+            for key, value in record.items():
+                number = finite_number(value)
+                if key not in ("time", "node", "event") and number is not None:
+                    steps, values = out.setdefault(key, ([], []))
+                    steps.append(step)
+                    values.append(number)
+    return out
+
+
+def latency_kind(data: Mapping[str, Mapping[str, Sequence[float]]]) -> str:
+    """Which latency the panel shows for the nodes' :func:`series`: ``fetch`` when some node has an ok fetch's,
+    else ``push`` (a push rule fetches nothing)."""
+    return "fetch" if any(cols["fetch_ms"] for cols in data.values()) else "push"
 
 
 def plot_run(run_dir: RunDir, output: Path) -> Path:
@@ -64,27 +109,57 @@ def plot_run(run_dir: RunDir, output: Path) -> Path:
     t0 = min(times, default=0.0)
     data = {name: series(rs, t0) for name, rs in records.items()}
 
-    fig = Figure(figsize=(15, 4.5), layout="constrained")
-    loss_ax, factor_ax, fetch_ax = fig.subplots(1, 3)
+    fig = Figure(figsize=(15, 9), layout="constrained")
+    axes = fig.subplot_mosaic([["loss", "factor", "latency"], ["distance", "report", "report"]])
+    loss_ax, factor_ax, fetch_ax, distance_ax, report_ax = (
+        axes[k] for k in ("loss", "factor", "latency", "distance", "report")
+    )
     for i, (name, cols) in enumerate(data.items()):
         color = f"C{i % 10}"
         window = max(SMOOTH, len(cols["loss"]) // 50)  # ~50 independent points across the run
         loss_ax.plot(cols["step"], cols["loss"], color=color, linewidth=0.5, alpha=0.2)
         loss_ax.plot(cols["step"], _moving_average(cols["loss"], window), color=color, label=name, linewidth=1.5)
         factor_ax.plot(cols["time"], _moving_average(cols["factor"], SMOOTH), color=color, label=name, linewidth=1)
-    fetches = [ms for cols in data.values() for ms in cols["fetch_ms"]]
+        if cols["distance"]:
+            smooth = _moving_average(cols["distance"], max(1, len(cols["distance"]) // 50))
+            distance_ax.plot(cols["distance_step"], smooth, color=color, label=name, linewidth=1)
+    reports = {name: reported(rs) for name, rs in records.items()}
+    styles = ("o-", "s--", "^:", "d-.")
+    keys = sorted({key for values in reports.values() for key in values})
+    for i, name in enumerate(data):
+        for j, key in enumerate(keys):
+            if key in reports[name]:
+                steps, values = reports[name][key]
+                report_ax.plot(steps, values, styles[j % len(styles)], color=f"C{i % 10}", label=f"{name} {key}")
+    if not keys:
+        report_ax.text(0.5, 0.5, "nothing reported", ha="center", va="center", transform=report_ax.transAxes)
+    else:
+        report_ax.legend(fontsize="small", ncol=max(1, len(keys)))
+    if any(cols["distance"] for cols in data.values()):
+        distance_ax.set_yscale("log")
+        distance_ax.legend(fontsize="small")
+    else:
+        distance_ax.text(0.5, 0.5, "no distance measured", ha="center", va="center", transform=distance_ax.transAxes)
+    distance_ax.set(title="the models' disagreement (distance to the peer mixed in)", xlabel="step",
+                    ylabel="||x - x_peer|| / ||x||")  # fmt: skip
+    report_ax.set(title="reported values (adapter.report)", xlabel="step", ylabel="value")
+    distance_ax.grid(alpha=0.3)
+    report_ax.grid(alpha=0.3)
+    kind = latency_kind(data)
+    fetches = [ms for cols in data.values() for ms in cols[f"{kind}_ms"]]
     if fetches:
         top = float(np.percentile(fetches, 99.5)) or max(fetches)  # rare outliers would squash the rest
         bins = np.histogram_bin_edges(np.minimum(fetches, top), bins=40)
         for i, (name, cols) in enumerate(data.items()):
             color = f"C{i % 10}"  # the same colour as the node's lines in the other panels
-            fetch_ax.hist(np.minimum(cols["fetch_ms"], top), bins=bins, histtype="step", label=name, color=color)
+            fetch_ax.hist(np.minimum(cols[f"{kind}_ms"], top), bins=bins, histtype="step", label=name, color=color)
         fetch_ax.legend(fontsize="small")
     else:
-        fetch_ax.text(0.5, 0.5, "no successful fetches", ha="center", va="center", transform=fetch_ax.transAxes)
+        fetch_ax.text(0.5, 0.5, "no fetch or push latency", ha="center", va="center", transform=fetch_ax.transAxes)
     loss_ax.set(title="training loss", xlabel="step (faint: every batch, bold: moving average)", ylabel="loss")
     factor_ax.set(title=f"mixing factor (moving average of {SMOOTH})", xlabel="seconds", ylabel="factor")
-    fetch_ax.set(title="fetch latency (ok fetches)", xlabel="ms (last bin: slowest 0.5 %)", ylabel="fetches")
+    ylabel = "fetches" if kind == "fetch" else "exchanges"
+    fetch_ax.set(title=LATENCY_TITLES[kind], xlabel="ms (last bin: slowest 0.5 %)", ylabel=ylabel)
     for ax in (loss_ax, factor_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

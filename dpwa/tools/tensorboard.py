@@ -3,9 +3,10 @@
 Every exchange record of ``<node>.metrics.jsonl`` (docs/metrics.md) becomes, at its ``step`` and wall
 ``time``, the scalars ``loss``, ``factor``, ``fetch_ms``, ``wait_ms``, ``mix_ms``, ``clock``, ``mb_per_s``
 (``bytes`` / ``fetch_ms``: the fetch's own rate), ``fetch_ms/<peer>`` (per peer, for an exchange with one
-peer that answered) and every other number in it (a rule's metrics:
-push-sum's ``weight``, the leader rule's ``leader_*``, ...), under the node's directory
-``<out>/<node>/``; membership records add ``members``. ``tensorboard --logdir <out>`` then shows the
+peer that answered) and every other number in it (a rule's metrics: push-sum's ``weight``, the leader rule's
+``leader_*``; ``distance``, the models' disagreement, ...), under the node's directory ``<out>/<node>/``;
+membership records add ``members``, and the numbers a script reported (``adapter.report(accuracy=...)``)
+become ``report/<key>`` at the step the node had reached. ``tensorboard --logdir <out>`` then shows the
 cluster side by side, a colour per node.
 
 The writer is tensorboardX's (MIT; the ``dpwa[tensorboard]`` extra): a small pure-Python writer of the event
@@ -41,11 +42,15 @@ def _number(value: Any) -> float | None:
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """The scalars of one metrics record (pure): its finite numbers but the axes, plus ``mb_per_s`` for an
-    exchange that fetched bytes, ``members`` for a membership record; ``{}`` for other events."""
+    exchange that fetched bytes, ``members`` for a membership record, ``report/<key>`` for a report's numbers;
+    ``{}`` for other events."""
     event = record.get("event")
     if event == "member":
         count = _number(record.get("members"))
         return {"members": count} if count is not None else {}
+    if event == "report":  # adapter.report(accuracy=...): every number, under report/
+        numbers = {key: _number(value) for key, value in record.items() if key not in SKIPPED}
+        return {f"report/{key}": v for key, v in numbers.items() if v is not None}
     if event is not None:
         return {}
     out = {key: v for key, value in record.items() if key not in SKIPPED and (v := _number(value)) is not None}

@@ -1,0 +1,171 @@
+"""A run's models: the model file (dpwa/modelfile.py), the adapter's save_model, `dpwa average RUN_DIR`
+(dpwa/tools/average.py) with --evaluate and --baseline, and close() leaving the model as the trainer saw it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import free_ports, wait_until
+
+from dpwa.cli.app import main as cli
+from dpwa.config import ClusterConfig, NodeSpec
+from dpwa.modelfile import AVERAGED_MODEL, ModelFile, average_models, disagreement, read_model, write_model
+from dpwa.node.connection import DpwaConnection
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
+
+
+def bf16(values: list[float]) -> np.ndarray:
+    return from_float32(np.array(values, np.float32), np.empty(len(values), np.uint16)).view(BFLOAT16)
+
+
+def test_the_average_is_push_sums_weighted_mean_in_every_dtype_and_integers_come_from_the_first() -> None:
+    a = ModelFile("a", {"w": np.array([1.0, 2.0]), "h": np.array([1, 2], np.float16), "b": bf16([1.0, 4.0]),
+                        "n": np.array(7)}, weight=3.0)  # fmt: skip
+    b = ModelFile("b", {"w": np.array([5.0, 6.0]), "h": np.array([5, 6], np.float16), "b": bf16([5.0, 8.0]),
+                        "n": np.array(9)}, weight=1.0)  # fmt: skip
+    mean = average_models([a, b])
+    assert mean["w"].tolist() == [2.0, 3.0] and mean["w"].dtype == np.float64  # (3*1 + 5) / 4, (3*2 + 6) / 4
+    assert mean["h"].tolist() == [2.0, 3.0] and mean["h"].dtype == np.float16
+    assert mean["b"].dtype == BFLOAT16 and to_float32(mean["b"], np.empty(2, np.float32)).tolist() == [2.0, 5.0]
+    assert int(mean["n"]) == 7
+    equal = average_models([ModelFile("a", a.arrays), ModelFile("b", b.arrays)])
+    assert equal["w"].tolist() == [3.0, 4.0]  # weights 1: the plain mean
+    with pytest.raises(ValueError, match="different entries"):
+        average_models([a, ModelFile("c", {"w": np.zeros(2)})])
+    with pytest.raises(ValueError, match="w: c has float64\\(3,\\)"):
+        average_models([a, ModelFile("c", {**a.arrays, "w": np.zeros(3)})])
+
+
+def test_the_disagreement_is_the_relative_distance_to_the_mean() -> None:
+    models = [ModelFile("a", {"w": np.array([1.0, 0.0])}), ModelFile("b", {"w": np.array([3.0, 0.0])})]
+    spread = disagreement(models, average_models(models))  # mean [2, 0]: each model 1 away, |mean| 2
+    assert spread.overall == pytest.approx(0.5) and spread.nodes == pytest.approx({"a": 0.5, "b": 0.5})
+    same = [ModelFile("a", {"w": np.ones(3)}), ModelFile("b", {"w": np.ones(3)})]
+    assert disagreement(same, average_models(same)).overall == 0.0
+
+
+def test_a_model_file_round_trips_any_dtype_and_refuses_what_is_not_one(tmp_path: Path) -> None:
+    arrays = {"w": np.arange(4.0, dtype=np.float32), "b": bf16([1.5, -2.0]), "n": np.array(3, np.int64)}
+    path = write_model(tmp_path / "x.model.npz", arrays, node="x", weight=0.5, step=9, user={"k": 1})
+    back = read_model(path)
+    assert (back.node, back.weight, back.step, dict(back.user)) == ("x", 0.5, 9, {"k": 1})
+    assert back.arrays["b"].dtype == BFLOAT16 and all(np.array_equal(back.arrays[k], a) for k, a in arrays.items())
+    with pytest.raises(ValueError, match="weight"):
+        write_model(tmp_path / "y.model.npz", arrays, node="y", weight=0.0)
+
+
+def test_the_adapter_saves_its_model_with_its_weight(tmp_path: Path) -> None:
+    from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+
+    (port,) = free_ports(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).to(torch.bfloat16)
+    config = ClusterConfig(nodes=(NodeSpec("solo", "127.0.0.1", port),), interpolation="pushsum")
+    with DpwaPyTorchAdapter(model, "solo", config, run_dir=tmp_path) as adapter:
+        adapter.update_send(1.0)
+        adapter.update_wait(1.0)
+        path = adapter.save_model(meta={"epoch": 1})
+    saved = read_model(path)
+    assert path == tmp_path / "solo.model.npz"
+    assert (saved.step, saved.weight, dict(saved.user)) == (1, 1.0, {"epoch": 1})
+    for name, tensor in model.state_dict().items():
+        array = saved.arrays[name]
+        if tensor.dtype == torch.bfloat16:
+            assert array.dtype == BFLOAT16 and np.array_equal(array.view(np.int16), tensor.view(torch.int16).numpy())
+        else:
+            assert np.array_equal(array, tensor.numpy())
+
+
+def run_dir_of(tmp_path: Path, name: str, models: dict[str, tuple[list[float], float]]) -> Path:
+    run_dir = tmp_path / name
+    for node, (values, weight) in models.items():
+        write_model(run_dir / f"{node}.model.npz", {"w": np.array(values)}, node=node, weight=weight)
+    return run_dir
+
+
+EVALUATION = """
+def evaluate(state_dict):
+    w = state_dict["w"]
+    return {"first": float(w[0]), "norm": float(w.norm())}
+"""
+
+
+def test_dpwa_average_writes_the_average_and_evaluates_it_beside_the_nodes_and_a_baseline(tmp_path: Path) -> None:
+    run_dir = run_dir_of(tmp_path, "run", {"w1": ([1.0, 0.0], 1.0), "w2": ([3.0, 0.0], 1.0)})
+    baseline = run_dir_of(tmp_path, "one", {"w1": ([2.5, 0.0], 1.0)})
+    (tmp_path / "my_eval.py").write_text(EVALUATION)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpwa.cli", "average", str(run_dir), "--evaluate", "my_eval:evaluate",
+         "--baseline", str(baseline)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith("disagreement: 50 % ") and "w1 50 %" in lines[1]
+    assert lines[2] == "first: averaged model 2.0000 (nodes: w1 1.0000, w2 3.0000)"
+    assert lines[3].endswith("2.5000; difference 0.5000 (baseline - averaged)")
+    assert read_model(run_dir / AVERAGED_MODEL).arrays["w"].tolist() == [2.0, 0.0]
+    result = json.loads((run_dir / "average.json").read_text())
+    assert result["averaged"] == {"first": 2.0, "norm": 2.0} and result["baseline"]["first"] == 2.5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--evaluate", "nowhere:evaluate"], "cannot import nowhere"),
+        (["--evaluate", "evaluate"], "expected MODULE:FUNCTION"),
+        (["--baseline", "."], "--baseline needs --evaluate"),
+    ],
+)
+def test_dpwa_average_refuses_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    run_dir = run_dir_of(tmp_path, "run", {"w1": ([1.0], 1.0)})
+    result = CliRunner().invoke(cli, ["average", str(run_dir), *args])
+    assert result.exit_code == 2 and message in result.output and len(result.output.splitlines()) == 1, result.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = CliRunner().invoke(cli, ["average", str(empty)])
+    assert result.exit_code == 2 and "no <node>.model.npz files" in result.output
+
+
+@pytest.mark.parametrize("final_mix", [False, True])
+def test_close_under_push_sum_leaves_the_model_as_the_trainer_saw_it_and_hands_the_mass_over(final_mix: bool) -> None:
+    """w1 closes with w2's push in its inbox: the hand-off folds it in and gives the whole mass to w2 (the weights
+    sum to 2 within 1e-9); w1's arrays stay bit for bit as its last update_wait left them unless final_mix."""
+    ports = free_ports(2)
+    config = ClusterConfig(
+        nodes=tuple(NodeSpec(f"w{i + 1}", "127.0.0.1", p) for i, p in enumerate(ports)), interpolation="pushsum",
+        timeout_ms=2000.0,
+    )  # fmt: skip
+    params = {"w1": [np.zeros(1000)], "w2": [np.ones(1000)]}
+    conns = {name: DpwaConnection(name, config, seed=i, params=params[name]) for i, name in enumerate(params)}
+    try:
+        assert all(c.wait_for_peers(10.0).values() for c in conns.values())
+
+        def round_of(name: str) -> None:
+            conns[name].update_send(params[name], 1.0)
+            conns[name].update_wait(1.0)
+
+        threads = [threading.Thread(target=round_of, args=(name,)) for name in conns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        params["w2"][0] += 1.0  # a local step: w2's next push differs from w1's model
+        conns["w2"].update_send(params["w2"], 1.0)  # round 2: its push waits in w1's inbox
+        wait_until(lambda: conns["w1"].stats()["pushes_received"] == 2, 10, message="w2's second push in")
+        seen = params["w1"][0].copy()
+        conns["w1"].close(final_mix=final_mix)
+        assert conns["w1"].stats()["hand_offs"] == 1
+        assert np.array_equal(params["w1"][0], seen) != final_mix
+        conns["w2"].update_wait(1.0)  # folds the hand-off in
+        assert float(conns["w2"].dpwa_state().extras["weight"]) == pytest.approx(2.0, abs=1e-9)
+    finally:
+        for c in conns.values():
+            c.close()

@@ -1,0 +1,201 @@
+"""Every fetch that does not end ok says why, and only failures count as failed (docs/metrics.md).
+
+* Against a fake peer (tests/fakes.py) answering each FETCH as a test says: each refusal, rejection and
+  timeout is named in the exchange record's ``reasons`` and counted in ``fetches_by_reason``; "not ready"
+  and "busy" are declined (``fetches_not_ready``, ``fetches_busy``), not failed, and cost the peer no score;
+  the PyTorch adapter's records and the run summary say the same.
+* Two real AD-PSGD nodes: a peer that has published nothing yet answers "not ready", and one whose inbox
+  still holds this node's unmixed exchange answers "busy" -- the contention every AD-PSGD run shows.
+* Two real push-sum nodes: each record says how many pushes were ACKed since the last one and the latency
+  of the slowest (``delivered``, ``push_ms``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import free_ports, in_threads, write_cluster
+from fakes import FakePeer, Messages
+
+from dpwa import DpwaConnection
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+from dpwa.launcher.rundir import NodeMetrics
+from dpwa.metrics import DECLINED_CODES, fetch_reason, is_failure, read_metrics
+from dpwa.node import wire
+from dpwa.node.transport import NOT_A_MEMBER
+from dpwa.node.wire import ErrorCode, Layout
+
+pytestmark = [pytest.mark.integration]
+
+TIMEOUT_MS = 400
+
+
+def model(value: float) -> list[np.ndarray]:
+    return [np.full(50, value, np.float32), np.full((3, 4), value, np.float32)]
+
+
+def state_reply(header: wire.Header, arrays: list[np.ndarray], fingerprint: str | None = None) -> Messages:
+    """w2's reply to ``header`` carrying ``arrays`` in one message (``fingerprint``: claim another layout)."""
+    layout = Layout.of(arrays)
+    buffer = layout.allocate()
+    for view, array in zip(layout.views(buffer), arrays):
+        view[...] = array
+    head = wire.encode_state("w2", header.req, clock=1.0, loss=1.0, extras={}, layout=layout)
+    if fingerprint is not None:
+        head = head.replace(layout.fingerprint.encode(), fingerprint.encode())
+    return [[head, *(buffer[start:end].tobytes() for start, end in layout.frame_bounds())]]
+
+
+def refusal(code: ErrorCode) -> Callable[[wire.Header], Messages]:
+    """A FakePeer answer: ERROR ``code`` to every FETCH."""
+    return lambda header: [[wire.encode_error("w2", header.req, code, f"the test says {code.value}")]]
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[tuple[DpwaConnection, FakePeer]]:
+    """Node w1 whose only peer, w2, is a FakePeer (answering nothing until a test says what)."""
+    ports = free_ports(2)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=TIMEOUT_MS)
+    peer = FakePeer(ports[1], thread_name="fake-w2")
+    try:
+        with DpwaConnection("w1", cfg, seed=0) as node:
+            yield node, peer
+    finally:
+        peer.close()
+
+
+def test_the_reasons_name_the_wire_codes_and_only_routine_refusals_are_declined() -> None:
+    assert DECLINED_CODES == {ErrorCode.NOT_READY.value, ErrorCode.BUSY.value, ErrorCode.LEFT.value, NOT_A_MEMBER}
+    assert fetch_reason("ok", "") is None
+    assert fetch_reason("timeout", "timeout") == "timeout"
+    assert fetch_reason("timeout", "timeout", late=True) == "timeout: late"
+    assert fetch_reason("timeout", "send-queue-full") == "timeout: send-queue-full"
+    assert fetch_reason("refused", "busy") == "refused: busy"
+    assert fetch_reason("rejected", "non-finite") == "rejected: non-finite"
+    assert [is_failure(f"refused: {code}") for code in sorted(DECLINED_CODES)] == [False] * 4
+    failures = ["refused: layout-mismatch", "refused: bad-request", "rejected: layout", "timeout", "timeout: late"]
+    assert all(is_failure(r) for r in failures)
+    assert not is_failure("pushed") and is_failure("refused")  # a bare status (an older record): a failure
+
+
+def test_each_outcome_is_recorded_under_its_reason_and_declined_ones_are_not_failures(rig) -> None:
+    node, peer = rig
+    params = model(0.0)
+
+    def step(respond: Callable[[wire.Header], Messages]) -> dict:
+        peer.respond = respond
+        node.update_send(params, 1.0)
+        node.update_wait(1.0)
+        return dict(node.last_exchange or {})
+
+    for code in (ErrorCode.NOT_READY, ErrorCode.BUSY):
+        record = step(refusal(code))
+        assert (record["status"], record["reasons"], record["factor"]) == ("refused", [f"refused: {code.value}"], 0)
+    stats = node.stats()
+    assert (stats["fetches_refused"], stats["fetches_declined"], stats["fetches_failed"]) == (2, 2, 0)
+    assert stats["fetches_not_ready"] == 1 and stats["fetches_busy"] == 1
+    assert stats["scores"]["w2"] == 1000 and stats["peers_up"] == ["w2"]  # declined: no penalty
+
+    record = step(lambda h: state_reply(h, model(8.0)))
+    assert (record["status"], record["reasons"], record["factor"]) == ("ok", [], 0.5)
+
+    assert step(refusal(ErrorCode.LAYOUT))["reasons"] == ["refused: layout-mismatch"]
+    assert step(lambda h: state_reply(h, model(8.0), fingerprint="0" * 16))["reasons"] == ["rejected: layout"]
+    assert step(lambda h: [])["reasons"] == ["timeout"]  # no answer at all
+    stats = node.stats()
+    assert stats["fetches_failed"] == 3 and stats["fetches_declined"] == 2
+    assert stats["fetches_by_reason"] == {
+        "refused: not-ready": 1,
+        "refused: busy": 1,
+        "refused: layout-mismatch": 1,
+        "rejected: layout": 1,
+        "timeout": 1,
+    }
+    assert stats["refused_by_reason"] == {"not-ready": 1, "busy": 1, "layout-mismatch": 1}
+    assert stats["scores"]["w2"] < 1000  # the failures cost their score
+
+
+def test_the_adapters_records_and_the_summary_keep_declined_fetches_out_of_failed(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=TIMEOUT_MS)
+    answers = iter([ErrorCode.NOT_READY, ErrorCode.BUSY, ErrorCode.BUSY, ErrorCode.LAYOUT])
+
+    def respond(header: wire.Header) -> Messages:  # the FETCHes; nothing to the leave's MEMBERS at close
+        return refusal(next(answers))(header) if header.kind is wire.Kind.FETCH else []
+
+    peer = FakePeer(ports[1], respond, thread_name="fake-w2")
+    try:
+        net = torch.nn.Linear(3, 2)
+        with DpwaPyTorchAdapter(net, "w1", cfg, seed=0, run_dir=tmp_path / "run") as adapter:
+            for _ in range(4):
+                adapter.update_send(1.0)
+                adapter.update_wait(1.0)
+    finally:
+        peer.close()
+    records = [r for r in read_metrics(tmp_path / "run" / "w1.metrics.jsonl") if r.get("event") is None]
+    assert [r["reasons"] for r in records] == [
+        ["refused: not-ready"],
+        ["refused: busy"],
+        ["refused: busy"],
+        ["refused: layout-mismatch"],
+    ]
+    assert [r["failed"] for r in records] == [0, 0, 0, 1]
+    summary = NodeMetrics.of(records).summary()
+    assert summary["failed_fetches"] == 1 and summary["failed_by_reason"] == {"refused: layout-mismatch": 1}
+    assert summary["declined_fetches"] == 3
+    assert summary["declined_by_reason"] == {"refused: busy": 2, "refused: not-ready": 1}
+
+
+def test_adpsgd_a_peer_starting_answers_not_ready_and_one_holding_our_exchange_answers_busy(tmp_path: Path) -> None:
+    """One inbox slot per sender: w2 holds w1's committed exchange until w2's next update_wait (which never
+    comes here), so w1's next exchange is refused busy: AD-PSGD's contention, declined, not a failure."""
+    ports = free_ports(2)
+    cfg = write_cluster(
+        tmp_path / "c.yaml", ports, interpolation="adpsgd", timeout_ms=2000, inbox_slots=1, inbox_per_sender=1
+    )
+    p1, p2 = model(0.0), model(8.0)
+    with DpwaConnection("w1", cfg, seed=0, params=p1) as w1, DpwaConnection("w2", cfg, seed=1, params=p2) as w2:
+        w1.update_send(p1, 1.0)  # w2 has published nothing yet
+        w1.update_wait(1.0)
+        assert w1.last_exchange is not None and w1.last_exchange["reasons"] == ["refused: not-ready"]
+        w2.update_send(p2, 1.0)  # w2 publishes (and exchanges with w1)
+        w2.update_wait(1.0)
+        w1.update_send(p1, 1.0)
+        w1.update_wait(1.0)
+        assert w1.last_exchange["status"].split(",")[0] == "ok" and w1.last_exchange["reasons"] == []
+        w1.update_send(p1, 1.0)  # w2's one slot for w1 still holds the exchange just made
+        w1.update_wait(1.0)
+        assert w1.last_exchange["reasons"] == ["refused: busy"]
+        stats = w1.stats()
+        assert (stats["fetches_not_ready"], stats["fetches_busy"], stats["fetches_failed"]) == (1, 1, 0)
+        assert w2.stats()["pushes_busy"] == 1
+
+
+def test_push_sum_records_say_how_many_pushes_were_acknowledged_and_how_long_the_slowest_took(
+    tmp_path: Path,
+) -> None:
+    ports = free_ports(2)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, interpolation="pushsum", timeout_ms=2000)
+    params = [model(0.0), model(8.0)]
+    records: list[list[dict]] = [[], []]
+    with DpwaConnection("w1", cfg, seed=0, params=params[0]) as w1, DpwaConnection("w2", cfg, seed=1) as w2:
+        conns = [w1, w2]
+
+        def train(i: int) -> None:
+            for _ in range(5):
+                conns[i].update_send(params[i], 1.0)
+                conns[i].update_wait(1.0)  # SGP (overlap 0): returns once its push has its verdict
+                records[i].append(dict(conns[i].last_exchange or {}))
+
+        in_threads(2, train, timeout=60)
+    for node in records:
+        assert all(r["fetch_ms"] == 0.0 and r["reasons"] == [] for r in node)  # a push rule fetches nothing
+        assert all(r["delivered"] + r["returned"] == r["pushed"] == 1 for r in node), node
+        assert all(r["push_ms"] > 0 for r in node if r["delivered"]) and any(r["delivered"] for r in node)
+        assert NodeMetrics.of(node).mean_push_ms == pytest.approx(
+            np.mean([r["push_ms"] for r in node if r["delivered"]])
+        )
