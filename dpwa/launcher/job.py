@@ -249,9 +249,11 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
 
     click.echo(summary_table(nodes))
     if demo is not None:
+        apart = demo.get("disagreement")
         click.echo(
             f"averaged model accuracy {_num(demo.get('averaged_accuracy'))}, "
             f"single-process baseline {_num(demo.get('baseline_accuracy'))}"
+            + (f"; the models {100 * apart:.3g} % apart" if isinstance(apart, (int, float)) else "")
         )
     elif not job.evaluate and job.command[1:3] == ["-m", DEMO_MODULE] and status == "ok":
         click.echo("(averaged-model evaluation skipped: it needs every node of the file in one run directory)")
