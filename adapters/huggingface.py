@@ -27,16 +27,14 @@ callbacks=[...])``). ``partition=None`` leaves the data alone.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from dpwa.adapters.sampler import DpwaSampler, node_sampler
+from dpwa.adapters.sampler import DpwaSampler
 from dpwa.adapters.stepping import NodeCallback
-from dpwa.config import ClusterConfig
 
 __all__ = ["DpwaTrainerCallback"]
 
@@ -64,37 +62,20 @@ def _loader_sampler(loader: Any) -> Any:
 
 
 class DpwaTrainerCallback(NodeCallback, TrainerCallback):
-    """Gossip the Trainer's model after every optimizer step; see the module doc-string. ``partition`` (``iid``,
-    ``dirichlet:ALPHA``, ``classes:K``; None: the data are left alone) and ``data_seed`` choose this node's shard;
-    the other keywords are :class:`~dpwa.adapters.stepping.NodeCallback`'s; the adapter is built at
-    ``on_train_begin``."""
-
-    def __init__(
-        self,
-        name: str | None = None,
-        config: ClusterConfig | str | os.PathLike[str] | None = None,
-        *,
-        partition: str | None = "iid",
-        data_seed: int = 0,
-        **options: Any,
-    ) -> None:
-        super().__init__(name, config, **options)
-        self._name, self._config = name, config
-        self._partition, self._data_seed = partition, data_seed
+    """Gossip the Trainer's model after every optimizer step; see the module doc-string. The keywords
+    (``partition`` and ``data_seed``: this node's shard) are :class:`~dpwa.adapters.stepping.NodeCallback`'s; the
+    adapter is built at ``on_train_begin``."""
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         trainer = _calling_trainer()
-        if trainer is None or self._partition is None:
+        if trainer is None or self.partition is None:
             return
         original = trainer._get_train_sampler
 
         def train_sampler(train_dataset: Any = None) -> Any:
             theirs = original(train_dataset)
             dataset = train_dataset if train_dataset is not None else trainer.train_dataset
-            mine = node_sampler(
-                theirs, dataset, self._partition or "iid", seed=self._data_seed, framework="DpwaTrainerCallback",
-                name=self._name, config=self._config,
-            )  # fmt: skip
+            mine = self.shard_sampler(theirs, dataset)
             return theirs if mine is None else mine
 
         trainer._get_train_sampler = train_sampler  # type: ignore[method-assign]
@@ -111,7 +92,7 @@ class DpwaTrainerCallback(NodeCallback, TrainerCallback):
         if model is None:
             raise ValueError("DpwaTrainerCallback: the Trainer gave no model to on_train_begin")
         loader = kwargs.get("train_dataloader")
-        if self._partition is not None and loader is not None and not isinstance(_loader_sampler(loader), DpwaSampler):
+        if self.partition is not None and loader is not None and not isinstance(_loader_sampler(loader), DpwaSampler):
             raise ValueError(
                 "DpwaTrainerCallback: the training data are not split between the nodes (the callback was added "
                 "after the Trainer was built, or the Trainer has no training sampler); pass it as "

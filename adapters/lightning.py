@@ -38,7 +38,6 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader
 
-from dpwa.adapters.sampler import node_sampler
 from dpwa.adapters.stepping import (
     NodeCallback,
     gossip_state_dict,
@@ -50,29 +49,23 @@ __all__ = ["DpwaCallback"]
 
 
 class DpwaCallback(NodeCallback, lightning.pytorch.Callback):
-    """Gossip ``pl_module``'s parameters after every optimizer step; see the module doc-string. ``partition``
-    (``iid``, ``dirichlet:ALPHA``, ``classes:K``; None: the loader is left alone) and ``data_seed`` choose this
-    node's shard; the other keywords are :class:`~dpwa.adapters.stepping.NodeCallback`'s; the adapter is built at
-    ``on_fit_start``."""
+    """Gossip ``pl_module``'s parameters after every optimizer step; see the module doc-string. The keywords
+    (``partition`` and ``data_seed``: this node's shard) are :class:`~dpwa.adapters.stepping.NodeCallback`'s; the
+    adapter is built at ``on_fit_start``."""
 
     def __init__(
         self,
         name: str | None = None,
         config: ClusterConfig | str | os.PathLike[str] | None = None,
-        *,
-        partition: str | None = "iid",
-        data_seed: int = 0,
         **options: Any,
     ) -> None:
         super().__init__(name, config, **options)  # NodeCallback: the node's settings (linger, idle, adapter's)
         self._saved: dict[str, Any] | None = None
         self._global_step = 0
-        self._name, self._config = name, config
-        self._partition, self._data_seed = partition, data_seed
 
     def setup(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str) -> None:
         """Before Lightning loads the data: have its training loader built over this node's shard."""
-        if stage != "fit" or self._partition is None:
+        if stage != "fit" or self.partition is None:
             return
         connector = getattr(trainer, "_data_connector", None)
         original = getattr(connector, "_prepare_dataloader", None)
@@ -86,10 +79,7 @@ class DpwaCallback(NodeCallback, lightning.pytorch.Callback):
 
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
             if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
-                sampler = node_sampler(
-                    dataloader.sampler, dataloader.dataset, self._partition or "iid", seed=self._data_seed,
-                    framework="DpwaCallback", name=self._name, config=self._config,
-                )  # fmt: skip
+                sampler = self.shard_sampler(dataloader.sampler, dataloader.dataset)
                 if sampler is not None:
                     dataloader = _update_dataloader(dataloader, sampler, mode=mode)
             return original(dataloader, shuffle=shuffle, mode=mode)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+from dpwa.adapters.sampler import DpwaSampler, node_sampler
 from dpwa.checkpoint import DpwaState
 from dpwa.config import ClusterConfig
 
@@ -135,8 +136,10 @@ class IntegrationNode:
 class NodeCallback:
     """A framework callback's node (mixed into the Lightning and Hugging Face callbacks): ``name`` / ``config`` and
     the adapter's keywords (``buffers``, ``seed``, ``run_dir``) go to the adapter built when training starts;
-    ``linger`` / ``idle``: how long the node keeps serving peers still training after it ends. ``adapter`` and
-    ``exchange`` are None until then."""
+    ``linger`` / ``idle``: how long the node keeps serving peers still training after it ends; ``partition``
+    (``iid``, ``dirichlet:ALPHA``, ``classes:K``; None: the training data are left alone) and ``data_seed``:
+    this node's shard, put in place of the framework's default sampler. ``adapter`` and ``exchange`` are None
+    until training starts."""
 
     def __init__(
         self,
@@ -145,9 +148,23 @@ class NodeCallback:
         *,
         linger: float = 2.0,
         idle: float = 0.5,
+        partition: str | None = "iid",
+        data_seed: int = 0,
         **adapter_options: Any,
     ) -> None:
         self.node = IntegrationNode(name, config, linger, idle, adapter_options)
+        self.partition, self.data_seed = partition, data_seed
+        self._where = (name, config)
+
+    def shard_sampler(self, sampler: Any, dataset: Any) -> DpwaSampler | None:
+        """What goes in place of a training loader's ``sampler`` (:func:`~dpwa.adapters.sampler.node_sampler`):
+        None to keep it; ValueError naming this callback for a sampler of the user's. Only with a ``partition``."""
+        assert self.partition is not None
+        name, config = self._where
+        return node_sampler(
+            sampler, dataset, self.partition, seed=self.data_seed, framework=type(self).__name__, name=name,
+            config=config,
+        )  # fmt: skip
 
     @property
     def adapter(self) -> DpwaPyTorchAdapter | None:
