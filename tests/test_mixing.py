@@ -416,3 +416,6 @@ def test_relative_distance_is_the_norm_of_the_difference_over_the_norm_of_x(dtyp
     assert relative_distance(x, x) == 0.0
     assert relative_distance([arr(np.zeros(3))], [arr(np.zeros(3))]) == 0.0
     assert relative_distance([arr(np.zeros(3))], [arr(np.ones(3))]) == float("inf")
+    if dtype == "float32":  # squares of large finite float32 values would overflow float32: computed in float64
+        big = np.finfo(np.float32).max / 2
+        assert relative_distance([np.full(4, big, np.float32)], [np.full(4, -big, np.float32)]) == pytest.approx(2.0)

@@ -426,26 +426,35 @@ def weighted_sum_(
 
 def relative_distance(x: Sequence[np.ndarray], peer: Sequence[np.ndarray]) -> float:
     """``||x - peer|| / ||x||`` over all arrays taken as one vector (0.0 when both are 0, inf when only ``x``
-    is): how far apart two models are, for the metrics. Reads both once, block by block; float16 / bfloat16
-    are widened to float32; sums of squares in the arrays' compute dtype per block, accumulated in float64."""
+    is; nan when a sum of squares overflows float64): how far apart two models are, for the metrics. Reads both
+    once, block by block, each block widened into float64 scratch (float32's squares of large finite values
+    would overflow float32)."""
     if len(x) != len(peer):
         raise ValueError(f"x has {len(x)} arrays but peer has {len(peer)}")
     scratch = Scratch()
+    wide = np.dtype(np.float64)
     diff2 = norm2 = 0.0
-    for a, b in zip(x, peer):
-        if a.shape != b.shape:
-            raise ValueError(f"x is {a.shape} but peer is {b.shape}")
-        xv, pv = a.reshape(-1), b.reshape(-1)
-        c = compute_dtype(a.dtype)
-        half = is_half(a.dtype)
-        for start in range(0, xv.size, BLOCK):
-            stop = min(start + BLOCK, xv.size)
-            n = stop - start
-            xb = widen(xv[start:stop], scratch.get(c, n, 0)) if half else xv[start:stop]
-            pb = widen(pv[start:stop], scratch.get(c, n, 1)) if half else pv[start:stop]
-            d = np.subtract(xb, pb, out=scratch.get(c, n, 2))
-            diff2 += float(np.dot(d, d))
-            norm2 += float(np.dot(xb, xb))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for a, b in zip(x, peer):
+            if a.shape != b.shape:
+                raise ValueError(f"x is {a.shape} but peer is {b.shape}")
+            xv, pv = a.reshape(-1), b.reshape(-1)
+            half = is_half(a.dtype)
+            for start in range(0, xv.size, BLOCK):
+                stop = min(start + BLOCK, xv.size)
+                n = stop - start
+                xw, pw = scratch.get(wide, n, 0), scratch.get(wide, n, 1)
+                if half:
+                    np.copyto(xw, widen(xv[start:stop], scratch.get(np.float32, n, 2)))
+                    np.copyto(pw, widen(pv[start:stop], scratch.get(np.float32, n, 3)))
+                else:
+                    np.copyto(xw, xv[start:stop])
+                    np.copyto(pw, pv[start:stop])
+                norm2 += float(np.dot(xw, xw))
+                np.subtract(xw, pw, out=pw)
+                diff2 += float(np.dot(pw, pw))
+    if not (math.isfinite(diff2) and math.isfinite(norm2)):
+        return math.nan
     if norm2 == 0.0:
         return 0.0 if diff2 == 0.0 else math.inf
     return math.sqrt(diff2 / norm2)
