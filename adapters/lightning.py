@@ -79,6 +79,12 @@ class DpwaCallback(NodeCallback, lightning.pytorch.Callback):
 
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
             if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
+                if dataloader.batch_size is None:  # the user's batch_sampler chooses the items
+                    raise ValueError(
+                        "DpwaCallback: the training data loader has a batch_sampler of its own "
+                        f"({type(dataloader.batch_sampler).__name__}), so the callback cannot put this node's shard in "
+                        "place; pass partition=None to the callback and build the batches over dpwa.shard's items"
+                    )
                 sampler = self.shard_sampler(dataloader.sampler, dataloader.dataset)
                 if sampler is not None:
                     dataloader = _update_dataloader(dataloader, sampler, mode=mode)

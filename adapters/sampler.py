@@ -108,6 +108,21 @@ class DpwaSampler(torch.utils.data.Sampler[int]):
         return f"DpwaSampler({self.partition}, {len(self)} items)"
 
 
+def _is_default(sampler: Any, dataset: Any) -> bool:
+    """A framework's default sampler: every item of ``dataset`` once per epoch, in order or shuffled (a
+    SequentialSampler, or a RandomSampler -- accelerate's SeedableRandomSampler too -- without replacement nor a
+    sample count of its own)."""
+    if getattr(sampler, "data_source", None) is not dataset:
+        return False
+    if isinstance(sampler, torch.utils.data.SequentialSampler):
+        return True
+    return (
+        isinstance(sampler, torch.utils.data.RandomSampler)
+        and not sampler.replacement
+        and (sampler._num_samples is None or sampler.num_samples == len(dataset))
+    )
+
+
 def node_sampler(
     sampler: Any,
     dataset: Any,
@@ -121,7 +136,8 @@ def node_sampler(
     """What a framework callback puts in place of a training loader's ``sampler``: None when it is a DpwaSampler
     already (left alone); a DpwaSampler over ``dataset`` (shuffled as the sampler was) when it is the framework's
     default RandomSampler / SequentialSampler over the whole data set; ValueError for any other sampler -- a
-    DistributedSampler, or the user's own choice of items -- naming it and what to do instead."""
+    DistributedSampler, a RandomSampler with replacement or its own sample count, the user's own choice of
+    items -- naming it and what to do instead."""
     if isinstance(sampler, DpwaSampler):
         return None
     if isinstance(sampler, torch.utils.data.DistributedSampler):
@@ -130,8 +146,7 @@ def node_sampler(
             f"{sampler.num_replicas}), but dpwa splits the data between its nodes itself; build the loader without it "
             "(the callback puts a DpwaSampler in place), or pass partition=None to the callback to keep yours"
         )
-    default = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
-    if type(sampler).__name__ == "SeedableRandomSampler" or isinstance(sampler, default):  # accelerate's is random
+    if _is_default(sampler, dataset):
         shuffle = not isinstance(sampler, torch.utils.data.SequentialSampler)
         return DpwaSampler(dataset, partition, seed=seed, shuffle=shuffle, name=name, config=config)
     raise ValueError(

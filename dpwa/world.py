@@ -78,6 +78,9 @@ def _from_slurm(env: Mapping[str, str], config: ClusterConfig | str | os.PathLik
     settings = resolve_config(config) if config is not None else ClusterConfig(source="srun")
     procid = _engine_int(env, "SLURM_PROCID")
     if settings.nodes:
+        tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+        if tasks and tasks.strip().isdigit() and int(tasks) != len(settings.nodes):
+            raise WorldError(f"the SLURM step has {tasks} tasks but {settings.source} has {len(settings.nodes)} nodes")
         if procid >= len(settings.nodes):
             raise WorldError(f"SLURM_PROCID={procid} but {settings.source} has {len(settings.nodes)} nodes")
         return World(settings.nodes[procid].name, procid, len(settings.nodes), f"srun and {settings.source}")
@@ -116,10 +119,10 @@ def whereami(
     env = os.environ if env is None else env
     name = name if name is not None else env.get(ENV_NODE) or None
     config = config if config is not None else env.get(ENV_CONFIG) or None
-    if env.get(JOIN_ENV) and (config is None or name is None or not _lists(config, name)):
+    if env.get(JOIN_ENV) or _joins(config):
         raise WorldError(
-            f"{JOIN_ENV} is set: this node joins a running cluster, so it has no fixed rank or world size "
-            "(the membership changes); split the data by something else, e.g. its name"
+            f"this node joins a running cluster ({JOIN_ENV}, or `join:` in its cluster file), so it has no fixed rank "
+            "or world size (the membership changes); split the data by something else, e.g. its name"
         )
     try:
         if name is not None and config is not None:
@@ -136,9 +139,10 @@ def whereami(
     raise WorldError(f"a {given} alone does not say which node this is outside srun and torchrun: {missing} is missing")
 
 
-def _lists(config: ClusterConfig | str | os.PathLike[str], name: str) -> bool:
+def _joins(config: ClusterConfig | str | os.PathLike[str] | None) -> bool:
+    """True when ``config`` says its nodes join a running cluster (``join:``, as `dpwa run -n N --join` writes)."""
     try:
-        return any(node.name == name for node in resolve_config(config).nodes)
+        return config is not None and bool(resolve_config(config).join)
     except ConfigError:
         return False
 

@@ -169,3 +169,26 @@ def test_close_under_push_sum_leaves_the_model_as_the_trainer_saw_it_and_hands_t
     finally:
         for c in conns.values():
             c.close()
+
+
+def test_an_evaluation_file_may_import_its_siblings_and_a_bad_spec_stops_dpwa_run_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = run_dir_of(tmp_path, "run", {"w1": ([4.0, 0.0], 1.0)})
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helpers_for_eval.py").write_text("def first(w):\n    return float(w[0])\n")
+    (tmp_path / "sub" / "ev.py").write_text(
+        "from helpers_for_eval import first\n\ndef evaluate(state_dict):\n    return first(state_dict['w'])\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["average", "run", "--evaluate", "sub/ev.py:evaluate"])
+    assert result.exit_code == 0 and "score: averaged model 4.0000" in result.output, result.output
+    (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
+    result = CliRunner().invoke(cli, ["average", "run", "--evaluate", "broken.py:evaluate"])
+    assert result.exit_code == 2 and "RuntimeError: boom" in result.output and len(result.output.splitlines()) == 1
+    (tmp_path / "train.py").write_text("raise SystemExit('never started')\n")
+    for spec, message in (("missing.py:evaluate", "no file missing.py"), ("ev_mod:", "expected MODULE:FUNCTION")):
+        result = CliRunner().invoke(cli, ["run", "-n", "2", "--run-dir", "r", "--evaluate", spec, "train.py"])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert not (tmp_path / "r").exists()  # nothing started
+    assert run_dir.is_dir()

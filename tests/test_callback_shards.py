@@ -87,6 +87,9 @@ def test_lightning_nodes_train_on_disjoint_shards_covering_the_data(cluster: Pat
     theirs = DataLoader(indexed_data(), batch_size=BATCH, sampler=DistributedSampler(indexed_data(), 2, 0))
     with pytest.raises(ValueError, match="DpwaCallback: the training data loader already has a DistributedSampler"):
         fit("w1", theirs)
+    batches = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(indexed_data()), BATCH, drop_last=False)
+    with pytest.raises(ValueError, match="DpwaCallback: the training data loader has a batch_sampler of its own"):
+        fit("w1", DataLoader(indexed_data(), batch_sampler=batches))
 
 
 def assert_saved(run_dir: Path, nets: dict[str, nn.Module]) -> None:

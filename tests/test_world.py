@@ -162,3 +162,36 @@ def test_a_framework_callbacks_sampler_choice(monkeypatch: pytest.MonkeyPatch, c
         node_sampler(torch.utils.data.WeightedRandomSampler([1.0] * 12, 12), data, "iid", seed=0, framework="X")
     classes = node_sampler(torch.utils.data.RandomSampler(data), data, "classes:1", seed=0, framework="X")
     assert classes is not None and len({int(data.tensors[1][i]) for i in classes}) == 1  # labels from the data set
+
+
+def test_a_node_of_a_joining_run_has_no_rank_even_when_its_file_lists_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`dpwa run -n 1 --join HOST:PORT` writes `join:` and the joiner itself into the run's cluster file."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text("join: 127.0.0.1:45999\nnodes:\n  - {name: vm-47001, host: 127.0.0.1, port: 47001}\n")
+    monkeypatch.setenv("DPWA_NODE", "vm-47001")
+    monkeypatch.setenv("DPWA_CONFIG", str(path))
+    with pytest.raises(dpwa.WorldError, match="joins a running cluster"):
+        dpwa.rank()
+
+
+def test_a_slurm_step_of_another_size_than_the_file_is_refused(monkeypatch: pytest.MonkeyPatch, cluster: Path) -> None:
+    for name, value in {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(dpwa.WorldError, match="the SLURM step has 2 tasks but .* has 3 nodes"):
+        dpwa.whereami(config=cluster)
+
+
+def test_a_users_own_random_sampler_is_not_replaced(monkeypatch: pytest.MonkeyPatch, cluster: Path) -> None:
+    monkeypatch.setenv("DPWA_NODE", "n1")
+    monkeypatch.setenv("DPWA_CONFIG", str(cluster))
+    data = torch.utils.data.TensorDataset(torch.zeros(12, 1))
+    other = torch.utils.data.TensorDataset(torch.zeros(12, 1))
+    for theirs in (
+        torch.utils.data.RandomSampler(data, replacement=True),
+        torch.utils.data.RandomSampler(data, num_samples=5),
+        torch.utils.data.RandomSampler(other),
+    ):
+        with pytest.raises(ValueError, match="its own sampler \\(RandomSampler\\)"):
+            node_sampler(theirs, data, "iid", seed=0, framework="X")

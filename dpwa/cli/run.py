@@ -22,6 +22,7 @@ from dpwa.launcher.placement import LocalHosts, select_nodes, threads_per_node
 from dpwa.launcher.ports import busy_ports, busy_ports_message
 from dpwa.launcher.progress import Progress
 from dpwa.launcher.rundir import RunDir, default_run_dir
+from dpwa.tools.average import AverageError, check_spec
 from dpwa.tools.options import check_partition
 
 __all__ = ["run"]
@@ -258,8 +259,11 @@ def run(
             listed = True
     if script is None and average is not None:
         raise click.UsageError("--evaluate MODULE:FUNCTION is for a SCRIPT's saved models; the demo evaluates itself")
-    if average is not None and average.rpartition(":")[0] in ("", ".py"):
-        raise click.UsageError(f"--evaluate {average!r}: expected MODULE:FUNCTION or path/to/file.py:FUNCTION")
+    if average is not None:
+        try:
+            check_spec(average)  # before any node trains: a typo found after the training would cost it all
+        except AverageError as err:
+            fail(err)
     if script is None:
         if importlib.util.find_spec(DEMO_MODULE) is None:
             fail(f"the built-in demo ({DEMO_MODULE}) is not installed; give a SCRIPT to run")

@@ -29,7 +29,7 @@ from dpwa.checkpoint import CheckpointError
 from dpwa.modelfile import AVERAGED_MODEL, ModelFile, average_models, disagreement, run_models, write_model
 from dpwa.utils.atomic import write_atomically
 
-__all__ = ["AVERAGE_JSON", "AverageError", "average_run", "headline", "load_function"]
+__all__ = ["AVERAGE_JSON", "AverageError", "average_run", "check_spec", "headline", "load_function"]
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +40,42 @@ class AverageError(ValueError):
     """The run cannot be averaged or evaluated as asked; ``str()`` is one line."""
 
 
-def load_function(spec: str) -> Callable[..., Any]:
-    """``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION`` as the callable it names; AverageError if not."""
+def check_spec(spec: str) -> tuple[str, str]:
+    """(module or file, function) of ``MODULE:FUNCTION`` / ``path/to/file.py:FUNCTION``, checked without importing
+    anything (what ``dpwa run --evaluate`` does before it starts the nodes); AverageError if malformed, or naming a
+    file that does not exist."""
     module_name, _, function_name = spec.rpartition(":")
-    if not module_name or not function_name:
+    if not module_name or not function_name.isidentifier():
         raise AverageError(f"--evaluate {spec!r}: expected MODULE:FUNCTION or path/to/file.py:FUNCTION")
+    if module_name.endswith(".py") and not Path(module_name).is_file():
+        raise AverageError(f"--evaluate {spec!r}: no file {module_name}")
+    return module_name, function_name
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """``MODULE:FUNCTION`` (importable from the current directory) or ``path/to/file.py:FUNCTION`` (its directory
+    on the import path, so it may import its siblings) as the callable it names; AverageError, one line, for
+    anything that goes wrong importing it."""
+    module_name, function_name = check_spec(spec)
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
+            path = Path(module_name).resolve()
+            if str(path.parent) not in sys.path:
+                sys.path.insert(0, str(path.parent))
             loader_spec = importlib.util.spec_from_file_location(path.stem, path)
-            if loader_spec is None or loader_spec.loader is None or not path.is_file():
-                raise AverageError(f"--evaluate {spec!r}: no file {path}")
+            if loader_spec is None or loader_spec.loader is None:
+                raise AverageError(f"--evaluate {spec!r}: cannot load {path}")
             module = importlib.util.module_from_spec(loader_spec)
+            sys.modules.setdefault(path.stem, module)
             loader_spec.loader.exec_module(module)
         else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            if str(Path.cwd()) not in sys.path:
                 sys.path.insert(0, str(Path.cwd()))
             module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise AverageError(f"--evaluate {spec!r}: cannot import {module_name}: {err}") from None
+    except AverageError:
+        raise
+    except Exception as err:  # ImportError, SyntaxError, whatever its module code raises
+        raise AverageError(f"--evaluate {spec!r}: cannot import {module_name}: {type(err).__name__}: {err}") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise AverageError(f"--evaluate {spec!r}: {module_name} has no function {function_name}")
