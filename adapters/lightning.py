@@ -121,6 +121,13 @@ class DpwaCallback(NodeCallback, lightning.pytorch.Callback):
     def teardown(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str) -> None:
         self.node.close()
 
+    def on_exception(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, exception: BaseException
+    ) -> None:
+        """A fit that failed (Lightning calls no ``teardown`` then): the node leaves and frees its port; no model
+        is saved."""
+        self.node.close(save=False)
+
     def state_dict(self) -> dict[str, Any]:
         """The node's gossip state (steps, clock, the rule's state) in Lightning's checkpoint."""
         return gossip_state_dict(self.adapter) if self.adapter is not None else {}

@@ -144,8 +144,8 @@ class DpwaOptimizer(torch.optim.Optimizer):
         self._exchange.finish()
 
     def save_model(self, path: str | os.PathLike[str] | None = None, meta: dict[str, Any] | None = None) -> Path:
-        """The model's file for ``dpwa average`` (:meth:`DpwaPyTorchAdapter.save_model`); call :meth:`finish` first
-        for the last step's mix, and save before :meth:`close`."""
+        """The model's file for ``dpwa average`` (:meth:`DpwaPyTorchAdapter.save_model`): save after :meth:`close`
+        (which completes the last step's exchange and hands a push-sum node's mass over)."""
         return self.adapter.save_model(path, meta)
 
     def close(self, linger: float = 0.0, idle: float = 1.0) -> None:

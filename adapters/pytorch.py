@@ -502,8 +502,9 @@ class DpwaPyTorchAdapter:
         """Write the model's state dict (parameters and buffers, any dtype) to ``path`` (default
         ``<run_dir>/<name>.model.npz``) with this node's push-sum weight (1 under other rules), the step and
         ``meta`` (JSON-safe values of the caller's): the file ``dpwa average RUN_DIR`` averages
-        (:mod:`dpwa.modelfile`). Call it before :meth:`close`."""
-        self._check_open()
+        (:mod:`dpwa.modelfile`). Save after :meth:`close`: a push-sum node that handed its mass to a member as it
+        left then records weight 0 (its mass is in that member's file), so the average counts every unit once;
+        saved before, a later hand-off would count twice. Open or closed, it writes the model as it is."""
         if path is None:
             if self._run_dir is None:
                 raise ValueError("save_model() needs a path: this adapter has no run directory")
@@ -619,8 +620,7 @@ class DpwaPyTorchAdapter:
         The model is left as the last ``update_wait`` left it: under a push rule the node folds the pushes that
         arrived since into the mass it hands to a member as it leaves, and (``final_mix`` False, the default)
         puts the model back as it was, so what a script evaluated before closing is what it saves after.
-        ``final_mix=True`` keeps that fold in the model. Call :meth:`save_model` before closing: a push-sum node
-        has given its weight away once closed.
+        ``final_mix=True`` keeps that fold in the model. Call :meth:`save_model` after closing (see there).
         """
         if self._closed:
             return

@@ -118,19 +118,19 @@ class IntegrationNode:
         self.exchange = StepExchange(self.adapter)
         return self.exchange
 
-    def close(self) -> None:
-        """Complete the last step's exchange (:meth:`StepExchange.finish`), save the model to
-        ``<run_dir>/<node>.model.npz`` when there is a run directory (what ``dpwa average RUN_DIR`` averages), serve
-        peers still training for up to ``linger`` s, then leave the cluster cleanly."""
-        if self.adapter is None:
+    def close(self, save: bool = True) -> None:
+        """Complete the last step's exchange (:meth:`StepExchange.finish`), serve peers still training for up to
+        ``linger`` s, leave the cluster cleanly, then save the model to ``<run_dir>/<node>.model.npz`` when there is
+        a run directory (what ``dpwa average RUN_DIR`` averages) and ``save``. Idempotent."""
+        if self.adapter is None or self.adapter.closed:
             return
         try:
             if self.exchange is not None:
                 self.exchange.finish()
-            if self.adapter.run_dir is not None and not self.adapter.closed:  # for `dpwa average RUN_DIR`
-                self.adapter.save_model()
         finally:
             self.adapter.close(linger=self._linger, idle=self._idle)
+        if save and self.adapter.run_dir is not None:  # after the close: a push-sum hand-off is in the weight saved
+            self.adapter.save_model()
 
 
 class NodeCallback:

@@ -4,7 +4,8 @@ The file is a dpwa checkpoint file (:mod:`dpwa.checkpoint`: no pickle, every arr
 kept as its 16 bits) holding the model's state dict under ``model/<name>`` and the metadata ``{"kind":
 "model", "node", "step", "weight", "user": {...}}``. ``weight`` is the node's push-sum weight (1 under every
 other rule): push-sum's consensus point is the weighted mean ``sum_i w_i x_i / sum_i w_i``, so that is the
-average taken; with equal weights it is the plain mean.
+average taken; with equal weights it is the plain mean. A push-sum node saved after it left has weight 0: it
+handed its mass (its model included) to a member, whose file holds it -- so every unit of mass counts once.
 
 :func:`average_models` computes it in float64 (float16 / bfloat16 / float32 / float64 arrays, each cast back to
 its own dtype, rounded once); integer entries (BatchNorm's ``num_batches_tracked``) come from the first model.
@@ -72,9 +73,9 @@ def write_model(
     step: int = 0,
     user: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a model file atomically (the module doc-string); ValueError for a weight that is not finite and > 0."""
-    if not (math.isfinite(weight) and weight > 0):
-        raise ValueError(f"a model's weight must be finite and > 0, got {weight!r}")
+    """Write a model file atomically (the module doc-string); ValueError for a weight that is not finite and >= 0."""
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"a model's weight must be finite and >= 0, got {weight!r}")
     document = {"kind": _KIND, "node": node, "weight": float(weight), "step": int(step), "user": dict(user or {})}
     return write_checkpoint(path, {f"model/{k}": a for k, a in arrays.items()}, document, keep_previous=False)
 
@@ -86,7 +87,7 @@ def read_model(path: str | os.PathLike[str]) -> ModelFile:
     weight = meta.get("weight")
     if meta.get("kind") != _KIND or not isinstance(meta.get("node"), str):
         raise CheckpointError(f"{path}: a dpwa checkpoint, not a model file")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight >= 0):
         raise CheckpointError(f"{path}: bad weight {weight!r}")
     user = meta.get("user")
     step = meta.get("step")
@@ -135,9 +136,12 @@ def _check_same(models: Sequence[ModelFile]) -> None:
 
 
 def average_models(models: Sequence[ModelFile]) -> dict[str, np.ndarray]:
-    """``sum_i w_i x_i / sum_i w_i`` entry by entry (the module doc-string); ValueError for models that differ."""
+    """``sum_i w_i x_i / sum_i w_i`` entry by entry (the module doc-string); ValueError for models that differ or
+    whose weights are all 0."""
     _check_same(models)
     total = sum(m.weight for m in models)
+    if total <= 0:
+        raise ValueError("every model's weight is 0: each handed its mass to a node whose model is not among them")
     out: dict[str, np.ndarray] = {}
     for key, first in models[0].arrays.items():
         if not _is_float(first):

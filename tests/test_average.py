@@ -59,7 +59,11 @@ def test_a_model_file_round_trips_any_dtype_and_refuses_what_is_not_one(tmp_path
     assert (back.node, back.weight, back.step, dict(back.user)) == ("x", 0.5, 9, {"k": 1})
     assert back.arrays["b"].dtype == BFLOAT16 and all(np.array_equal(back.arrays[k], a) for k, a in arrays.items())
     with pytest.raises(ValueError, match="weight"):
-        write_model(tmp_path / "y.model.npz", arrays, node="y", weight=0.0)
+        write_model(tmp_path / "y.model.npz", arrays, node="y", weight=-1.0)
+    handed = ModelFile("h", {"w": np.ones(2)}, weight=0.0)  # a push-sum node that handed its mass away
+    assert write_model(tmp_path / "h.model.npz", handed.arrays, node="h", weight=0.0).exists()
+    with pytest.raises(ValueError, match="every model's weight is 0"):
+        average_models([handed])
 
 
 def test_the_adapter_saves_its_model_with_its_weight(tmp_path: Path) -> None:
@@ -192,3 +196,54 @@ def test_an_evaluation_file_may_import_its_siblings_and_a_bad_spec_stops_dpwa_ru
         assert result.exit_code == 2 and message in result.output, result.output
         assert not (tmp_path / "r").exists()  # nothing started
     assert run_dir.is_dir()
+
+
+def test_push_sum_models_saved_after_close_count_every_unit_of_mass_once(tmp_path: Path) -> None:
+    """w1 ends first and hands its mass to w2 as it leaves; w2 trains on and ends. Saved after close, the files'
+    weights sum to the cluster's mass (2, within 1e-9) whether or not the hand-off was taken, so `dpwa average`
+    is push-sum's consensus point (saved before close, w1's mass would count twice: weights summing to ~3)."""
+    from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+    from dpwa.modelfile import run_models
+
+    ports = free_ports(2)
+    config = ClusterConfig(
+        nodes=tuple(NodeSpec(f"w{i + 1}", "127.0.0.1", p) for i, p in enumerate(ports)), interpolation="pushsum",
+        timeout_ms=1000.0,
+    )  # fmt: skip
+    models = {name: torch.nn.Linear(1, 1, bias=False) for name in ("w1", "w2")}
+    with torch.no_grad():
+        models["w1"].weight.fill_(0.0)
+        models["w2"].weight.fill_(1.0)
+    adapters = {
+        name: DpwaPyTorchAdapter(model, name, config, run_dir=tmp_path, seed=i)
+        for i, (name, model) in enumerate(models.items())
+    }
+    try:
+        assert all(all(a.wait_for_peers(10.0).values()) for a in adapters.values())
+
+        def steps(name: str, k: int) -> None:
+            for _ in range(k):
+                adapters[name].update_send(1.0)
+                with torch.no_grad():
+                    models[name].weight.add_(0.1)  # a local step
+                adapters[name].update_wait(1.0)
+
+        threads = [threading.Thread(target=steps, args=(name, 5)) for name in adapters]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        adapters["w1"].close()
+        adapters["w1"].save_model()
+        steps("w2", 3)  # folds the hand-off, if w1's was taken
+        adapters["w2"].close()
+        adapters["w2"].save_model()
+    finally:
+        for adapter in adapters.values():
+            adapter.close()
+    saved = {m.node: m for m in run_models(tmp_path)}
+    weights = {name: m.weight for name, m in saved.items()}
+    assert sum(weights.values()) == pytest.approx(2.0, abs=1e-9), weights
+    mean = average_models(list(saved.values()))["weight"]
+    expected = sum(m.weight * m.arrays["weight"] for m in saved.values()) / 2.0
+    assert np.allclose(mean, expected)

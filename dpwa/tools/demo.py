@@ -530,11 +530,11 @@ def run_node(config: TrainConfig) -> int:
             samples=result.samples,
             seconds=result.seconds,
         )
-        if run_dir is not None:  # before closing: a push-sum node hands its weight away as it leaves
-            meta = {"node": name, "index": index, "nodes": len(names), "samples": result.samples}
-            conn.save_model(run_dir / f"{name}{MODEL_SUFFIX}", {**meta, "config": config.to_dict()})
         if len(names) > 1:
             conn.close(linger=LINGER_MAX_S, idle=LINGER_IDLE_S)  # serve peers still training, then leave
+        if run_dir is not None:  # after leaving: a push-sum node's weight then says where its mass went
+            meta = {"node": name, "index": index, "nodes": len(names), "samples": result.samples}
+            conn.save_model(run_dir / f"{name}{MODEL_SUFFIX}", {**meta, "config": config.to_dict()})
     return 0
 
 

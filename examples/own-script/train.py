@@ -78,8 +78,8 @@ def main() -> None:
     optimizer.finish()  # mix what the last step's exchange brought
     figures = evaluate(model.state_dict())
     optimizer.adapter.report(**figures, steps=args.steps)
-    optimizer.save_model()  # <run_dir>/<node>.model.npz, before close
     optimizer.close(linger=5.0)  # serve peers still training, then leave
+    optimizer.save_model()  # <run_dir>/<node>.model.npz, for `dpwa average`
 
 
 if __name__ == "__main__":
