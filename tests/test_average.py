@@ -247,3 +247,41 @@ def test_push_sum_models_saved_after_close_count_every_unit_of_mass_once(tmp_pat
     mean = average_models(list(saved.values()))["weight"]
     expected = sum(m.weight * m.arrays["weight"] for m in saved.values()) / 2.0
     assert np.allclose(mean, expected)
+
+
+def test_an_adpsgd_node_that_lingers_takes_no_exchange_it_would_never_apply() -> None:
+    """w1 ends training and lingers while w2 goes on: w2's exchanges with it are declined (busy), so no half-applied
+    exchange moves the pair's sum, which AD-PSGD keeps (1e-12)."""
+    ports = free_ports(2)
+    config = ClusterConfig(
+        nodes=tuple(NodeSpec(f"w{i + 1}", "127.0.0.1", p) for i, p in enumerate(ports)), interpolation="adpsgd",
+        timeout_ms=1000.0,
+    )  # fmt: skip
+    params = {"w1": [np.zeros(10)], "w2": [np.ones(10)]}
+    conns = {name: DpwaConnection(name, config, seed=i, params=params[name]) for i, name in enumerate(params)}
+    try:
+        assert all(all(c.wait_for_peers(10.0).values()) for c in conns.values())
+
+        def round_of(name: str) -> None:
+            conns[name].update_send(params[name], 1.0)
+            conns[name].update_wait(1.0)
+
+        threads = [threading.Thread(target=round_of, args=(name,)) for name in conns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        params["w1"][0] += 1.0  # w1's last local step
+        round_of("w1")
+        closer = threading.Thread(target=lambda: conns["w1"].close(linger=3.0, idle=2.0))
+        closer.start()
+        for _ in range(3):
+            round_of("w2")
+        closer.join(timeout=30)
+        # 0 + 1 at the start, plus w1's local step: every exchange applied on both sides (without the refusal w2
+        # applied its half of exchanges w1 took and never mixed: 3.375)
+        assert float(params["w1"][0][0] + params["w2"][0][0]) == pytest.approx(2.0, abs=1e-12)
+        assert conns["w2"].stats()["fetches_busy"] >= 1 and conns["w2"].stats()["fetches_failed"] == 0
+    finally:
+        for c in conns.values():
+            c.close()

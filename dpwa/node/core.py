@@ -1256,7 +1256,13 @@ class Node:
 
         A node that finished training and closed at once would cost every peer still training
         a timeout or three before flow control marks it down. Returns the seconds spent.
+
+        An exchange rule's node (AD-PSGD) refuses new exchanges ``busy`` while it lingers: it trains no more, so it
+        would never apply its half of them while the peer applied its own, and the pair's sum (the cluster's mean)
+        would drift. Pulls are still served, and a push rule's node still takes pushes: its hand-off folds them.
         """
+        if self.inbox is not None and self.ledger is None:
+            self.inbox.closing = True
         start = last = time.monotonic()
         served = self.stats.snapshot()["served"]
         while not self.closed:
