@@ -285,3 +285,11 @@ def test_an_adpsgd_node_that_lingers_takes_no_exchange_it_would_never_apply() ->
     finally:
         for c in conns.values():
             c.close()
+
+
+def test_dpwa_average_of_named_nodes_leaves_other_files_out(tmp_path: Path) -> None:
+    run_dir = run_dir_of(tmp_path, "run", {"w1": ([1.0], 1.0), "w2": ([2.0], 1.0), "w3": ([9.0], 1.0)})  # w3: stale
+    result = CliRunner().invoke(cli, ["average", str(run_dir), "--node", "w1", "--node", "w2"])
+    assert result.exit_code == 0 and read_model(run_dir / AVERAGED_MODEL).arrays["w"].tolist() == [1.5]
+    result = CliRunner().invoke(cli, ["average", str(run_dir), "--node", "w4"])
+    assert result.exit_code == 2 and "no model file of w4" in result.output

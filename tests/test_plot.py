@@ -79,7 +79,7 @@ def test_series_skips_reports_and_bad_values_and_counts_only_ok_fetches() -> Non
                     "distance_step": [3], "distance": [0.02]}  # fmt: skip
     assert latency_kind({"w1": cols}) == "fetch"
     # the reports' numbers, at the step the node had reached (the record before them)
-    assert reported(records) == {"accuracy": ([2, 4], [0.9, 0.95]), "loss": ([2], [1.0]), "step": ([2], [9.0])}
+    assert reported(records) == {"accuracy": ([2, 4], [0.9, 0.95]), "loss": ([2], [1.0])}  # a "step" is the axis
 
 
 def test_series_of_a_push_rule_takes_the_push_latency_of_exchanges_that_found_a_push_delivered() -> None:

@@ -27,7 +27,14 @@ __all__ = ["average"]
     type=click.Path(path_type=Path),
     help="With --evaluate: evaluate that run's (averaged) model too, e.g. the script under `dpwa run -n 1`.",
 )
-def average(run_dir: Path, evaluate: str | None, baseline: Path | None) -> None:
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    metavar="NAME",
+    help="Average only this node's model; repeatable  [default: every <node>.model.npz in RUN_DIR]",
+)
+def average(run_dir: Path, evaluate: str | None, baseline: Path | None, nodes: tuple[str, ...]) -> None:
     """Average the models a run's nodes saved (RUN_DIR/<node>.model.npz, push-sum weights honoured) into
     RUN_DIR/averaged.model.npz and print how far apart they were (relative distance to their mean).
 
@@ -38,7 +45,7 @@ def average(run_dir: Path, evaluate: str | None, baseline: Path | None) -> None:
     if not run_dir.is_dir():
         fail(f"{run_dir}: not a directory")
     try:
-        result = average_run(run_dir, evaluate=evaluate, baseline=baseline)
+        result = average_run(run_dir, evaluate=evaluate, baseline=baseline, nodes=nodes)
     except AverageError as err:
         fail(err)
     click.echo(headline(result))

@@ -288,6 +288,10 @@ def run(
         _check_ports(config, nodes, is_local)
     directory = RunDir(run_dir if run_dir is not None else default_run_dir())
     evaluate = script is None and len(nodes) == len(config.nodes) and not config.join
+    if average is not None and (len(nodes) != len(config.nodes) or config.join):
+        click.echo("warning: --evaluate needs every node of the cluster in this run; run `dpwa average RUN_DIR "
+                   f"--evaluate {average}` once every launcher is done", err=True)  # fmt: skip
+        average = None
     per_node = threads if threads is not None else threads_per_node(len(nodes))
     try:  # the reserved ports stay locked until the job is over (and the process exits)
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, bool(stop), restart_failed, False,

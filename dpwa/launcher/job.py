@@ -192,6 +192,7 @@ def _evaluate(
         argv = [sys.executable, "-m", DEMO_MODULE, "--evaluate", str(job.run_dir.path)]
     else:
         argv = [sys.executable, "-m", "dpwa.cli", "average", str(job.run_dir.path), "--evaluate", job.average]
+        argv += [arg for node in job.nodes for arg in ("--node", node.name)]  # not a file another run left
     supervisor.start("evaluate", argv, env=helper_env, log_path=job.run_dir.evaluate_log)
     return _watch(supervisor, trap, deadline, True, lambda: None)
 

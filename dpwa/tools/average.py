@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +105,17 @@ def _evaluate(function: Callable[..., Any], spec: str, arrays: Mapping[str, Any]
     return _figures(function({k: tensor_of(a) for k, a in arrays.items()}), spec)
 
 
-def _load(run_dir: Path) -> list[ModelFile]:
+def _load(run_dir: Path, nodes: Sequence[str] = ()) -> list[ModelFile]:
+    """The run's model files (``nodes``' only, when given: each must be there)."""
     try:
         models = run_models(run_dir)
     except CheckpointError as err:
         raise AverageError(str(err)) from None
+    if nodes:
+        missing = sorted(set(nodes) - {m.node for m in models})
+        if missing:
+            raise AverageError(f"{run_dir}: no model file of {', '.join(missing)}")
+        models = [m for m in models if m.node in set(nodes)]
     if not models:
         raise AverageError(
             f"{run_dir}: no <node>.model.npz files; have each node call adapter.save_model() (or "
@@ -120,12 +126,17 @@ def _load(run_dir: Path) -> list[ModelFile]:
 
 
 def average_run(
-    run_dir: str | Path, *, evaluate: str | None = None, baseline: str | Path | None = None
+    run_dir: str | Path,
+    *,
+    evaluate: str | None = None,
+    baseline: str | Path | None = None,
+    nodes: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Average ``run_dir``'s models, measure their disagreement, evaluate when asked (see the module doc-string);
-    write and return ``average.json``'s content. AverageError (one line) for what cannot be done."""
+    """Average ``run_dir``'s models (``nodes``' only, when given), measure their disagreement, evaluate when asked
+    (see the module doc-string); write and return ``average.json``'s content. AverageError (one line) for what
+    cannot be done."""
     run_dir = Path(run_dir)
-    models = _load(run_dir)
+    models = _load(run_dir, nodes)
     try:
         mean = average_models(models)
     except ValueError as err:

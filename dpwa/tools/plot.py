@@ -81,7 +81,7 @@ def reported(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[float
         elif event == "report":
             for key, value in record.items():
                 number = finite_number(value)
-                if key not in ("time", "node", "event") and number is not None:
+                if key not in ("time", "node", "event", "step") and number is not None:  # as TensorBoard's
                     steps, values = out.setdefault(key, ([], []))
                     steps.append(step)
                     values.append(number)
