@@ -138,29 +138,40 @@ def test_dpwa_average_refuses_in_one_line(tmp_path: Path, args: list[str], messa
     assert result.exit_code == 2 and "no <node>.model.npz files" in result.output
 
 
+def two_nodes(interpolation: str, size: int) -> tuple[dict[str, DpwaConnection], dict[str, list[np.ndarray]]]:
+    """w1 (zeros) and w2 (ones) of ``size`` float64 each, every peer up; the caller closes them."""
+    ports = free_ports(2)
+    config = ClusterConfig(
+        nodes=tuple(NodeSpec(f"w{i + 1}", "127.0.0.1", p) for i, p in enumerate(ports)), interpolation=interpolation,
+        timeout_ms=2000.0 if interpolation == "pushsum" else 1000.0,
+    )  # fmt: skip
+    params = {"w1": [np.zeros(size)], "w2": [np.ones(size)]}
+    conns = {name: DpwaConnection(name, config, seed=i, params=params[name]) for i, name in enumerate(params)}
+    assert all(all(c.wait_for_peers(10.0).values()) for c in conns.values())
+    return conns, params
+
+
+def round_of(conns: dict[str, DpwaConnection], params: dict[str, list[np.ndarray]], name: str) -> None:
+    conns[name].update_send(params[name], 1.0)
+    conns[name].update_wait(1.0)
+
+
+def joint_round(conns: dict[str, DpwaConnection], params: dict[str, list[np.ndarray]]) -> None:
+    """One round of both nodes at once (each one's update_wait waits for the other's round)."""
+    threads = [threading.Thread(target=round_of, args=(conns, params, name)) for name in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
 @pytest.mark.parametrize("final_mix", [False, True])
 def test_close_under_push_sum_leaves_the_model_as_the_trainer_saw_it_and_hands_the_mass_over(final_mix: bool) -> None:
     """w1 closes with w2's push in its inbox: the hand-off folds it in and gives the whole mass to w2 (the weights
     sum to 2 within 1e-9); w1's arrays stay bit for bit as its last update_wait left them unless final_mix."""
-    ports = free_ports(2)
-    config = ClusterConfig(
-        nodes=tuple(NodeSpec(f"w{i + 1}", "127.0.0.1", p) for i, p in enumerate(ports)), interpolation="pushsum",
-        timeout_ms=2000.0,
-    )  # fmt: skip
-    params = {"w1": [np.zeros(1000)], "w2": [np.ones(1000)]}
-    conns = {name: DpwaConnection(name, config, seed=i, params=params[name]) for i, name in enumerate(params)}
+    conns, params = two_nodes("pushsum", 1000)
     try:
-        assert all(c.wait_for_peers(10.0).values() for c in conns.values())
-
-        def round_of(name: str) -> None:
-            conns[name].update_send(params[name], 1.0)
-            conns[name].update_wait(1.0)
-
-        threads = [threading.Thread(target=round_of, args=(name,)) for name in conns]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        joint_round(conns, params)
         params["w2"][0] += 1.0  # a local step: w2's next push differs from w1's model
         conns["w2"].update_send(params["w2"], 1.0)  # round 2: its push waits in w1's inbox
         wait_until(lambda: conns["w1"].stats()["pushes_received"] == 2, 10, message="w2's second push in")
@@ -252,31 +263,15 @@ def test_push_sum_models_saved_after_close_count_every_unit_of_mass_once(tmp_pat
 def test_an_adpsgd_node_that_lingers_takes_no_exchange_it_would_never_apply() -> None:
     """w1 ends training and lingers while w2 goes on: w2's exchanges with it are declined (busy), so no half-applied
     exchange moves the pair's sum, which AD-PSGD keeps (1e-12)."""
-    ports = free_ports(2)
-    config = ClusterConfig(
-        nodes=tuple(NodeSpec(f"w{i + 1}", "127.0.0.1", p) for i, p in enumerate(ports)), interpolation="adpsgd",
-        timeout_ms=1000.0,
-    )  # fmt: skip
-    params = {"w1": [np.zeros(10)], "w2": [np.ones(10)]}
-    conns = {name: DpwaConnection(name, config, seed=i, params=params[name]) for i, name in enumerate(params)}
+    conns, params = two_nodes("adpsgd", 10)
     try:
-        assert all(all(c.wait_for_peers(10.0).values()) for c in conns.values())
-
-        def round_of(name: str) -> None:
-            conns[name].update_send(params[name], 1.0)
-            conns[name].update_wait(1.0)
-
-        threads = [threading.Thread(target=round_of, args=(name,)) for name in conns]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        joint_round(conns, params)
         params["w1"][0] += 1.0  # w1's last local step
-        round_of("w1")
+        round_of(conns, params, "w1")
         closer = threading.Thread(target=lambda: conns["w1"].close(linger=3.0, idle=2.0))
         closer.start()
         for _ in range(3):
-            round_of("w2")
+            round_of(conns, params, "w2")
         closer.join(timeout=30)
         # 0 + 1 at the start, plus w1's local step: every exchange applied on both sides (without the refusal w2
         # applied its half of exchanges w1 took and never mixed: 3.375)
