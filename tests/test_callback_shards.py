@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 from dpwa.modelfile import read_model
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # real Lightning and Trainer fits: ~13 s in all
+
 N_ITEMS = 48
 BATCH = 8
 
