@@ -29,7 +29,7 @@ from dpwa.config import ClusterConfig, ConfigError, resolve_config
 from dpwa.engines import EngineError, engine_nodes
 from dpwa.engines.join import JOIN_ENV, advertised_address
 from dpwa.engines.slurm import in_slurm_step
-from dpwa.engines.variables import in_torch_launch
+from dpwa.engines.variables import env_int, in_torch_launch
 
 __all__ = ["ENV_CONFIG", "ENV_NODE", "World", "WorldError", "node_name", "rank", "whereami", "world_size"]
 
@@ -67,16 +67,9 @@ def _from_config(name: str, config: ClusterConfig | str | os.PathLike[str], sour
     return World(name, names.index(name), len(names), source)
 
 
-def _engine_int(env: Mapping[str, str], variable: str) -> int:
-    value = env.get(variable, "")
-    if not value.strip().isdigit():
-        raise WorldError(f"{variable}={value!r}: expected a non-negative integer")
-    return int(value)
-
-
 def _from_slurm(env: Mapping[str, str], config: ClusterConfig | str | os.PathLike[str] | None) -> World:
     settings = resolve_config(config) if config is not None else ClusterConfig(source="srun")
-    procid = _engine_int(env, "SLURM_PROCID")
+    procid = env_int(env, "SLURM_PROCID", WorldError)
     if settings.nodes:
         tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
         if tasks and tasks.strip().isdigit() and int(tasks) != len(settings.nodes):
@@ -93,7 +86,7 @@ def _from_slurm(env: Mapping[str, str], config: ClusterConfig | str | os.PathLik
 
 
 def _from_torch(env: Mapping[str, str], config: ClusterConfig | str | os.PathLike[str] | None) -> World:
-    rank_, size = _engine_int(env, "RANK"), _engine_int(env, "WORLD_SIZE")
+    rank_, size = env_int(env, "RANK", WorldError), env_int(env, "WORLD_SIZE", WorldError)
     if rank_ >= size:
         raise WorldError(f"RANK={rank_} is not below WORLD_SIZE={size}")
     settings = resolve_config(config) if config is not None else None
@@ -101,8 +94,8 @@ def _from_torch(env: Mapping[str, str], config: ClusterConfig | str | os.PathLik
         if len(settings.nodes) != size:
             raise WorldError(f"WORLD_SIZE={size} but {settings.source} has {len(settings.nodes)} nodes")
         return World(settings.nodes[rank_].name, rank_, size, f"torchrun and {settings.source}")
-    local = _engine_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else rank_
-    master, port = env["MASTER_ADDR"], _engine_int(env, "MASTER_PORT")
+    local = env_int(env, "LOCAL_RANK", WorldError) if env.get("LOCAL_RANK") else rank_
+    master, port = env["MASTER_ADDR"], env_int(env, "MASTER_PORT", WorldError)
     try:
         address = advertised_address(env, master, port)
     except OSError as err:

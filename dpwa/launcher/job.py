@@ -274,8 +274,14 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
 
 def _models(job: Job, average: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The models this run's nodes saved (``<node>.model.npz``): how many, their disagreement (relative distance to
-    their mean, :mod:`dpwa.modelfile`), and the ``--evaluate`` figures (``average.json``) when there are; None when
-    no node saved one. A file that cannot be read is reported, not raised."""
+    their mean, :mod:`dpwa.modelfile`) and, after ``--evaluate``, the figures; taken from ``average.json`` when the
+    evaluation wrote it (it averaged these very files), else measured here. None when no node saved one. A file
+    that cannot be read is reported, not raised."""
+    if average is not None and isinstance(average.get("nodes"), list):  # `dpwa average` measured them already
+        out: dict[str, Any] = {"saved": len(average["nodes"])}
+        keys = ("disagreement", "node_distance", "evaluate", "averaged", "node_figures", "averaged_model")
+        out.update({k: average[k] for k in keys if k in average})
+        return out
     paths = [job.run_dir.model_path(node.name) for node in job.nodes]
     present = [path for path in paths if path.exists()]
     if not present:
@@ -285,10 +291,7 @@ def _models(job: Job, average: Mapping[str, Any] | None) -> dict[str, Any] | Non
         spread = disagreement(saved, average_models(saved))
     except (CheckpointError, ValueError) as err:
         return {"saved": len(present), "error": str(err)}
-    out: dict[str, Any] = {"saved": len(saved), "disagreement": spread.overall, "node_distance": dict(spread.nodes)}
-    if average is not None:
-        out.update({k: average[k] for k in ("evaluate", "averaged", "node_figures", "averaged_model") if k in average})
-    return out
+    return {"saved": len(saved), "disagreement": spread.overall, "node_distance": dict(spread.nodes)}
 
 
 def _models_line(models: Mapping[str, Any], run_dir: object) -> str:

@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from dpwa.adapters.torch_state import model_arrays
-from dpwa.modelfile import average_models, disagreement, read_model, run_models, write_model
+from dpwa.modelfile import ModelFile, average_models, disagreement, read_model, run_models, write_model
 from dpwa.tools.mixture import DataSpec, gaussian_mixture
 from dpwa.utils.atomic import write_atomically
 from dpwa.utils.partition import PARTITION_HELP, class_histogram, parse_partition, partition_indices
@@ -414,15 +414,10 @@ def load_model_file(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
 
 
 def average_states(states: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """Element-wise mean of floating arrays (in float64, cast back); other arrays from the first state."""
-    out = {}
-    for name, first in states[0].items():
-        if np.issubdtype(first.dtype, np.floating):
-            mean = np.mean([s[name].astype(np.float64) for s in states], axis=0).astype(first.dtype)
-        else:
-            mean = first
-        out[name] = torch.from_numpy(np.ascontiguousarray(mean))
-    return out
+    """Element-wise mean of floating arrays (:func:`dpwa.modelfile.average_models`, equal weights: in float64, cast
+    back); other arrays from the first state."""
+    mean = average_models([ModelFile(str(i), state) for i, state in enumerate(states)])
+    return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in mean.items()}
 
 
 # --------------------------------------------------------------------------- node
