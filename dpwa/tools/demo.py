@@ -23,8 +23,8 @@ The shards
     its index in the cluster file's ``nodes``. ``iid``: samples ``i, i+n, i+2n, ...`` (a random shard:
     the samples are in random order); ``dirichlet:ALPHA``: class proportions drawn per node from
     ``Dir(ALPHA * p)`` (0.1: one or two classes dominate each node); ``classes:K``: ``K`` classes per
-    node (:mod:`dpwa.utils.partition`). Shards are disjoint (the original dpwa trained every node on
-    the whole set). Each node writes its class histogram to ``<run_dir>/<node>.data.json``.
+    node (:mod:`dpwa.utils.partition`). Shards are disjoint: no two nodes train on the same sample.
+    Each node writes its class histogram to ``<run_dir>/<node>.data.json``.
 
 The node
     The same 32-64-64-10 ReLU MLP everywhere (same seed, so every node starts from the same

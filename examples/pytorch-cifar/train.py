@@ -8,7 +8,7 @@ Start it on every node of a cluster file::
 ``dpwa run`` sets ``DPWA_NODE`` (this node's name), ``DPWA_CONFIG`` (the cluster file) and ``DPWA_RUN_DIR``;
 ``--name`` / ``--config`` / ``--run-dir`` override them.  Node ``i`` of ``n`` (``i`` = its index in the
 cluster file's ``nodes``) trains on samples ``i, i+n, i+2n, ...`` of the training set; shards are disjoint
-and cover the set (the original dpwa trained every node on the whole set).
+and cover the set.
 
 Around every batch: ``conn.update_send(previous loss)``, one SGD step, ``conn.update_wait(loss)``.  The
 adapter logs every exchange to ``<run_dir>/<node>.metrics.jsonl``; this script logs progress to stderr
