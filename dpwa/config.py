@@ -3,70 +3,75 @@
 A cluster file is YAML in one of two shapes, read the same way:
 
 * a mapping (``nodes: [...]``, ``fetch_probability: 1.0``, ...), or
-* the original dpwa shape, a list of one-key maps (``- nodes: [...]``, ``- fetch_probability: 1``).
+* the 2017 dpwa shape, a list of one-key maps (``- nodes: [...]``, ``- fetch_probability: 1``).
 
 Every problem is a :class:`ConfigError` naming file, line, key and what is allowed.
-Validation lives here only: the value objects check themselves on construction (so a
-config built in Python is checked the same way) and the YAML reader adds file and line.
+The value objects check themselves on construction (so a config built in Python is
+checked the same way) and the YAML reader adds file and line.
 
-Adding a top-level key is one field on :class:`ClusterConfig` declared with
-:func:`setting`, :func:`choice` or another ``_Spec``; adding a rule is one
-frozen :class:`Settings` subclass whose fields use :func:`setting`, registered in
-:data:`RULE_SETTINGS`.
+One field style: every cluster-file key is a dataclass field declared with
+:func:`~dpwa.utils.settings.setting` (a number in a range, or any other
+:class:`~dpwa.utils.settings.Spec` passed as ``spec=``) or its shorthand
+:func:`~dpwa.utils.settings.choice`; the spec says how the key is read, checked and
+written back, and ``omit_default=True`` keeps a key added after files were written
+out of :meth:`ClusterConfig.to_dict` while it holds its default. Adding a top-level
+key is one such field on :class:`ClusterConfig`.
+
+The rules are not listed here: each rule module declares its settings dataclass
+beside its rule class, and :data:`dpwa.rules.RULES` names them all. Each rule name
+is an ``interpolation`` value and a top-level key holding that rule's settings;
+its class says which ``peers`` schedules fit it and which one ``auto`` stands for.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import logging
-import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import yaml
 from yaml.constructor import SafeConstructor
 
+from dpwa.rules import RULES
+from dpwa.rules.schedules import SCHEDULES
 from dpwa.security.keyfiles import KeyFileError, name_problem, public_path, read_key_file, secret_path
+from dpwa.utils.dtypes import WIRE_DTYPES
+from dpwa.utils.settings import (
+    Flag,
+    SettingError,
+    Spec,
+    Word,
+    choice,
+    omits_default,
+    setting,
+    show_value,
+    spec_of,
+    suggest,
+    validate,
+)
 
 __all__ = [
-    "RULE_SETTINGS",
-    "AdpsgdSettings",
-    "DpsgdSettings",
-    "SecurityConfig",
-    "ClockSettings",
+    "BOOTSTRAP_MODES",
+    "MAX_JOINED",
+    "PEER_SCHEDULES",
     "ClusterConfig",
     "ConfigError",
-    "ConstantSettings",
-    "GemSettings",
-    "GroupSettings",
     "JoinAddress",
-    "MAX_JOINED",
-    "LeaderSettings",
-    "PushSumSettings",
-    "BOOTSTRAP_MODES",
-    "PEER_SCHEDULES",
-    "WIRE_DTYPES",
-    "RULE_SCHEDULES",
-    "LossSettings",
     "NodeSpec",
-    "Settings",
-    "choice",
+    "SecurityConfig",
     "load_config",
     "parse_config",
     "parse_join",
     "resolve_config",
-    "setting",
 ]
 
 log = logging.getLogger(__name__)
 
 MEMORY = "<memory>"
-_SPEC = "dpwa.config.spec"  # dataclasses.field metadata key holding a field's _Spec
-_OMIT_DEFAULT = "dpwa.config.omit_default"  # field metadata: to_dict leaves the key out while it has its default
 _LOOPBACK = frozenset({"localhost", "127.0.0.1"})  # spellings of one host, for duplicate host:port
 
 
@@ -92,93 +97,7 @@ class ConfigError(ValueError):
         return type(self), (self.reason, self.file, self.line, self.key)
 
 
-# --------------------------------------------------------------------------- field specs
-
-
-class _Spec:
-    """How one field is read from YAML, what it allows and how it is written back.
-
-    ``check`` yields (sub-key, reason) per problem; ``coerce`` normalizes a valid value.
-    """
-
-    def read(self, doc: _Document, node: yaml.Node, key: str) -> object:
-        """The Python value of ``key``'s YAML ``node`` (checked later by ``check``)."""
-        return doc.value(node, key)
-
-    def check(self, value: object) -> Iterator[tuple[str, str]]:
-        return iter(())
-
-    def coerce(self, value: object) -> object:
-        return value
-
-    def dump(self, value: object) -> object:
-        """The value as plain YAML-dumpable data."""
-        return value
-
-
-@dataclasses.dataclass(frozen=True)
-class _Number(_Spec):
-    """A finite real number (never a bool) in an optionally open/closed range; optionally an integer."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-    integer: bool = False
-
-    def allowed(self) -> str:
-        """E.g. ``"a number in [0, 1]"``, ``"a number > 0"``, ``"an integer in [1, 65535]"``."""
-        noun = "an integer" if self.integer else "a number"
-        lo, hi = (None if b is None else f"{b:g}" for b in (self.lo, self.hi))
-        if lo is not None and hi is not None:
-            return f"{noun} in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
-        if lo is not None:
-            return f"{noun} {'>' if self.lo_open else '>='} {lo}"
-        if hi is not None:
-            return f"{noun} {'<' if self.hi_open else '<='} {hi}"
-        return noun
-
-    def check(self, value: object) -> Iterator[tuple[str, str]]:
-        if not self._ok(value):
-            yield "", f"must be {self.allowed()}, got {_show(value)}"
-
-    def _ok(self, value: object) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
-            return False
-        try:
-            if not math.isfinite(value):  # also rules out ints too large for a float
-                return False
-        except OverflowError:
-            return False
-        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
-            return False
-        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
-
-    def coerce(self, value: object) -> object:
-        return value if self.integer else float(value)  # type: ignore[arg-type]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Choice(_Spec):
-    """One of a fixed set of strings; ``options`` may be a live mapping (e.g. RULE_SETTINGS)."""
-
-    options: Iterable[str]
-
-    def check(self, value: object) -> Iterator[tuple[str, str]]:
-        names = list(self.options)
-        if not isinstance(value, str):
-            yield "", f"must be one of: {', '.join(names)}, got {_show(value)}"
-        elif value not in names:
-            yield "", f"unknown value {value!r}{_allowed(value, names)}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Word(_Spec):
-    """A non-empty string without whitespace (node names and hosts)."""
-
-    def check(self, value: object) -> Iterator[tuple[str, str]]:
-        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-            yield "", f"must be a non-empty string without spaces, got {_show(value)}"
+# --------------------------------------------------------------------------- the join address
 
 
 MAX_JOINED = 1024
@@ -209,48 +128,17 @@ def parse_join(value: str) -> JoinAddress:
 
 
 @dataclasses.dataclass(frozen=True)
-class _JoinAddress(_Spec):
+class _JoinAddress(Spec):
     """ "" (no join) or ``[NAME@]HOST:PORT``."""
 
     def check(self, value: object) -> Iterator[tuple[str, str]]:
         if not isinstance(value, str):
-            yield "", f"must be [NAME@]HOST:PORT, got {_show(value)}"
+            yield "", f"must be [NAME@]HOST:PORT, got {show_value(value)}"
         elif value:
             try:
                 parse_join(value)
             except ValueError as err:
                 yield "", str(err)
-
-
-def setting(
-    default: Any = dataclasses.MISSING,
-    *,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    hi_open: bool = False,
-    integer: bool = False,
-) -> Any:
-    """A numeric dataclass field whose allowed range travels in its metadata (checked by ``_validate``)."""
-    spec = _Number(lo, hi, lo_open, hi_open, integer)
-    return dataclasses.field(default=default, metadata={_SPEC: spec})
-
-
-def choice(default: Any, options: Iterable[str]) -> Any:
-    """A string dataclass field that must be one of ``options`` (read when validating, so it may grow)."""
-    return dataclasses.field(default=default, metadata={_SPEC: _Choice(options)})
-
-
-def _validate(obj: Any, on_error: Callable[[str, str], ConfigError]) -> None:
-    """Check, then normalize, every spec'd field of dataclass ``obj``; raise ``on_error(key, reason)``."""
-    for f in dataclasses.fields(obj):
-        spec: _Spec | None = f.metadata.get(_SPEC)
-        if spec is None:
-            continue
-        value = getattr(obj, f.name)
-        for sub, reason in spec.check(value):
-            raise on_error(f.name + sub, reason)
-        object.__setattr__(obj, f.name, spec.coerce(value))
 
 
 def _error_in_memory(key: str, reason: str) -> ConfigError:
@@ -264,12 +152,12 @@ def _error_in_memory(key: str, reason: str) -> ConfigError:
 class NodeSpec:
     """One cluster member: a unique name and the host:port its server binds/peers connect to."""
 
-    name: str = dataclasses.field(metadata={_SPEC: _Word()})
-    host: str = dataclasses.field(metadata={_SPEC: _Word()})
+    name: str = setting(spec=Word())
+    host: str = setting(spec=Word())
     port: int = setting(lo=1, hi=65535, integer=True)
 
     def __post_init__(self) -> None:
-        _validate(self, _error_in_memory)
+        validate(self, _error_in_memory)
 
     @property
     def endpoint(self) -> str:
@@ -277,142 +165,23 @@ class NodeSpec:
         return f"tcp://{self.host}:{self.port}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Base of rule settings: fields made by :func:`setting` or :func:`choice` are checked on construction."""
-
-    def __post_init__(self) -> None:
-        _validate(self, _error_in_memory)
-
-
-#: Values of a one-peer pull rule's ``repeats`` key: ``skip`` a reply that repeats the snapshot fetched from
-#: that peer last time (it published nothing since), or ``mix`` it again (dpwa 2017).
-REPEAT_MODES = ("skip", "mix")
-
-
-@dataclasses.dataclass(frozen=True)
-class ConstantSettings(Settings):
-    """``f = value``: the fixed interpolation factor (0.5 = plain pairwise average); ``repeats``: see
-    :data:`REPEAT_MODES`."""
-
-    value: float = setting(0.5, lo=0, hi=1)
-    repeats: str = choice("skip", REPEAT_MODES)
-
-
-@dataclasses.dataclass(frozen=True)
-class ClockSettings(Settings):
-    """``f = peer_clock / (clock + peer_clock)``; ``repeats``: see :data:`REPEAT_MODES`."""
-
-    repeats: str = choice("skip", REPEAT_MODES)
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSettings(Settings):
-    """``f = loss / (loss + peer_loss)``; ``repeats``: see :data:`REPEAT_MODES`."""
-
-    repeats: str = choice("skip", REPEAT_MODES)
-
-
-@dataclasses.dataclass(frozen=True)
-class GemSettings(Settings):
-    """GEM in gossip form: ``d = base*(x_peer - x_sent)``, ``m = momentum*m + delta``,
-    ``pi = clamp((kappa*|m| - |delta|) / (|d| + eps), 0, 1/base)``, ``x <- x + pi*d`` (element-wise)."""
-
-    base: float = setting(0.5, lo=0, hi=1, lo_open=True)
-    momentum: float = setting(0.9, lo=0, hi=1, hi_open=True)
-    kappa: float = setting(1.0, lo=0, lo_open=True)
-    eps: float = setting(1e-12, lo=0, lo_open=True)
-    #: ``sent`` (default): ``d = base*(x_peer - x_at_update_send)``, which keeps the node's own local step;
-    #: ``now``: ``d = base*(x_peer - x)``, the literal form, kept to reproduce older runs: it undoes the
-    #: local step once the nodes agree, so nothing trains.
-    reference: str = choice("sent", ("sent", "now"))
-    repeats: str = choice("skip", REPEAT_MODES)
-
-
-@dataclasses.dataclass(frozen=True)
-class PushSumSettings(Settings):
-    """SGP push-sum: each step keep ``w/(k+1)`` and push ``(x, w/(k+1))`` to each of ``k`` out-neighbours;
-    fold every message in: ``f = w_j / (w + w_j)``, ``w <- w + w_j``. ``overlap`` (OSGP's tau): how many
-    pushes may still await their ACK when ``update_wait`` returns (0 = SGP)."""
-
-    overlap: int = setting(0, lo=0, integer=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdpsgdSettings(Settings):
-    """AD-PSGD: a fetch carries the fetcher's snapshot; both ends move ``x <- x + (x_peer - x_sent)/2``;
-    no settings."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DpsgdSettings(Settings):
-    """D-PSGD: ``x <- (x + sum of neighbours) / (d + 1)`` on a ``ring`` or ``exponential`` graph; a neighbour
-    more than ``max_staleness`` steps behind is left out."""
-
-    graph: str = choice("ring", ("ring", "exponential"))
-    max_staleness: float = setting(10.0, lo=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class LeaderSettings(Settings):
-    """LSGD: ``x <- x - strength*(x - x_leader)`` every ``every`` steps, leader = lowest mean loss over
-    ``window`` batches; with ``group_size > 0`` also ``local_strength`` toward the group's leader every
-    ``local_every`` steps."""
-
-    strength: float = setting(0.1, lo=0, hi=1, lo_open=True)
-    window: int = setting(10, lo=1, integer=True)
-    every: int = setting(1, lo=1, integer=True)
-    group_size: int = setting(0, lo=0, integer=True)
-    local_strength: float = setting(0.1, lo=0, hi=1, lo_open=True)
-    local_every: int = setting(1, lo=1, integer=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupSettings(Settings):
-    """WAGMA group averaging: ``x <- (sum of group + x) / (S + 1)`` over rotating groups of ``group_size``;
-    a full average every ``sync_every`` steps (0 = never); peers more than ``max_staleness`` steps
-    behind are left out."""
-
-    group_size: int = setting(4, lo=2, integer=True)
-    sync_every: int = setting(11, lo=0, integer=True)
-    max_staleness: float = setting(10.0, lo=0)
-
-
-#: Interpolation rule name -> its settings dataclass; each name is also a top-level key of the cluster file.
-RULE_SETTINGS: dict[str, type] = {
-    "constant": ConstantSettings,
-    "clock": ClockSettings,
-    "loss": LossSettings,
-    "gem": GemSettings,
-    "pushsum": PushSumSettings,
-    "leader": LeaderSettings,
-    "group": GroupSettings,
-    "adpsgd": AdpsgdSettings,
-    "dpsgd": DpsgdSettings,
-}
-
-_PAIRWISE_SCHEDULES = ("random", "exponential", "ring")
-#: Rule -> (its default peer schedule, the schedules it may be combined with). A rule that mixes one
-#: peer cannot use ``groups`` (several peers a round); ``leader`` needs the leader rule's table;
-#: group averaging needs its groups.
-RULE_SCHEDULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "constant": ("random", _PAIRWISE_SCHEDULES),
-    "clock": ("random", _PAIRWISE_SCHEDULES),
-    "loss": ("random", _PAIRWISE_SCHEDULES),
-    "gem": ("random", _PAIRWISE_SCHEDULES),
-    "pushsum": ("exponential", _PAIRWISE_SCHEDULES),
-    "leader": ("leader", ("leader",)),
-    "group": ("groups", ("groups",)),
-    "adpsgd": ("random", _PAIRWISE_SCHEDULES),
-    "dpsgd": ("neighbours", ("neighbours",)),
-}
-#: Values of the ``peers`` key: ``auto`` (the rule's default) or a schedule of ``dpwa.rules.schedules``.
-PEER_SCHEDULES = ("auto", "random", "exponential", "ring", "leader", "groups", "neighbours")
-#: Values of the ``wire_dtype`` key: ``auto`` (every array travels in its own dtype) or the dtype that
-#: arrays wider than it travel in (rounded to nearest even when published, widened exactly when received).
-WIRE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+#: Values of the ``peers`` key: ``auto`` (the rule's :attr:`~dpwa.rules.base.Rule.default_schedule`) or a
+#: schedule of ``dpwa.rules.schedules``; the rule's ``allowed_schedules`` say which ones fit it.
+PEER_SCHEDULES = ("auto", *SCHEDULES)
 #: Values of the ``bootstrap`` key: ``none`` or ``peer`` (copy a peer's model before the first step).
 BOOTSTRAP_MODES = ("none", "peer")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Directory(Spec):
+    """None (not given) or a directory path, made absolute (``~`` expanded) against the working directory."""
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+            yield "", f"must be a directory path, got {show_value(value)}"
+
+    def coerce(self, value: object) -> object:
+        return None if value is None else os.path.abspath(os.path.expanduser(os.fspath(value)))  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,22 +196,17 @@ class SecurityConfig:
     (:meth:`ClusterConfig.check_secret_key`), so a machine needs only the secret keys of its nodes.
     """
 
-    curve: bool = False
-    keys: str | None = None
+    curve: bool = setting(False, spec=Flag())
+    keys: str | None = setting(None, spec=_Directory())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.curve, bool):
-            raise _error_in_memory("curve", f"must be true or false, got {_show(self.curve)}")
-        if self.keys is not None:
-            if not isinstance(self.keys, (str, os.PathLike)) or not os.fspath(self.keys):
-                raise _error_in_memory("keys", f"must be a directory path, got {_show(self.keys)}")
-            object.__setattr__(self, "keys", os.path.abspath(os.path.expanduser(os.fspath(self.keys))))
+        validate(self, _error_in_memory)
         if self.curve and self.keys is None:
             raise _error_in_memory("keys", "missing; `curve: true` needs `keys: DIR`, the directory of the key files")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Security(_Spec):
+class _Security(Spec):
     """The ``security`` map (``{curve: true, keys: DIR}``; null or {} for no security)."""
 
     def read(self, doc: _Document, node: yaml.Node, key: str) -> object:
@@ -451,11 +215,11 @@ class _Security(_Spec):
             value = doc.value(node, key)
             if value is None:
                 return SecurityConfig()
-            raise doc.error(key, f"must be a map like {{curve: true, keys: DIR}}, got {_show(value)}", node)
+            raise doc.error(key, f"must be a map like {{curve: true, keys: DIR}}, got {show_value(value)}", node)
         given: dict[str, object] = {}
         for field, value_node in doc.mapping(node, key):
             if field not in allowed:
-                raise doc.error(f"{key}.{field}", f"unknown security key{_allowed(field, allowed)}")
+                raise doc.error(f"{key}.{field}", f"unknown security key{suggest(field, allowed)}")
             given[field] = doc.value(value_node, f"{key}.{field}")
         keys = given.get("keys")
         if isinstance(keys, str) and keys and doc.source != MEMORY:  # relative to the cluster file
@@ -465,14 +229,14 @@ class _Security(_Spec):
 
     def check(self, value: object) -> Iterator[tuple[str, str]]:
         if not isinstance(value, SecurityConfig):
-            yield "", f"must be a SecurityConfig, got {_show(value)}"
+            yield "", f"must be a SecurityConfig, got {show_value(value)}"
 
     def dump(self, value: object) -> object:
         return dataclasses.asdict(value)  # type: ignore[call-overload]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Nodes(_Spec):
+class _Nodes(Spec):
     """A sequence of NodeSpec with unique names and unique host:port pairs; empty: the nodes come from an
     engine (``dpwa run -n N``, SLURM, torchrun), see :meth:`ClusterConfig.with_nodes`."""
 
@@ -481,13 +245,13 @@ class _Nodes(_Spec):
 
     def check(self, value: object) -> Iterator[tuple[str, str]]:
         if not isinstance(value, (list, tuple)):
-            yield "", f"must list at least one node ({{name, host, port}} maps), got {_show(value)}"
+            yield "", f"must list at least one node ({{name, host, port}} maps), got {show_value(value)}"
             return
         names: dict[str, int] = {}
         addresses: dict[tuple[str, int], int] = {}
         for i, node in enumerate(value):
             if not isinstance(node, NodeSpec):
-                yield f"[{i}]", f"must be a NodeSpec, got {_show(node)}"
+                yield f"[{i}]", f"must be a NodeSpec, got {show_value(node)}"
                 return
             if node.name in names:
                 first = names[node.name]
@@ -520,61 +284,46 @@ class _Nodes(_Spec):
 class ClusterConfig:
     """A validated cluster: its nodes, exchange settings and one settings object per rule.
 
-    Each field carrying a ``_Spec`` is a top-level key of the cluster file, in this order;
-    ``rule_settings`` is spread over one top-level key per rule name.
+    Each field declared with ``setting`` or ``choice`` is a top-level key of the cluster file, in this order;
+    ``rule_settings`` is spread over one top-level key per rule name (:data:`dpwa.rules.RULES`), and
+    ``source`` and ``marks`` say where the file came from.
     """
 
     # The top-level keys, in file order, one line each: the field's spec says how it is read and checked.
     #: Empty (the key left out): the nodes come from an engine (dpwa.engines) and :meth:`with_nodes`.
-    nodes: tuple[NodeSpec, ...] = dataclasses.field(default=(), metadata={_SPEC: _Nodes(), _OMIT_DEFAULT: True})
+    nodes: tuple[NodeSpec, ...] = setting((), spec=_Nodes(), omit_default=True)
     fetch_probability: float = setting(1.0, lo=0, hi=1)
     timeout_ms: float = setting(2500.0, lo=0, lo_open=True)
-    interpolation: str = choice("constant", RULE_SETTINGS)
+    interpolation: str = choice("constant", RULES)
     divergence_threshold: float = setting(0.0, lo=0)
     peers: str = choice("auto", PEER_SCHEDULES)
-    wire_dtype: str = dataclasses.field(default="auto", metadata={_SPEC: _Choice(WIRE_DTYPES), _OMIT_DEFAULT: True})
-    security: SecurityConfig = dataclasses.field(
-        default=SecurityConfig(), metadata={_SPEC: _Security(), _OMIT_DEFAULT: True}
-    )
+    #: ``auto``: every array travels in its own dtype; else the dtype that arrays wider than it travel in
+    #: (rounded to nearest even when published, widened exactly when received).
+    wire_dtype: str = choice("auto", ("auto", *WIRE_DTYPES), omit_default=True)
+    security: SecurityConfig = setting(SecurityConfig(), spec=_Security(), omit_default=True)
     #: Checkpoint every this many steps into <run_dir>/checkpoints/ (0 = never); dpwa/checkpoint.py.
-    checkpoint_every: int = dataclasses.field(
-        default=0, metadata={_SPEC: _Number(lo=0, integer=True), _OMIT_DEFAULT: True}
-    )
+    checkpoint_every: int = setting(0, lo=0, integer=True, omit_default=True)
     #: ``peer``: before its first step a node copies a peer's model (dpwa/node/recovery.py); ``none``: it does not.
-    bootstrap: str = dataclasses.field(default="none", metadata={_SPEC: _Choice(BOOTSTRAP_MODES), _OMIT_DEFAULT: True})
+    bootstrap: str = choice("none", BOOTSTRAP_MODES, omit_default=True)
     #: How long a bootstrapping node looks for a peer before it trains from its own state.
-    bootstrap_timeout_s: float = dataclasses.field(
-        default=10.0, metadata={_SPEC: _Number(lo=0, lo_open=True), _OMIT_DEFAULT: True}
-    )
+    bootstrap_timeout_s: float = setting(10.0, lo=0, lo_open=True, omit_default=True)
     #: "Far behind": a first reply whose clock is more than this ahead is copied outright (0 = never).
-    bootstrap_gap: float = dataclasses.field(default=100.0, metadata={_SPEC: _Number(lo=0), _OMIT_DEFAULT: True})
+    bootstrap_gap: float = setting(100.0, lo=0, omit_default=True)
     #: Push rules (pushsum, adpsgd): how many pushes a node's inbox holds unmixed (one model-sized buffer each).
-    inbox_slots: int = dataclasses.field(
-        default=4, metadata={_SPEC: _Number(lo=1, hi=64, integer=True), _OMIT_DEFAULT: True}
-    )
+    inbox_slots: int = setting(4, lo=1, hi=64, integer=True, omit_default=True)
     #: Push rules: how many of those one sender may fill; update_wait mixes one per sender, its oldest.
-    inbox_per_sender: int = dataclasses.field(
-        default=2, metadata={_SPEC: _Number(lo=1, hi=64, integer=True), _OMIT_DEFAULT: True}
-    )
+    inbox_per_sender: int = setting(2, lo=1, hi=64, integer=True, omit_default=True)
     #: Engines that choose the ports (SLURM): a node listens on base_port + its index among its host's tasks.
-    base_port: int = dataclasses.field(
-        default=45000, metadata={_SPEC: _Number(lo=1, hi=65535, integer=True), _OMIT_DEFAULT: True}
-    )
+    base_port: int = setting(45000, lo=1, hi=65535, integer=True, omit_default=True)
     #: ``[NAME@]HOST:PORT`` of any member of a running cluster: this file's nodes join it (docs/membership.md);
     #: ``nodes`` then lists only the joining nodes' own addresses (or is left out: the engine gives them).
-    join: str = dataclasses.field(default="", metadata={_SPEC: _JoinAddress(), _OMIT_DEFAULT: True})
+    join: str = setting("", spec=_JoinAddress(), omit_default=True)
     #: How long a joining node keeps asking the member at ``join`` before it gives up (an error).
-    join_timeout_s: float = dataclasses.field(
-        default=30.0, metadata={_SPEC: _Number(lo=0, lo_open=True), _OMIT_DEFAULT: True}
-    )
+    join_timeout_s: float = setting(30.0, lo=0, lo_open=True, omit_default=True)
     #: A joined member down (suspected or left) this long is forgotten; the file's nodes never are.
-    forget_after_s: float = dataclasses.field(
-        default=60.0, metadata={_SPEC: _Number(lo=0, lo_open=True), _OMIT_DEFAULT: True}
-    )
+    forget_after_s: float = setting(60.0, lo=0, lo_open=True, omit_default=True)
     #: At most this many joined members in a node's table (a flood of forged entries costs no more).
-    max_members: int = dataclasses.field(
-        default=256, metadata={_SPEC: _Number(lo=0, hi=MAX_JOINED, integer=True), _OMIT_DEFAULT: True}
-    )
+    max_members: int = setting(256, lo=0, hi=MAX_JOINED, integer=True, omit_default=True)
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
     source: str = dataclasses.field(default=MEMORY, compare=False)
     #: 1-based line of each key path in ``source`` ("nodes", "nodes[1].port", ...); empty if built in memory.
@@ -582,29 +331,35 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "marks", MappingProxyType(dict(self.marks)))
-        _validate(self, self.error)
+        validate(self, self.error)
         if self.join and self.security.curve and not parse_join(self.join).name:
             raise self.error("join", "with security.curve on, name the member to join: NAME@HOST:PORT (its key)")
         if self.inbox_per_sender > self.inbox_slots:
             raise self.error(
                 "inbox_per_sender", f"must be at most inbox_slots ({self.inbox_slots}), got {self.inbox_per_sender}"
             )
-        given = dict(self.rule_settings)
-        for name, obj in given.items():
-            if name not in RULE_SETTINGS:
-                raise self.error(name, f"unknown rule{_allowed(name, RULE_SETTINGS)}")
-            if not isinstance(obj, RULE_SETTINGS[name]):
-                raise self.error(name, f"must be a {RULE_SETTINGS[name].__name__}, got {_show(obj)}")
-        resolved = {name: given[name] if name in given else cls() for name, cls in RULE_SETTINGS.items()}
-        object.__setattr__(self, "rule_settings", MappingProxyType(resolved))
-        default, allowed = RULE_SCHEDULES[self.interpolation]
-        if self.peers != "auto" and self.peers not in allowed:
+        object.__setattr__(self, "rule_settings", MappingProxyType(self._every_rules_settings()))
+        rule = RULES[self.interpolation]
+        if self.peers != "auto" and self.peers not in rule.allowed_schedules:
             raise self.error(
                 "peers",
                 f"schedule {self.peers!r} does not fit interpolation {self.interpolation!r}; "
-                f"allowed with {self.interpolation}: auto (= {default}), {', '.join(allowed)}",
+                f"allowed with {self.interpolation}: auto (= {rule.default_schedule}), "
+                f"{', '.join(rule.allowed_schedules)}",
             )
         self._check_public_keys()
+
+    def _every_rules_settings(self) -> dict[str, object]:
+        """``rule_settings`` checked (each an instance of its rule's ``settings_class``), with the defaults of
+        every rule not given, in :data:`dpwa.rules.RULES` order."""
+        given = dict(self.rule_settings)
+        for name, obj in given.items():
+            if name not in RULES:
+                raise self.error(name, f"unknown rule{suggest(name, RULES)}")
+            cls = RULES[name].settings_class
+            if not isinstance(obj, cls):
+                raise self.error(name, f"must be a {cls.__name__}, got {show_value(obj)}")
+        return {name: given[name] if name in given else rule.settings_class() for name, rule in RULES.items()}
 
     def _check_public_keys(self) -> None:
         """With ``security.curve``: node names can name key files, and every node's public key is readable."""
@@ -670,7 +425,7 @@ class ClusterConfig:
     @property
     def schedule(self) -> str:
         """The peer schedule in force: ``peers``, or the rule's default when ``peers`` is ``auto``."""
-        return RULE_SCHEDULES[self.interpolation][0] if self.peers == "auto" else self.peers
+        return RULES[self.interpolation].default_schedule if self.peers == "auto" else self.peers
 
     def __reduce__(self) -> tuple[Callable[[], ClusterConfig], tuple[()]]:
         """Pickle (e.g. for spawned workers) as a constructor call: read-only mappings cannot be pickled."""
@@ -707,7 +462,7 @@ class ClusterConfig:
                 "engine (dpwa run -n N, srun, torchrun)",
             )
         names = [node.name for node in self.nodes]
-        raise self.error("nodes", f"no node named {name!r}{_allowed(name, names)}")
+        raise self.error("nodes", f"no node named {name!r}{suggest(name, names)}")
 
     def peers_of(self, name: str) -> tuple[NodeSpec, ...]:
         """Every node but ``name``, in file order (ConfigError if ``name`` is not a node)."""
@@ -725,16 +480,24 @@ class ClusterConfig:
         Keys added after the sample files were written (``wire_dtype``) appear only when not at their default.
         """
         out = {
-            f.name: f.metadata[_SPEC].dump(getattr(self, f.name))
+            f.name: _spec(f).dump(getattr(self, f.name))
             for f in _top_level_fields()
-            if not (f.metadata.get(_OMIT_DEFAULT) and getattr(self, f.name) == f.default)
+            if not omits_default(f, getattr(self, f.name))
         }
         rules: Mapping[str, Any] = self.rule_settings
         return out | {name: dataclasses.asdict(obj) for name, obj in rules.items()}
 
 
 def _top_level_fields() -> tuple[dataclasses.Field[Any], ...]:
-    return tuple(f for f in dataclasses.fields(ClusterConfig) if _SPEC in f.metadata)
+    """The fields of :class:`ClusterConfig` that are cluster-file keys (those with a spec), in file order."""
+    return tuple(f for f in dataclasses.fields(ClusterConfig) if spec_of(f) is not None)
+
+
+def _spec(field: dataclasses.Field[Any]) -> Spec:
+    """The spec of a top-level field (every one has one)."""
+    spec = spec_of(field)
+    assert spec is not None, field.name
+    return spec
 
 
 # --------------------------------------------------------------------------- reading YAML
@@ -768,14 +531,14 @@ def parse_config(text: str, source: str = MEMORY) -> ClusterConfig:
     values: dict[str, Any] = {}
     rules: dict[str, object] = {}
     fields = {f.name: f for f in _top_level_fields()}
-    allowed = [*fields, *RULE_SETTINGS]
+    allowed = [*fields, *RULES]
     for key, node in doc.top_level(doc.compose(text)):
-        if key in RULE_SETTINGS:
+        if key in RULES:
             rules[key] = doc.settings(key, node)
         elif key in fields:
-            values[key] = fields[key].metadata[_SPEC].read(doc, node, key)
+            values[key] = _spec(fields[key]).read(doc, node, key)
         else:
-            raise doc.error(key, f"unknown key{_allowed(key, allowed)}")
+            raise doc.error(key, f"unknown key{suggest(key, allowed)}")
     if "nodes" in values and not values["nodes"]:
         raise doc.error(
             "nodes",
@@ -841,7 +604,7 @@ class _Document:
                 raise self.error(prefix or None, reason, key_node)
             key = self.value(key_node, prefix)
             if not isinstance(key, str) or not key:
-                raise self.error(prefix or None, f"keys must be non-empty strings, got {_show(key)}", key_node)
+                raise self.error(prefix or None, f"keys must be non-empty strings, got {show_value(key)}", key_node)
             self.marks.setdefault(f"{prefix}.{key}" if prefix else key, key_node.start_mark.line + 1)
             out.append((key, key_node, value_node))
         return out
@@ -865,12 +628,13 @@ class _Document:
         if isinstance(root, yaml.MappingNode):
             return self.mapping(root, "")
         if not isinstance(root, yaml.SequenceNode):
-            raise self.error(None, f"expected {_SHAPES}, got {_show(self.value(root, ''))}", root)
+            raise self.error(None, f"expected {_SHAPES}, got {show_value(self.value(root, ''))}", root)
         entries = []
         for item in root.value:
             pairs = self.entries(item, "") if isinstance(item, yaml.MappingNode) else []
             if len(pairs) != 1:
-                got = f"a map with keys {', '.join(k for k, _, _ in pairs)}" if pairs else _show(self.value(item, ""))
+                keys = ", ".join(k for k, _, _ in pairs)
+                got = f"a map with keys {keys}" if pairs else show_value(self.value(item, ""))
                 reason = f"each list item must be a one-key map like `- timeout_ms: 2500`, got {got}"
                 raise self.error(None, reason, item)
             entries.extend(pairs)
@@ -879,7 +643,7 @@ class _Document:
     def nodes(self, node: yaml.Node, key: str) -> tuple[NodeSpec, ...]:
         """The node list as NodeSpecs; checks shape and per-node keys (cross-node checks: ClusterConfig)."""
         if not isinstance(node, yaml.SequenceNode):
-            got = _show(self.value(node, key))
+            got = show_value(self.value(node, key))
             raise self.error(key, f"must be a list of {{name, host, port}} maps, got {got}", node)
         allowed = [f.name for f in dataclasses.fields(NodeSpec)]
         required = _required(NodeSpec)
@@ -888,11 +652,12 @@ class _Document:
             path = f"{key}[{i}]"
             self.marks[path] = item.start_mark.line + 1
             if not isinstance(item, yaml.MappingNode):
-                raise self.error(path, f"must be a {{name, host, port}} map, got {_show(self.value(item, path))}", item)
+                got = show_value(self.value(item, path))
+                raise self.error(path, f"must be a {{name, host, port}} map, got {got}", item)
             given = {}
             for field, value_node in self.mapping(item, path):
                 if field not in allowed:
-                    raise self.error(f"{path}.{field}", f"unknown node key{_allowed(field, allowed)}")
+                    raise self.error(f"{path}.{field}", f"unknown node key{suggest(field, allowed)}")
                 given[field] = self.value(value_node, f"{path}.{field}")
             for field in required:
                 if field not in given:
@@ -902,20 +667,20 @@ class _Document:
 
     def settings(self, rule: str, node: yaml.Node) -> object:
         """The settings object of ``rule``: a map of its fields, or 0/null/{} for the defaults."""
-        cls = RULE_SETTINGS[rule]
+        cls = RULES[rule].settings_class
         allowed = [f.name for f in dataclasses.fields(cls)]
         shape = f"a map of settings ({', '.join(allowed)})" if allowed else "0, null or {} (it takes no settings)"
         if not isinstance(node, yaml.MappingNode):
             value = self.value(node, rule)
             if value is None or (type(value) in (int, float) and value == 0):  # not False
                 return cls()
-            raise self.error(rule, f"must be {shape}, got {_show(value)}", node)
+            raise self.error(rule, f"must be {shape}, got {show_value(value)}", node)
         given = {}
         for key, value_node in self.mapping(node, rule):
             if not allowed:
                 raise self.error(f"{rule}.{key}", f"unknown setting; {rule} takes no settings (use 0, null or {{}})")
             if key not in allowed:
-                raise self.error(f"{rule}.{key}", f"unknown setting{_allowed(key, allowed)}")
+                raise self.error(f"{rule}.{key}", f"unknown setting{suggest(key, allowed)}")
             given[key] = self.value(value_node, f"{rule}.{key}")
         return self._build(cls, given, rule)
 
@@ -923,7 +688,7 @@ class _Document:
         """``cls(**given)``, its validation error re-pointed at ``path.<field>`` and its line."""
         try:
             return cls(**given)
-        except ConfigError as err:
+        except (ConfigError, SettingError) as err:
             raise self.error(f"{path}.{err.key}" if err.key else path, err.reason) from None
 
 
@@ -946,43 +711,3 @@ def _line_of(marks: Mapping[str, int], key: str) -> int | None:
         if not key:
             return None
         key = key[: max(key.rfind("."), key.rfind("["), 0)]
-
-
-def _did_you_mean(word: object, options: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``options``, or ``""``."""
-    close = difflib.get_close_matches(word, list(options), n=1) if isinstance(word, str) else []
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _allowed(word: object, options: Iterable[str]) -> str:
-    """`` (did you mean 'x'?); allowed: a, b, c`` -- the tail of every "unknown ..." message."""
-    return f"{_did_you_mean(word, options)}; allowed: {', '.join(options)}"
-
-
-def _show(value: object) -> str:
-    """A short description of a YAML value for error messages, e.g. ``true (a boolean)``."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"{str(value).lower()} (a boolean)"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return f"{value!r} (a string{_NUMBER_HINT if _looks_numeric(value) else ''})"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    return f"a {type(value).__name__} value"
-
-
-_NUMBER_HINT = "; write numbers unquoted, exponents with a dot: 1.0e3"
-
-
-def _looks_numeric(text: str) -> bool:
-    """True for text such as ``"0.5"`` or ``1e3`` (which YAML 1.1 reads as a string)."""
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return any(c.isdigit() for c in text)

@@ -13,28 +13,18 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpwa.config import (
-    RULE_SCHEDULES,
-    RULE_SETTINGS,
-    ClockSettings,
-    ClusterConfig,
-    ConfigError,
-    ConstantSettings,
-    LossSettings,
-    NodeSpec,
-    Settings,
-    load_config,
-    parse_config,
-    resolve_config,
-    setting,
-)
+from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config, parse_config, resolve_config
+from dpwa.rules import RULES
+from dpwa.rules.base import REPEATS
+from dpwa.rules.pairwise import ClockRule, ClockSettings, ConstantSettings, LossSettings
+from dpwa.utils.settings import SettingError, Settings, setting, spec_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples"
 BAD = Path(__file__).resolve().parent / "data" / "configs" / "bad"
 GOOD = Path(__file__).resolve().parent / "data" / "configs" / "good"
 
-# The sample of the original dpwa README, which must keep loading unchanged.
+# The sample of dpwa's 2017 README (a list of one-key maps), which must keep loading unchanged.
 ORIGINAL_SAMPLE = """\
 # Sample configuration file for a multi-core machine
 # Each worker is running on a seperate core
@@ -96,7 +86,7 @@ def test_original_sample_loads_with_its_values() -> None:
         "constant": ConstantSettings(0.5),
         "clock": ClockSettings(),
         "loss": LossSettings(),
-        **{name: cls() for name, cls in RULE_SETTINGS.items() if name not in ("constant", "clock", "loss")},
+        **{name: rule.settings_class() for name, rule in RULES.items() if name not in ("constant", "clock", "loss")},
     }
     assert config.source == str(SAMPLES / "original-dpwa.yaml")
 
@@ -122,7 +112,7 @@ def test_every_key_but_nodes_has_a_default() -> None:
     assert (config.fetch_probability, config.timeout_ms) == (1.0, 2500.0)
     assert (config.interpolation, config.divergence_threshold) == ("constant", 0.0)
     assert config.settings == ConstantSettings(0.5)
-    assert set(config.rule_settings) == set(RULE_SETTINGS)
+    assert set(config.rule_settings) == set(RULES)
     assert config.peers_of("solo") == ()
 
 
@@ -130,7 +120,7 @@ def test_every_key_but_nodes_has_a_default() -> None:
 @pytest.mark.parametrize("rule", ["clock", "loss", "constant"])
 def test_zero_null_or_empty_map_mean_default_settings(rule: str, value: str) -> None:
     config = parse_config(two_nodes(f"interpolation: {rule}\n{rule}: {value}\n"))
-    assert config.settings == RULE_SETTINGS[rule]()
+    assert config.settings == RULES[rule].settings_class()
 
 
 @pytest.mark.parametrize("sample", ["original-dpwa.yaml", "localhost.yaml"])
@@ -306,8 +296,8 @@ def test_configs_built_in_python_are_validated_the_same_way() -> None:
         ClusterConfig(nodes=(FOUR_NODES[0], NodeSpec("w1", "h2", 1)))
     with pytest.raises(ConfigError, match="port: must be an integer in"):
         NodeSpec("w1", "localhost", 0)
-    with pytest.raises(ConfigError, match="value: must be a number in"):
-        ConstantSettings(value=1.01)
+    with pytest.raises(SettingError, match="value: must be a number in"):
+        ConstantSettings(value=1.01)  # a rule's settings live beside the rule, which knows no cluster file
     with pytest.raises(ConfigError, match="unknown rule"):
         ClusterConfig(nodes=FOUR_NODES, rule_settings={"constnat": ConstantSettings()})
     with pytest.raises(ConfigError, match="must be a ConstantSettings"):
@@ -323,8 +313,8 @@ def test_duplicate_addresses_treat_localhost_and_127_0_0_1_as_one_host() -> None
 
 
 def test_every_rule_default_is_within_its_own_range() -> None:
-    for name, cls in RULE_SETTINGS.items():
-        assert isinstance(cls(), Settings), name
+    for name, rule in RULES.items():
+        assert isinstance(rule.settings_class(), Settings), name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,9 +324,15 @@ class ToySettings(Settings):
     slack: float = setting(0.0, hi=1, hi_open=True)
 
 
-def test_a_new_rule_needs_only_a_settings_dataclass_and_its_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(RULE_SETTINGS, "toy", ToySettings)
-    monkeypatch.setitem(RULE_SCHEDULES, "toy", ("random", ("random",)))
+class ToyRule(ClockRule):
+    name = "toy"
+    settings_class = ToySettings
+    allowed_schedules = ("random",)
+    default_schedule = "random"
+
+
+def test_a_new_rule_needs_only_a_rule_class_naming_its_settings_and_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(RULES, "toy", ToyRule)
     config = parse_config(two_nodes("interpolation: toy\ntoy: {rate: 1, steps: 9}\n"))
     assert config.settings == ToySettings(rate=1.0, steps=9)
     assert config.to_dict()["toy"] == {"rate": 1.0, "steps": 9, "slack": 0.0}
@@ -366,8 +362,9 @@ def test_fetch_probability_accepts_exactly_the_unit_interval(value: float) -> No
 
 
 def test_the_repeats_choices_are_the_rules_own() -> None:
-    """config may not import the rules (layers), so it spells the choices again: they must stay the same."""
-    from dpwa.config import REPEAT_MODES
-    from dpwa.rules.base import REPEATS
-
-    assert REPEAT_MODES == REPEATS
+    """A rule's ``repeats`` setting offers exactly what its constructor accepts (dpwa.rules.base.REPEATS)."""
+    fields = [(name, f) for name, rule in RULES.items() for f in dataclasses.fields(rule.settings_class)]
+    repeats = [(name, spec_of(f)) for name, f in fields if f.name == "repeats"]
+    assert {name for name, _ in repeats} == {"constant", "clock", "loss", "gem"}
+    for name, spec in repeats:
+        assert tuple(spec.options) == REPEATS, name  # type: ignore[union-attr]

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dpwa.config import GroupSettings
 from dpwa.rules import make_rule
+from dpwa.rules.group import GroupSettings
 from dpwa.rules.schedules import make_schedule
 from dpwa.tools.simulation import Simulation
 

@@ -8,10 +8,9 @@ from conftest import traced_peak
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpwa.config import GemSettings
 from dpwa.rules import RULES, make_rule
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot
-from dpwa.rules.gem import GemRule
+from dpwa.rules.gem import GemRule, GemSettings
 from dpwa.rules.mixing import BLOCK, mix_clock
 from dpwa.rules.pairwise import ConstantRule
 from dpwa.rules.schedules import RandomSchedule

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from conftest import traced
 
-from dpwa.config import GroupSettings
 from dpwa.rules import RULES, NodeState, PeerSnapshot, make_rule
-from dpwa.rules.group import GroupRule, is_sync_step
+from dpwa.rules.group import GroupRule, GroupSettings, is_sync_step
 from dpwa.rules.mixing import BLOCK, weighted_sum_
 from dpwa.rules.schedules import GroupsSchedule
 from dpwa.tools.simulation import Simulation

@@ -29,7 +29,7 @@ LAYER_OF: dict[str, str] = {
     "dpwa.utils": "utils",
     "dpwa.rules": "rules",
     "dpwa.security": "security",
-    "dpwa.config": "formats",
+    "dpwa.config": "config",
     "dpwa.checkpoint": "formats",
     "dpwa.metrics": "formats",
     "dpwa.modelfile": "formats",
@@ -46,19 +46,39 @@ MAY_IMPORT: dict[str, set[str]] = {
     "utils": set(),
     "rules": {"utils"},
     "security": {"utils"},
-    "formats": {"security", "utils"},
-    "engines": {"formats", "utils"},
-    "node": {"rules", "security", "formats", "utils"},
-    "api": {"node", "engines", "formats", "utils"},
-    "launcher": {"engines", "formats", "utils"},
-    "adapters": {"api", "engines", "node", "rules", "formats", "utils"},
-    "tools": {"api", "adapters", "engines", "launcher", "node", "rules", "security", "formats", "utils"},
-    "cli": {"api", "tools", "adapters", "engines", "launcher", "node", "rules", "security", "formats", "utils"},
+    "formats": {"utils"},
+    # the cluster file: its rule keys come from the rules' registry, its security key reads key files
+    "config": {"rules", "security", "utils"},
+    "engines": {"config", "utils"},
+    "node": {"rules", "security", "config", "formats", "utils"},
+    "api": {"node", "engines", "config", "formats", "utils"},
+    "launcher": {"engines", "config", "formats", "utils"},
+    "adapters": {"api", "engines", "node", "rules", "config", "formats", "utils"},
+    "tools": {"api", "adapters", "engines", "launcher", "node", "rules", "security", "config", "formats", "utils"},
+    "cli": {
+        "api",
+        "tools",
+        "adapters",
+        "engines",
+        "launcher",
+        "node",
+        "rules",
+        "security",
+        "config",
+        "formats",
+        "utils",
+    },
 }
 
 NARROW: dict[str, set[str]] = {
     # modules whose arrows into a layer are narrower than the layer table: only these targets
-    "dpwa.config": {"dpwa.security.keyfiles"},
+    "dpwa.config": {
+        "dpwa.rules",  # RULES: each rule's name, settings class and schedules
+        "dpwa.rules.schedules",  # SCHEDULES: the names the ``peers`` key allows
+        "dpwa.security.keyfiles",  # the key-file format alone, to check a cluster's public keys
+        "dpwa.utils.dtypes",
+        "dpwa.utils.settings",
+    },
 }
 
 NO_TORCH = [

@@ -9,10 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from dpwa.config import LeaderSettings
 from dpwa.rules import RULES, make_rule
 from dpwa.rules.base import NodeState, PeerSnapshot
-from dpwa.rules.leader import TABLE_BUDGET, UNKNOWN_LOSS, LeaderRule, parse_entry
+from dpwa.rules.leader import TABLE_BUDGET, UNKNOWN_LOSS, LeaderRule, LeaderSettings, parse_entry
 from dpwa.rules.schedules import LeaderSchedule
 from dpwa.tools.simulation import Simulation
 

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from conftest import traced_peak
 
-from dpwa.config import PushSumSettings
 from dpwa.rules import RULES, NodeState, PeerSnapshot, make_rule
 from dpwa.rules.mixing import BLOCK
-from dpwa.rules.pushsum import WEIGHT_FLOOR, PushSumRule, valid_mass
+from dpwa.rules.pushsum import WEIGHT_FLOOR, PushSumRule, PushSumSettings, valid_mass
 from dpwa.rules.schedules import ExponentialSchedule, RandomSchedule, RingSchedule, Schedule
 from dpwa.tools.simulation import Simulation
 

@@ -246,18 +246,18 @@ class BadSettings:
     speed: float = 2.0
 
 
-def test_registry_names_match_rules_config_settings_and_schedules():
-    from dpwa.config import PEER_SCHEDULES, RULE_SCHEDULES, RULE_SETTINGS
+def test_registry_names_match_rules_settings_and_schedules():
+    from dpwa.config import PEER_SCHEDULES
     from dpwa.rules.schedules import SCHEDULES
+    from dpwa.utils.settings import Settings
 
     assert set(PEER_SCHEDULES) == {"auto", *SCHEDULES}
     assert {"constant": ConstantRule, "clock": ClockRule, "loss": LossRule}.items() <= RULES.items()
-    assert set(RULES) == set(RULE_SETTINGS) == set(RULE_SCHEDULES)
     for name, cls in RULES.items():
         assert cls.name == name
-        make_rule(name, RULE_SETTINGS[name](), 0.0)  # every rule builds from its config defaults
-        default, allowed = RULE_SCHEDULES[name]
-        assert default in allowed and set(allowed) <= set(SCHEDULES)
+        assert issubclass(cls.settings_class, Settings), name
+        make_rule(name, cls.settings_class(), 0.0)  # every rule builds from its settings' defaults
+        assert cls.default_schedule in cls.allowed_schedules and set(cls.allowed_schedules) <= set(SCHEDULES)
 
 
 def test_make_rule_from_dataclass_mapping_and_none():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dpwa.config import RULE_SCHEDULES, RULE_SETTINGS, ClusterConfig, load_config
+from dpwa.config import ClusterConfig, load_config
 from dpwa.rules import RULES, make_rule
 from dpwa.rules.schedules import SCHEDULES, GroupsSchedule, make_schedule
 from dpwa.security.keys import generate_keys
@@ -50,8 +50,8 @@ def test_every_sample_loads_and_builds_its_rule_and_schedule(path: Path, tmp_pat
     config = load_sample(path, tmp_path)
     rule = make_rule(config.interpolation, config.settings, config.divergence_threshold)
     assert isinstance(rule, RULES[config.interpolation])
-    default, allowed = RULE_SCHEDULES[config.interpolation]
-    assert config.schedule == default or config.schedule in allowed
+    rule_class = RULES[config.interpolation]
+    assert config.schedule == rule_class.default_schedule or config.schedule in rule_class.allowed_schedules
     schedule = make_schedule(config.schedule, config.settings)
     assert isinstance(schedule, SCHEDULES[config.schedule])
     # The rule starts on every node of the file (the leader rule checks the node is one of them).
@@ -68,12 +68,12 @@ def test_a_rule_sample_selects_its_rule_on_the_localhost_nodes(rule: str) -> Non
     assert rule in raw, f"{path.name} spells out the {rule} settings"
     config = load_config(path)
     assert config.interpolation == rule
-    assert config.schedule == RULE_SCHEDULES[rule][0], "the sample runs the rule's default schedule"
+    assert config.schedule == RULES[rule].default_schedule, "the sample runs the rule's default schedule"
     localhost = load_config(SAMPLES / "localhost.yaml")
     assert config.nodes == localhost.nodes, "the same 4 nodes and ports 45000-45003 as samples/localhost.yaml"
     assert [node.port for node in config.nodes] == [45000, 45001, 45002, 45003]
     # Every setting the file gives is one of the rule's settings, with the value the rule ends up with.
-    fields = {f.name for f in dataclasses.fields(RULE_SETTINGS[rule])}
+    fields = {f.name for f in dataclasses.fields(RULES[rule].settings_class)}
     assert set(raw[rule] or {}) <= fields
     for key, value in (raw[rule] or {}).items():
         assert getattr(config.settings, key) == value

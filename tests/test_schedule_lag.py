@@ -23,8 +23,7 @@ import math
 import numpy as np
 import pytest
 
-from dpwa.config import RULE_SCHEDULES
-from dpwa.rules import make_rule
+from dpwa.rules import RULES, make_rule
 from dpwa.rules.schedules import make_schedule
 from dpwa.tools.simulation import SimNode, Simulation
 
@@ -45,7 +44,7 @@ def _consensus_bias(rule: str, index_by: str, lag: int, seed: int = 0) -> tuple[
     sim = Simulation(
         [[np.zeros(DIM)] for _ in range(N)],
         lambda: make_rule(rule, None, 0.0),
-        lambda: make_schedule(RULE_SCHEDULES[rule][0], None),
+        lambda: make_schedule(RULES[rule].default_schedule, None),
         seed=seed,
     )
     late = sim[sim.names[-1]]

@@ -7,8 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from dpwa.config import DpsgdSettings, GroupSettings, PushSumSettings
 from dpwa.rules import NodeState
+from dpwa.rules.dpsgd import DpsgdSettings
+from dpwa.rules.group import GroupSettings
+from dpwa.rules.pushsum import PushSumSettings
 from dpwa.rules.schedules import (
     SCHEDULES,
     ExponentialSchedule,

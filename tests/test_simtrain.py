@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from dpwa.config import GroupSettings
+from dpwa.rules.group import GroupSettings
 from dpwa.tools.mixture import MixtureData, gaussian_mixture
 from dpwa.tools.simtrain import one_process, simulate_training
 

@@ -1,5 +1,15 @@
 """Interpolation rules: the registry and the factory the connection uses.
 
+Each rule module declares, beside its rule class, the rule's settings dataclass
+(``ConstantSettings`` beside ``ConstantRule``, fields declared with
+:func:`dpwa.utils.settings.setting`); the rule class names it in
+:attr:`Rule.settings_class` and names the peer schedules it works with in
+:attr:`Rule.allowed_schedules` and :attr:`Rule.default_schedule`.
+:data:`RULES` maps each rule's name to its class, and is all that ``dpwa.config``
+reads to know the rules: their names (the ``interpolation`` key), their settings
+keys and their schedules (the ``peers`` key). Adding a rule is one module with
+its settings and rule class, and one entry in :data:`RULES`.
+
 Rules never import ``dpwa.config``: :func:`make_rule` takes the rule's settings
 as any dataclass instance (or a mapping, or None) and passes its fields as
 constructor keyword arguments.
@@ -12,41 +22,67 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from dpwa.rules.adpsgd import AdpsgdRule
+from dpwa.rules.adpsgd import AdpsgdRule, AdpsgdSettings
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.dpsgd import DpsgdRule
-from dpwa.rules.gem import GemRule
-from dpwa.rules.group import GroupRule
-from dpwa.rules.leader import LeaderRule
-from dpwa.rules.pairwise import ClockRule, ConstantRule, LossRule, PairwiseRule
-from dpwa.rules.pushsum import PushSumRule
+from dpwa.rules.dpsgd import DpsgdRule, DpsgdSettings
+from dpwa.rules.gem import GemRule, GemSettings
+from dpwa.rules.group import GroupRule, GroupSettings
+from dpwa.rules.leader import LeaderRule, LeaderSettings
+from dpwa.rules.pairwise import (
+    ClockRule,
+    ClockSettings,
+    ConstantRule,
+    ConstantSettings,
+    LossRule,
+    LossSettings,
+    PairwiseRule,
+)
+from dpwa.rules.pushsum import PushSumRule, PushSumSettings
 
 __all__ = [
     "RULES",
     "AdpsgdRule",
+    "AdpsgdSettings",
     "ClockRule",
+    "ClockSettings",
     "ConstantRule",
+    "ConstantSettings",
     "DpsgdRule",
+    "DpsgdSettings",
+    "GemRule",
+    "GemSettings",
+    "GroupRule",
+    "GroupSettings",
+    "LeaderRule",
+    "LeaderSettings",
     "LossRule",
+    "LossSettings",
     "MixOutcome",
     "NodeState",
     "PairwiseRule",
     "PeerSnapshot",
+    "PushSumRule",
+    "PushSumSettings",
     "Rule",
     "make_rule",
 ]
 
 RULES: dict[str, type[Rule]] = {
-    "constant": ConstantRule,
-    "clock": ClockRule,
-    "loss": LossRule,
-    "gem": GemRule,
-    "leader": LeaderRule,
-    "pushsum": PushSumRule,
-    "group": GroupRule,
-    "adpsgd": AdpsgdRule,
-    "dpsgd": DpsgdRule,
+    cls.name: cls
+    for cls in (
+        ConstantRule,
+        ClockRule,
+        LossRule,
+        GemRule,
+        PushSumRule,
+        LeaderRule,
+        GroupRule,
+        AdpsgdRule,
+        DpsgdRule,
+    )
 }
+"""Rule name -> rule class, in the order the cluster file's error messages list the rules; each class
+carries its settings dataclass and its schedules (:class:`Rule`)."""
 
 
 def _settings_kwargs(settings: object) -> dict[str, Any]:

@@ -15,6 +15,7 @@ aborted on both sides. ``clock <- (clock + peer_clock) / 2``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,8 +23,15 @@ import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import add_difference_, mix_clock
+from dpwa.utils.settings import Settings
 
-__all__ = ["AdpsgdRule"]
+__all__ = ["AdpsgdRule", "AdpsgdSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdpsgdSettings(Settings):
+    """AD-PSGD: a fetch carries the fetcher's snapshot; both ends move ``x <- x + (x_peer - x_sent)/2``;
+    no settings."""
 
 
 class AdpsgdRule(Rule):
@@ -35,6 +43,7 @@ class AdpsgdRule(Rule):
     """
 
     name = "adpsgd"
+    settings_class = AdpsgdSettings
     transfer = "exchange"
 
     def __init__(self, divergence_threshold: float = 0.0) -> None:

@@ -46,8 +46,21 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dpwa.rules.mixing import apply_divergence
+from dpwa.utils.settings import Settings
 
-__all__ = ["REPEATS", "MixOutcome", "NodeState", "PeerSnapshot", "Rule", "check_repeats", "fresh_peers"]
+__all__ = [
+    "ONE_PEER_SCHEDULES",
+    "REPEATS",
+    "MixOutcome",
+    "NodeState",
+    "PeerSnapshot",
+    "Rule",
+    "check_repeats",
+    "fresh_peers",
+]
+
+ONE_PEER_SCHEDULES = ("random", "exponential", "ring")
+"""The peer schedules that give a node one peer a round: what a rule that mixes one peer at a time works with."""
 
 
 @dataclass
@@ -134,6 +147,14 @@ class Rule(ABC):
     """
 
     name: ClassVar[str]
+    """The rule's name: the cluster file's ``interpolation`` value and the key of its settings."""
+    settings_class: ClassVar[type[Settings]]
+    """The rule's settings dataclass, declared beside the rule: the fields the cluster file's ``<name>:`` map
+    may set, which are also the constructor's keyword arguments (besides ``divergence_threshold``)."""
+    allowed_schedules: ClassVar[tuple[str, ...]] = ONE_PEER_SCHEDULES
+    """The peer schedules (:mod:`dpwa.rules.schedules`) this rule works with: the values its ``peers`` key allows."""
+    default_schedule: ClassVar[str] = "random"
+    """The schedule that ``peers: auto`` (the default) stands for; one of :attr:`allowed_schedules`."""
     transfer: ClassVar[str] = "pull"
     """``pull``, ``push`` or ``exchange``: how this rule's models travel (module doc-string)."""
     overlap: int = 0

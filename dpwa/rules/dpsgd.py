@@ -14,6 +14,7 @@ and its weight stays with ``x_i`` (counted in ``left_out``): ``x_i <- x_i + sum_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -22,8 +23,9 @@ import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import weighted_sum_
+from dpwa.utils.settings import Settings, choice, setting
 
-__all__ = ["DpsgdRule", "neighbours"]
+__all__ = ["DpsgdRule", "DpsgdSettings", "neighbours"]
 
 
 def neighbours(rank: int, n: int, graph: str) -> list[int]:
@@ -41,6 +43,15 @@ def neighbours(rank: int, n: int, graph: str) -> list[int]:
     return sorted(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class DpsgdSettings(Settings):
+    """D-PSGD: ``x <- (x + sum of neighbours) / (d + 1)`` on a ``ring`` or ``exponential`` graph; a neighbour
+    more than ``max_staleness`` steps behind is left out."""
+
+    graph: str = choice("ring", ("ring", "exponential"))
+    max_staleness: float = setting(10.0, lo=0)
+
+
 class DpsgdRule(Rule):
     """``x <- x + sum_{j fresh} (x_j - x) / (d + 1)``, ``d`` = the node's number of graph neighbours.
 
@@ -50,6 +61,9 @@ class DpsgdRule(Rule):
     """
 
     name = "dpsgd"
+    settings_class = DpsgdSettings
+    allowed_schedules = ("neighbours",)  # every graph neighbour, every step
+    default_schedule = "neighbours"
 
     def __init__(self, graph: str = "ring", max_staleness: float = 10.0, divergence_threshold: float = 0.0) -> None:
         super().__init__(divergence_threshold)

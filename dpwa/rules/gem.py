@@ -46,18 +46,36 @@ bound holds in both forms -- it limits motion, not progress.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, check_repeats, fresh_peers
+from dpwa.rules.base import REPEATS, MixOutcome, NodeState, PeerSnapshot, Rule, check_repeats, fresh_peers
 from dpwa.rules.mixing import BLOCK, Scratch, check_pairs, compute_dtype, is_half, mix_clock, narrow, widen
+from dpwa.utils.settings import Settings, choice, setting
 
-__all__ = ["PROXY_KEY", "GemRule"]
+__all__ = ["PROXY_KEY", "GemRule", "GemSettings"]
 
 PROXY_KEY = "gem_m"
 """Checkpoint arrays of the proxy are named ``gem_m/<i>``, one per parameter array."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemSettings(Settings):
+    """GEM in gossip form: ``d = base*(x_peer - x_sent)``, ``m = momentum*m + delta``,
+    ``pi = clamp((kappa*|m| - |delta|) / (|d| + eps), 0, 1/base)``, ``x <- x + pi*d`` (element-wise)."""
+
+    base: float = setting(0.5, lo=0, hi=1, lo_open=True)
+    momentum: float = setting(0.9, lo=0, hi=1, hi_open=True)
+    kappa: float = setting(1.0, lo=0, lo_open=True)
+    eps: float = setting(1e-12, lo=0, lo_open=True)
+    #: ``sent`` (default): ``d = base*(x_peer - x_at_update_send)``, which keeps the node's own local step;
+    #: ``now``: ``d = base*(x_peer - x)``, the literal form, kept to reproduce older runs: it undoes the
+    #: local step once the nodes agree, so nothing trains.
+    reference: str = choice("sent", ("sent", "now"))
+    repeats: str = choice("skip", REPEATS)
 
 
 class GemRule(Rule):
@@ -72,6 +90,7 @@ class GemRule(Rule):
     """
 
     name = "gem"
+    settings_class = GemSettings
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ No fresh peer: nothing changes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -28,8 +29,9 @@ import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import weighted_sum_
+from dpwa.utils.settings import Settings, setting
 
-__all__ = ["GroupRule", "is_sync_step"]
+__all__ = ["GroupRule", "GroupSettings", "is_sync_step"]
 
 
 def is_sync_step(index: int, sync_every: int) -> bool:
@@ -38,6 +40,17 @@ def is_sync_step(index: int, sync_every: int) -> bool:
     :meth:`dpwa.rules.schedules.GroupsSchedule.is_sync_step` calls this one, so rule and schedule agree.
     """
     return bool(sync_every) and (index + 1) % sync_every == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSettings(Settings):
+    """WAGMA group averaging: ``x <- (sum of group + x) / (S + 1)`` over rotating groups of ``group_size``;
+    a full average every ``sync_every`` steps (0 = never); peers more than ``max_staleness`` steps
+    behind are left out."""
+
+    group_size: int = setting(4, lo=2, integer=True)
+    sync_every: int = setting(11, lo=0, integer=True)
+    max_staleness: float = setting(10.0, lo=0)
 
 
 class GroupRule(Rule):
@@ -60,6 +73,9 @@ class GroupRule(Rule):
     """
 
     name = "group"
+    settings_class = GroupSettings
+    allowed_schedules = ("groups",)  # the rotating groups this rule averages over
+    default_schedule = "groups"
 
     def __init__(
         self,

@@ -60,8 +60,9 @@ import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import check_pairs, interpolate_, mix_clock
+from dpwa.utils.settings import Settings, setting
 
-__all__ = ["TABLE_BUDGET", "LeaderRule", "UNKNOWN_LOSS", "parse_entry"]
+__all__ = ["TABLE_BUDGET", "LeaderRule", "LeaderSettings", "UNKNOWN_LOSS", "parse_entry"]
 
 TABLE_BUDGET = 16 * 1024
 """Most bytes of compact JSON (as the wire encodes it) for the published ``leaders`` table: 1/4 of the header limit."""
@@ -104,12 +105,29 @@ class _Pull:
     scope: str  # "global" or "local"
 
 
+@dataclass(frozen=True)
+class LeaderSettings(Settings):
+    """LSGD: ``x <- x - strength*(x - x_leader)`` every ``every`` steps, leader = lowest mean loss over
+    ``window`` batches; with ``group_size > 0`` also ``local_strength`` toward the group's leader every
+    ``local_every`` steps."""
+
+    strength: float = setting(0.1, lo=0, hi=1, lo_open=True)
+    window: int = setting(10, lo=1, integer=True)
+    every: int = setting(1, lo=1, integer=True)
+    group_size: int = setting(0, lo=0, integer=True)
+    local_strength: float = setting(0.1, lo=0, hi=1, lo_open=True)
+    local_every: int = setting(1, lo=1, integer=True)
+
+
 class LeaderRule(Rule):
     """``x <- x - c*(x - x_leader)`` toward the global (``c = strength``, every ``every`` steps) or group
     (``c = local_strength``, every ``local_every`` steps) leader; leader = lowest mean loss of ``window`` batches.
     """
 
     name = "leader"
+    settings_class = LeaderSettings
+    allowed_schedules = ("leader",)  # the schedule reads whom to pull from this rule's table
+    default_schedule = "leader"
 
     def __init__(
         self,

@@ -6,6 +6,7 @@ damped by the divergence threshold, then ``clock <- f*peer_clock + (1-f)*clock``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import abstractmethod
 from collections.abc import Sequence
@@ -13,10 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, check_repeats, fresh_peers
+from dpwa.rules.base import REPEATS, MixOutcome, NodeState, PeerSnapshot, Rule, check_repeats, fresh_peers
 from dpwa.rules.mixing import interpolate_, mix_clock
+from dpwa.utils.settings import Settings, choice, setting
 
-__all__ = ["ClockRule", "ConstantRule", "LossRule", "PairwiseRule", "share"]
+__all__ = [
+    "ClockRule",
+    "ClockSettings",
+    "ConstantRule",
+    "ConstantSettings",
+    "LossRule",
+    "LossSettings",
+    "PairwiseRule",
+    "share",
+]
 
 
 def share(a: float, b: float) -> float:
@@ -81,10 +92,20 @@ class PairwiseRule(Rule):
         return MixOutcome(f, (peer.state.name,), {"raw_factor": raw, **self.state_metrics(own)})
 
 
+@dataclasses.dataclass(frozen=True)
+class ConstantSettings(Settings):
+    """``f = value``: the fixed interpolation factor (0.5 = plain pairwise average); ``repeats``: see
+    :class:`PairwiseRule`."""
+
+    value: float = setting(0.5, lo=0, hi=1)
+    repeats: str = choice("skip", REPEATS)
+
+
 class ConstantRule(PairwiseRule):
     """``f = value`` (0 <= value <= 1; 0.5 is the plain pairwise average of Jin et al. 2016)."""
 
     name = "constant"
+    settings_class = ConstantSettings
 
     def __init__(self, value: float = 0.5, divergence_threshold: float = 0.0, *, repeats: str = "skip") -> None:
         super().__init__(divergence_threshold, repeats=repeats)
@@ -97,13 +118,28 @@ class ConstantRule(PairwiseRule):
         return self.value
 
 
+@dataclasses.dataclass(frozen=True)
+class ClockSettings(Settings):
+    """``f = peer_clock / (clock + peer_clock)``; ``repeats``: see :class:`PairwiseRule`."""
+
+    repeats: str = choice("skip", REPEATS)
+
+
 class ClockRule(PairwiseRule):
     """``f = peer_clock / (clock + peer_clock)``; 0.5 when both are 0 (see :func:`share`)."""
 
     name = "clock"
+    settings_class = ClockSettings
 
     def factor(self, own: NodeState, peer: NodeState) -> float:
         return share(peer.clock, own.clock)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings(Settings):
+    """``f = loss / (loss + peer_loss)``; ``repeats``: see :class:`PairwiseRule`."""
+
+    repeats: str = choice("skip", REPEATS)
 
 
 class LossRule(PairwiseRule):
@@ -114,6 +150,7 @@ class LossRule(PairwiseRule):
     """
 
     name = "loss"
+    settings_class = LossSettings
 
     def factor(self, own: NodeState, peer: NodeState) -> float:
         return share(own.loss, peer.loss)

@@ -43,6 +43,7 @@ are unchanged. Above, ``w`` is bounded by ``N``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,8 +52,9 @@ import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import interpolate_, mix_clock, scale_motion_
+from dpwa.utils.settings import Settings, setting
 
-__all__ = ["WEIGHT_FLOOR", "PushSumRule", "valid_mass"]
+__all__ = ["WEIGHT_FLOOR", "PushSumRule", "PushSumSettings", "valid_mass"]
 
 WEIGHT_FLOOR = 0.25
 """The least weight a node keeps when it pushes (so a local step is scaled by at most ``1/WEIGHT_FLOOR = 4``)."""
@@ -79,6 +81,15 @@ def _is_zero(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
 
 
+@dataclasses.dataclass(frozen=True)
+class PushSumSettings(Settings):
+    """SGP push-sum: each step keep ``w/(k+1)`` and push ``(x, w/(k+1))`` to each of ``k`` out-neighbours;
+    fold every message in: ``f = w_j / (w + w_j)``, ``w <- w + w_j``. ``overlap`` (OSGP's tau): how many
+    pushes may still await their ACK when ``update_wait`` returns (0 = SGP)."""
+
+    overlap: int = setting(0, lo=0, integer=True)
+
+
 class PushSumRule(Rule):
     """Push ``(x, w/(k+1))`` to each of ``k`` out-neighbours; fold ``(x_j, w_j)``: ``f = w_j/(w + w_j)``,
     ``x <- (1-f)*x + f*x_j``, ``w <- w + w_j`` (then divergence damping on ``f``).
@@ -93,6 +104,8 @@ class PushSumRule(Rule):
     """
 
     name = "pushsum"
+    settings_class = PushSumSettings
+    default_schedule = "exponential"  # SGP's one-peer exponential graph
     transfer = "push"
 
     def __init__(self, overlap: int = 0, divergence_threshold: float = 0.0) -> None:

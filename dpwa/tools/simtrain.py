@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.config import RULE_SCHEDULES
-from dpwa.rules import make_rule
+from dpwa.rules import RULES, make_rule
 from dpwa.rules.schedules import make_schedule
 from dpwa.tools.mixture import DataSpec, MixtureData, gaussian_mixture
 from dpwa.tools.simulation import SimNode, Simulation
@@ -93,7 +92,7 @@ def simulate_training(
     sim = Simulation(
         [[a.copy() for a in start] for _ in names],
         lambda: make_rule(rule if gossip else "constant", settings, 0.0),
-        lambda: make_schedule(schedule or RULE_SCHEDULES[rule if gossip else "constant"][0], settings),
+        lambda: make_schedule(schedule or RULES[rule if gossip else "constant"].default_schedule, settings),
         seed=seed,
     )
     streams = {name: np.random.default_rng([seed, 0xBA7C, i]) for i, name in enumerate(names)}

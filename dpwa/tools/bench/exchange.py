@@ -7,8 +7,8 @@ by round, medians over ``--repeat`` rounds of:
 
 * ``memcpy``: ``np.copyto`` of the model's bytes -- the trainer-side reference;
 * (a) ``raw``: one zero-copy pyzmq frame of the model's float32 bytes fetched over
-  loopback TCP into a preallocated buffer -- the transport's limit as the issue
-  defines it; and (a2) ``raw chunked``: the same bytes as one zero-copy message per
+  loopback TCP into a preallocated buffer -- the transport's limit: what moving the
+  bytes costs with no framing at all; and (a2) ``raw chunked``: the same bytes as one zero-copy message per
   4 MiB chunk (dpwa's framing, without validation), each received into its place
   -- a stricter limit, since libzmq receives one 100 MB frame into a freshly
   mapped buffer (page faults on every byte) but 4 MiB ones into reused heap memory;
@@ -31,8 +31,8 @@ by round, medians over ``--repeat`` rounds of:
   which keeps both weights near 1 however many rounds run. ``(push+fold)/(fetch+mix)``
   compares it with (b) float32, round by round.
 
-The table shows absolute figures (medians) and the ratios of the issue's
-targets (per round, then the median: a round takes about a second, so load from
+The table shows absolute figures (medians) and the ratios checked against
+``TARGETS`` (per round, then the median: a round takes about a second, so load from
 other jobs that changes between rounds cancels out) with a check mark:
 informational, never a test. JSON goes to ``<run dir>/exchange.json``,
 a bar chart to ``exchange.png`` with ``--plot``.
@@ -69,12 +69,15 @@ from dpwa.config import ClusterConfig, parse_config
 from dpwa.node.wire import CHUNK_BYTES
 from dpwa.tools.bench.procs import free_ports
 from dpwa.tools.bench.report import Column, Report, bench_run_dir, render_table
+from dpwa.utils import dtypes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["exchange", "parse_count", "peer_main", "run_exchange"]
+__all__ = ["WIRE_DTYPES", "exchange", "parse_count", "peer_main", "run_exchange"]
 
-WIRE_DTYPES = ("float32", "float16", "bfloat16")
+WIRE_DTYPES = ("float32", *(name for name in dtypes.WIRE_DTYPES if name != "float32"))
+"""The wire dtypes measured, in the order the table prints them: float32 first, the full-width baseline the
+16-bit rows are compared with, then the others as :data:`dpwa.utils.dtypes.WIRE_DTYPES` lists them."""
 CONTROL_TIMEOUT_S = 120.0
 """Longest wait for the peer's answer to one command (setting up 25M floats takes about a second)."""
 PEER_IDLE_S = 600.0

@@ -23,10 +23,11 @@ from typing import Any
 
 import yaml
 
-from dpwa.config import ClusterConfig, ConstantSettings, NodeSpec
+from dpwa.config import ClusterConfig, NodeSpec
 from dpwa.launcher.placement import node_env, threads_per_node
 from dpwa.launcher.rundir import tail_lines
 from dpwa.launcher.supervisor import POLL_S, SignalTrap, Supervisor, stop_quietly
+from dpwa.rules.pairwise import ConstantSettings
 
 log = logging.getLogger(__name__)
 

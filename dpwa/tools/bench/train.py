@@ -477,9 +477,9 @@ def rule_of(phase: str) -> str:
 
 
 def _rules(text: str) -> list[str]:
-    from dpwa.config import RULE_SCHEDULES
+    from dpwa.rules import RULES
 
-    rules = comma_list(text, str.strip, lambda r: r in RULE_SCHEDULES, f"rules among {', '.join(RULE_SCHEDULES)}")
+    rules = comma_list(text, str.strip, lambda r: r in RULES, f"rules among {', '.join(RULES)}")
     if len(set(rules)) != len(rules):
         raise click.BadParameter(f"a rule is named twice in {text!r}")
     return rules
