@@ -27,7 +27,7 @@ class FakePeer:
     def __init__(
         self,
         port: int,
-        respond: Callable[[wire.Header], Messages] = lambda header: [],
+        respond: Callable[[wire.Message], Messages] = lambda header: [],
         *,
         thread_name: str | None = None,
     ) -> None:
@@ -36,12 +36,12 @@ class FakePeer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.respond = respond
-        self.requests: list[wire.Header] = []
+        self.requests: list[wire.Message] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=thread_name)
         self._thread.start()
 
-    def replies(self, header: wire.Header) -> Messages:
+    def replies(self, header: wire.Message) -> Messages:
         """The messages that answer ``header``: what ``respond`` builds (a subclass may adapt it)."""
         return self.respond(header)
 
@@ -49,7 +49,7 @@ class FakePeer:
         while not self._stop.is_set():
             if self.sock.poll(20):
                 identity, frame = self.sock.recv_multipart()
-                header = wire.decode_header(frame)
+                header = wire.decode_message(frame)
                 self.requests.append(header)
                 for message in self.replies(header):
                     self.sock.send_multipart([identity, *message])

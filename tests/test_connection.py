@@ -28,15 +28,15 @@ class FakePeer(fakes.FakePeer):
     def __init__(self, port: int, name: str = "w2") -> None:
         self.name = name
         super().__init__(port)
-        self.respond: Callable[[wire.Header], list[bytes] | None] = lambda header: None
+        self.respond: Callable[[wire.Message], list[bytes] | None] = lambda header: None
 
-    def replies(self, header: wire.Header) -> fakes.Messages:
+    def replies(self, header: wire.Message) -> fakes.Messages:
         frames = self.respond(header)
         return [] if frames is None else [frames]
 
 
 def state_reply(
-    header: wire.Header,
+    header: wire.Message,
     arrays: list[np.ndarray],
     *,
     node: str = "w2",
@@ -203,7 +203,7 @@ def test_dead_peer_is_marked_down_and_node_trains_alone(two_ports, caplog):
         assert len(alone) == 1  # said once, not every batch
 
 
-def bad_replies(p: list[np.ndarray]) -> dict[str, Callable[[wire.Header], list[bytes]]]:
+def bad_replies(p: list[np.ndarray]) -> dict[str, Callable[[wire.Message], list[bytes]]]:
     """One reply builder per kind of broken or hostile reply, with the stats reason it must be counted under."""
     good = lambda h, **kw: state_reply(h, [np.full_like(x, 7.0) for x in p], **kw)  # noqa: E731
     nan = [np.full_like(x, 7.0) for x in p]

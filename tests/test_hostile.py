@@ -16,7 +16,7 @@ Two targets, each a node that stays up for the whole module:
   reply has (a header, or the layout up to a chunk) is dropped by ZeroMQ: a timeout.
 
 Every expectation comes from an independent reading of the documented wire
-format (docs/wire.md, the check order of dpwa/node/wire.py),
+format (docs/wire.md, the check order of dpwa/node/wire/messages.py),
 not from calling the code under test.
 
 Flow control: a peer that fails 3 times in a row is down for at least 1 s. The
@@ -294,7 +294,7 @@ class Recipe:
 
 
 def prefix_reason(frame: bytes) -> str:
-    """The rejection of a first frame that is not a complete dpwa STATE header (wire.decode_header's order)."""
+    """The rejection of a first frame that is not a complete dpwa STATE header (wire.decode_message's order)."""
     if len(frame) < PREFIX.size or len(frame) > MAX_HEADER_BYTES:
         return "header"
     magic, version, _ = PREFIX.unpack_from(frame)
@@ -794,7 +794,7 @@ class TxRig:
         self.late = 0  # exchanges whose verdict came after update_wait returned
 
     def _respond(self, peer: str, frames: list[bytes]) -> list[list[bytes]]:
-        header = wire.decode_header(frames[0])  # the node's own request: always valid
+        header = wire.decode_message(frames[0])  # the node's own request: always valid
         assert header.kind is wire.Kind.FETCH and header.node == "w1"
         recipe, self._recipe = (self._recipe, None) if peer in self._armed else (None, self._recipe)
         if recipe is None:  # an unarmed peer: a valid echo of the node's own parameters
@@ -1011,7 +1011,7 @@ def test_tx_rig_is_exercised(tx: TxRig) -> None:
 
 
 def fetch_ok(body: dict[str, Any]) -> bool:
-    """The documented FETCH header checks (wire.decode_header for kind 1), written independently."""
+    """The documented FETCH header checks (wire.decode_message for kind 1), written independently."""
     node, req, fp = body.get("node"), body.get("req"), body.get("fp")
     if not isinstance(node, str) or isinstance(node, bool) or not 0 < len(node) <= wire.MAX_NAME_CHARS:
         return False
@@ -1174,9 +1174,9 @@ class RxRig:
 
     def check_served(self, reply: list[bytes], req: int, sock: zmq.Socket | None = None) -> None:
         """``reply`` is the STATE of the published parameters; streamed, its chunks are read from ``sock``."""
-        header = wire.decode_header(reply[0])
-        assert header.kind is wire.Kind.STATE and header.req == req and header.node == "w1", header
-        wire.check_state_header(header, self.layout, peer="w1", req=req)
+        header = wire.decode_message(reply[0])
+        assert isinstance(header, wire.State) and header.req == req and header.node == "w1", header
+        header.check_against(self.layout, peer="w1", req=req)
         assert header.stream == (sock is not None), header
         chunks = reply[1:]
         if sock is not None:
@@ -1227,7 +1227,7 @@ class RxRig:
             else:
                 assert sock.poll(5000), f"{request}: no answer to a valid FETCH"
                 reply = sock.recv_multipart()
-                header = wire.decode_header(reply[0])
+                header = wire.decode_message(reply[0])
                 if want in ("serve", "stream"):
                     self.check_served(reply, header.req, sock if want == "stream" else None)
                 else:
@@ -1384,7 +1384,7 @@ def test_reply_frame_above_a_chunk_is_dropped_by_zeromq_with_bounded_memory(tmp_
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=500)
     fake = FakePeers({"w2": ports[1]}, monitor=True)
     shapes = [np.ones(10, np.float32), np.ones((3, 7), np.float32)]  # tests/node_worker.py --size 10
-    good = lambda peer, frames: [state_frames(peer, wire.decode_header(frames[0]).req, shapes)]  # noqa: E731
+    good = lambda peer, frames: [state_frames(peer, wire.decode_message(frames[0]).req, shapes)]  # noqa: E731
     huge = bytes(64 << 20)
     fake.respond = good
     proc = start_worker(cfg, size=10)
@@ -1448,7 +1448,7 @@ def test_reply_frame_above_the_layout_is_dropped_by_zeromq(tmp_path: Path) -> No
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=TX_TIMEOUT_MS)
     fake = FakePeers({"w2": ports[1]}, monitor=True)
     fake.respond = lambda peer, frames: [
-        [state_frames(peer, wire.decode_header(frames[0]).req, make_params())[0], bytes(1 << 20)]
+        [state_frames(peer, wire.decode_message(frames[0]).req, make_params())[0], bytes(1 << 20)]
     ]
     try:
         with DpwaConnection("w1", cfg, seed=1) as node:
@@ -1481,7 +1481,7 @@ def test_many_frame_reply_does_not_grow_memory(tmp_path: Path) -> None:
     frame = bytes(64_000)  # within the TX DEALER's ZMQ_MAXMSGSIZE (a header's 64 KiB for this small layout)
     fake = FakePeers({"w2": ports[1]})
     shapes = [np.zeros(10, np.float32), np.zeros((3, 7), np.float32)]  # tests/node_worker.py --size 10
-    fake.respond = lambda peer, frames: [state_frames(peer, wire.decode_header(frames[0]).req, shapes)]
+    fake.respond = lambda peer, frames: [state_frames(peer, wire.decode_message(frames[0]).req, shapes)]
     proc = start_worker(cfg, size=10)
     try:
         assert worker_call(proc, "run 2")["factors"] == [0.5, 0.5]  # warm-up with good replies, then arm
@@ -1518,7 +1518,7 @@ def test_huge_integer_clock_is_rejected_and_the_tx_thread_survives(single_fake, 
     armed = [True]
 
     def respond(peer: str, frames: list[bytes]) -> list[list[bytes]]:
-        req = wire.decode_header(frames[0]).req
+        req = wire.decode_message(frames[0]).req
         ctx = Ctx(peer, req, make_params(), None)
         if armed[0]:
             armed[0] = False
@@ -1542,7 +1542,7 @@ def test_stale_error_reply_is_dropped_not_taken_as_a_refusal(single_fake, wrong:
     cfg, fake = single_fake
 
     def respond(peer: str, frames: list[bytes]) -> list[list[bytes]]:
-        req = wire.decode_header(frames[0]).req
+        req = wire.decode_message(frames[0]).req
         stale = wire.encode_error(
             "w7" if wrong == "node" else peer, req - 1 if wrong == "req" else req, wire.ErrorCode.BAD_REQUEST, "old"
         )
@@ -1571,7 +1571,7 @@ def test_huge_integer_in_rule_extras_never_raises_in_the_trainer(tmp_path: Path,
     cfg = _rule_cluster(tmp_path, rule, ports)
     fake = FakePeers({"w2": ports[1]})
     fake.respond = lambda peer, frames: [
-        state_frames(peer, wire.decode_header(frames[0]).req, make_params(9), extras=extras)
+        state_frames(peer, wire.decode_message(frames[0]).req, make_params(9), extras=extras)
     ]
     try:
         with DpwaConnection("w1", cfg, seed=1) as node:

@@ -700,7 +700,7 @@ def test_run_a_script_end_to_end(tmp_path: Path, node_script: Path) -> None:
 @pytest.mark.parametrize("option", ["", "--keep-going", "--stop-on-failure"], ids=["default", "keep-going", "stop"])
 @pytest.mark.timing
 def test_a_failing_node_fails_the_run_and_shows_its_error(tmp_path: Path, node_script: Path, option: str) -> None:
-    """By default (and with the old --keep-going) w1 trains on to its last step after w2 failed; with
+    """By default (and with --keep-going, which names the default) w1 trains on to its last step after w2 failed; with
     --stop-on-failure the failure stops w1, which would otherwise run forever. The run exits 1 either way."""
     stop = option == "--stop-on-failure"
     ports = free_ports(2)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dpwa.config import NodeSpec
 from dpwa.node.members import STATES, TABLE_BUDGET_BYTES, JoinRefused, Member, MemberTable, entry_bytes, newer
 from dpwa.node.membership import Membership
-from dpwa.node.wire import Header, Kind, MemberNews, encode_members
+from dpwa.node.wire import Fetch, MemberNews, Members, State, encode_members
 
 FILE = [NodeSpec("w1", "127.0.0.1", 4001), NodeSpec("w2", "127.0.0.1", 4002)]
 
@@ -155,11 +155,10 @@ def test_a_join_reaches_every_node_in_o_log_n_fetch_rounds(n: int) -> None:
                 j = rng.choice([k for k in range(n) if k != i])
                 peer = views[j]
                 news = me.news_for(peer.me.name)
-                request = Header(Kind.FETCH, me.me.name, 0, digest=news.digest, members=_tuple(news.members))
+                request = fetch_with(me.me.name, news)
                 peer.observe(request)
                 reply_news = peer.reply_news(request)
-                peer_header = Header(Kind.STATE, peer.me.name, 0, digest=reply_news.digest,
-                                     members=_tuple(reply_news.members))  # fmt: skip
+                peer_header = state_with(peer.me.name, reply_news)
                 me.observe(peer_header)
         assert rounds <= 3 * math.log2(n), (n, seed, rounds)
         assert len({v.snapshot()["members_digest"] for v in views}) == 1
@@ -169,6 +168,19 @@ def test_a_join_reaches_every_node_in_o_log_n_fetch_rounds(n: int) -> None:
 
 def _tuple(members):
     return None if members is None else tuple(members)
+
+
+def fetch_with(node: str, news: MemberNews) -> Fetch:
+    """A FETCH from ``node`` carrying ``news`` as a decoded one does (its table a tuple)."""
+    return Fetch(node=node, req=0, fingerprint="", news=MemberNews(news.digest, _tuple(news.members)))
+
+
+def state_with(node: str, news: MemberNews) -> State:
+    """A STATE reply from ``node`` carrying ``news`` as a decoded one does (no payload: only its news matters)."""
+    return State(
+        node=node, req=0, fingerprint="", clock=0.0, loss=0.0, extras={}, total=0, chunk=0, nframes=0,
+        news=MemberNews(news.digest, _tuple(news.members)),
+    )  # fmt: skip
 
 
 def test_entries_with_hosts_zeromq_cannot_connect_to_or_long_names_are_refused() -> None:
@@ -193,18 +205,18 @@ def test_the_table_never_outgrows_a_message_header() -> None:
 def test_a_file_node_is_left_only_on_its_own_word_and_a_restarted_one_outbids_the_old_claim() -> None:
     me = NodeSpec("w1", "127.0.0.1", 4001)
     w2 = Membership(FILE[1], FILE, 8, 10.0, lambda: None)
-    forged = Header(Kind.FETCH, "mallory", 0, digest="x", members=(Member("w1", "127.0.0.1", 4001, "left", 5),))
+    forged = fetch_with("mallory", MemberNews("x", (Member("w1", "127.0.0.1", 4001, "left", 5),)))
     w2.observe(forged)
     assert w2.get("w1").state == "alive"  # type: ignore[union-attr]  # relayed: not taken
-    own = Header(Kind.MEMBERS, "w1", 0, digest="x", members=(Member("w1", "127.0.0.1", 4001, "left", 1),))
+    own = Members(node="w1", req=0, news=MemberNews("x", (Member("w1", "127.0.0.1", 4001, "left", 1),)))
     w2.observe(own, authenticated=True)
     assert w2.get("w1").state == "left" and "w1" not in w2.order()  # type: ignore[union-attr]
     restarted = Membership(me, FILE, 8, 10.0, lambda: None)  # back, at version 0, alive
     news = w2.news_for("w1")
-    restarted.observe(Header(Kind.STATE, "w2", 0, digest=news.digest, members=tuple(news.members or ())))
+    restarted.observe(state_with("w2", MemberNews(news.digest, tuple(news.members or ()))))
     assert restarted.get("w1") == Member("w1", "127.0.0.1", 4001, "alive", 2)  # outbids "left" at 1
     back = restarted.news_for("w2")
-    w2.observe(Header(Kind.FETCH, "w1", 0, digest=back.digest, members=tuple(back.members or ())))
+    w2.observe(fetch_with("w1", MemberNews(back.digest, tuple(back.members or ()))))
     assert w2.get("w1").state == "alive" and "w1" in w2.order()  # type: ignore[union-attr]
 
 

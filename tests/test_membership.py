@@ -444,9 +444,15 @@ def test_forged_tables_cost_bounded_memory_and_never_move_or_remove_a_file_node(
     assert w1.stats()["rx_alive"] and w1.stats()["tx_alive"]
 
 
+def members_frame(body: dict[str, Any]) -> bytes:
+    """A MEMBERS header frame with ``body`` as its JSON object, whatever it holds."""
+    prefix = wire.MAGIC + wire.PROTOCOL_VERSION.to_bytes(2, "little") + bytes([wire.Kind.MEMBERS])
+    return prefix + json.dumps(body).encode()
+
+
 def test_member_lists_of_the_wrong_shape_are_dropped_as_malformed() -> None:
     good = wire.encode_members("w1", 1, wire.MemberNews("ab" * 8, [Member("j1", "127.0.0.1", 5000, "alive", 3)]))
-    header = wire.decode_header(good)
+    header = wire.decode_message(good)
     assert header.members == (Member("j1", "127.0.0.1", 5000, "alive", 3),) and header.digest == "ab" * 8
     for raw in (
         {"node": "x", "req": 1, "members": [["j1", "h", 1, "alive"]]},  # four fields
@@ -456,9 +462,9 @@ def test_member_lists_of_the_wrong_shape_are_dropped_as_malformed() -> None:
         {"node": "x", "req": 1, "members": [], "md": 7},
     ):
         with pytest.raises(wire.WireError):
-            wire.decode_header(wire._encode(wire.Kind.MEMBERS, raw))
+            wire.decode_message(members_frame(raw))
     with pytest.raises(wire.WireError, match="without members"):
-        wire.decode_header(wire._encode(wire.Kind.MEMBERS, {"node": "x", "req": 1}))
+        wire.decode_message(members_frame({"node": "x", "req": 1}))
 
 
 # --------------------------------------------------------------------------- CURVE

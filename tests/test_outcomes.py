@@ -38,7 +38,7 @@ def model(value: float) -> list[np.ndarray]:
     return [np.full(50, value, np.float32), np.full((3, 4), value, np.float32)]
 
 
-def state_reply(header: wire.Header, arrays: list[np.ndarray], fingerprint: str | None = None) -> Messages:
+def state_reply(header: wire.Message, arrays: list[np.ndarray], fingerprint: str | None = None) -> Messages:
     """w2's reply to ``header`` carrying ``arrays`` in one message (``fingerprint``: claim another layout)."""
     layout = Layout.of(arrays)
     buffer = layout.allocate()
@@ -50,7 +50,7 @@ def state_reply(header: wire.Header, arrays: list[np.ndarray], fingerprint: str 
     return [[head, *(buffer[start:end].tobytes() for start, end in layout.frame_bounds())]]
 
 
-def refusal(code: ErrorCode) -> Callable[[wire.Header], Messages]:
+def refusal(code: ErrorCode) -> Callable[[wire.Message], Messages]:
     """A FakePeer answer: ERROR ``code`` to every FETCH."""
     return lambda header: [[wire.encode_error("w2", header.req, code, f"the test says {code.value}")]]
 
@@ -86,7 +86,7 @@ def test_each_outcome_is_recorded_under_its_reason_and_declined_ones_are_not_fai
     node, peer = rig
     params = model(0.0)
 
-    def step(respond: Callable[[wire.Header], Messages]) -> dict:
+    def step(respond: Callable[[wire.Message], Messages]) -> dict:
         peer.respond = respond
         node.update_send(params, 1.0)
         node.update_wait(1.0)
@@ -124,7 +124,7 @@ def test_the_adapters_records_and_the_summary_keep_declined_fetches_out_of_faile
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=TIMEOUT_MS)
     answers = iter([ErrorCode.NOT_READY, ErrorCode.BUSY, ErrorCode.BUSY, ErrorCode.LAYOUT])
 
-    def respond(header: wire.Header) -> Messages:  # the FETCHes; nothing to the leave's MEMBERS at close
+    def respond(header: wire.Message) -> Messages:  # the FETCHes; nothing to the leave's MEMBERS at close
         return refusal(next(answers))(header) if header.kind is wire.Kind.FETCH else []
 
     peer = FakePeer(ports[1], respond, thread_name="fake-w2")

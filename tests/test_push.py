@@ -129,11 +129,11 @@ def test_two_nodes_never_phase_lock_and_keep_their_mass(tmp_path: Path) -> None:
 def test_streamed_pushes_back_to_back_are_never_cut_short(tmp_path: Path) -> None:
     """A model of several chunks pushed round after round both ways: libzmq's writer learns late that its
     queue emptied (every half high-water mark), so the DEALER's mark must fit a push beside a stale count.
-    Every push goes out whole and is acknowledged at once (before the fix the second push was cut short and
-    waited a whole timeout_ms for its SETTLE)."""
+    Every push goes out whole and is acknowledged at once (with a mark that fits one push exactly, the second
+    push is cut short and waits a whole timeout_ms for its SETTLE)."""
     conns = cluster(tmp_path, 2, interpolation="pushsum", timeout_ms=30000, inbox_slots=2)
     try:
-        floats = 14 * wire.CHUNK_BYTES // 4 + 1000  # 15 chunks of 4 MiB: the old mark (20) failed from 13 on
+        floats = 14 * wire.CHUNK_BYTES // 4 + 1000  # 15 chunks of 4 MiB: a mark of 20 fails from 13 on
         params = [[np.full(floats, float(i), np.float32)] for i in range(2)]
         for c, p in zip(conns, params):  # both publish first: no push meets a node without a layout
             c.update_send(p, 1.0)

@@ -473,7 +473,7 @@ def test_clients_without_a_listed_key_get_no_byte_back(server: Any, client_facto
     assert friend.offer([request])
     assert friend.sock.poll(10_000), "a listed client got no reply"
     frames = friend.sock.recv_multipart()
-    assert wire.decode_header(frames[0]).kind is Kind.STATE
+    assert wire.decode_message(frames[0]).kind is Kind.STATE
     assert b"".join(frames[1:])[:4000] == x[0].tobytes()
     assert node.stats()["served"] == before["served"] + 1
 

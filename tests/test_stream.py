@@ -1,7 +1,7 @@
-"""Streamed replies: the header alone, then one tagged message per chunk (dpwa/node/wire.py).
+"""Streamed replies: the header alone, then one tagged message per chunk (dpwa/node/wire/).
 
 A node asks for the streamed framing in every FETCH; a peer that answers with the
-single-message framing (the original) is still understood (tests/test_connection.py,
+single-message framing (header and chunks in one multipart message) is still understood (tests/test_connection.py,
 tests/test_hostile.py). Here: the RX side's framing per request, and every way a
 streamed reply can break on the TX side -- each is counted, nothing reaches the
 parameters, and the next fetch from the same peer works.
@@ -39,7 +39,7 @@ def payload(arrays: list[np.ndarray]) -> tuple[Layout, np.ndarray]:
     return layout, buf
 
 
-def streamed(header: wire.Header, arrays: list[np.ndarray], node: str = "w2") -> Messages:
+def streamed(header: wire.Message, arrays: list[np.ndarray], node: str = "w2") -> Messages:
     """A well-formed streamed reply to ``header``: [header], then [tag, chunk] per chunk."""
     layout, buf = payload(arrays)
     head = wire.encode_state(node, header.req, clock=1.0, loss=1.0, extras={}, layout=layout, stream=True)
@@ -75,8 +75,8 @@ def test_a_good_streamed_reply_is_mixed(rig):
     assert node.last_exchange["status"] == "ok"
 
 
-def broken(kind: str) -> Callable[[wire.Header], Messages]:
-    def build(h: wire.Header) -> Messages:
+def broken(kind: str) -> Callable[[wire.Message], Messages]:
+    def build(h: wire.Message) -> Messages:
         good = streamed(h, model(8.0))
         head, first, second = good
         if kind == "order":
@@ -135,7 +135,7 @@ def test_broken_streams_change_nothing_are_counted_and_the_next_fetch_works(rig,
 def test_chunks_of_another_request_are_ignored(rig):
     node, peer = rig
 
-    def respond(h: wire.Header) -> Messages:
+    def respond(h: wire.Message) -> Messages:
         old = h.__class__(**{**h.__dict__, "req": h.req - 1})
         stale = streamed(old, model(99.0))
         return [*stale[1:], *streamed(h, model(8.0))]  # an earlier reply's chunks first, then ours
@@ -161,17 +161,17 @@ def test_the_server_streams_only_when_asked(tmp_path: Path):
     try:
         with DpwaConnection("w1", cfg) as node:
             node.update_send(published, 1.0)
-            # the original framing: one multipart message
+            # the single-message framing: one multipart message
             sock.send(wire.encode_fetch("w9", 5, layout.fingerprint))
             assert sock.poll(5000)
             frames = sock.recv_multipart()
-            assert not wire.decode_header(frames[0]).stream and len(frames) == 3
+            assert not wire.decode_message(frames[0]).stream and len(frames) == 3
             assert b"".join(frames[1:]) == expected.tobytes()
             # streamed: the header alone, then [tag, chunk] messages in order
             sock.send(wire.encode_fetch("w9", 6, layout.fingerprint, stream=True))
             assert sock.poll(5000)
             head = sock.recv_multipart()
-            assert len(head) == 1 and wire.decode_header(head[0]).stream
+            assert len(head) == 1 and wire.decode_message(head[0]).stream
             got = []
             for i in range(2):
                 assert sock.poll(5000)
@@ -179,11 +179,11 @@ def test_the_server_streams_only_when_asked(tmp_path: Path):
                 assert wire.decode_chunk_tag(tag) == (6, i)
                 got.append(chunk)
             assert b"".join(got) == expected.tobytes() and not sock.poll(50)
-            # a request id no chunk tag can carry: the original framing
+            # a request id no chunk tag can carry: the single-message framing
             sock.send(wire.encode_fetch("w9", -1, layout.fingerprint, stream=True))
             assert sock.poll(5000)
             frames = sock.recv_multipart()
-            assert not wire.decode_header(frames[0]).stream and len(frames) == 3
+            assert not wire.decode_message(frames[0]).stream and len(frames) == 3
     finally:
         sock.close()
         ctx.term()
@@ -196,4 +196,4 @@ def test_chunk_tags_round_trip_and_are_told_apart_from_headers():
     assert wire.decode_chunk_tag(tag[:-1]) is None
     assert wire.can_stream(0) and not wire.can_stream(-1) and not wire.can_stream(2**64)
     with pytest.raises(wire.WireError, match="stream"):
-        wire.decode_header(wire.encode_fetch("w1", 1, "fp")[:-1] + b',"stream":1}')
+        wire.decode_message(wire.encode_fetch("w1", 1, "fp")[:-1] + b',"stream":1}')

@@ -1,4 +1,4 @@
-"""Robustness of the TX path (issue #6): strays counted, frames bounded by the layout, threads that die or stall.
+"""Robustness of the TX path: strays counted, frames bounded by the layout, threads that die or stall.
 
 * A chunk message of no fetch in flight (another request, before its header, past the last
   chunk) is dropped and counted in ``stale_replies``; a rejected streamed header takes its
@@ -44,7 +44,7 @@ def model(value: float, n: int = 100) -> list[np.ndarray]:
     return [np.full(n, value, np.float32), np.full((4, 5), value, np.float32)]
 
 
-def streamed(header: wire.Header, arrays: list[np.ndarray], *, fp: str | None = None) -> Messages:
+def streamed(header: wire.Message, arrays: list[np.ndarray], *, fp: str | None = None) -> Messages:
     """A streamed reply of w2 to ``header`` carrying ``arrays``: [header], then one [tag, chunk] per chunk."""
     layout = Layout.of(arrays)
     buf = layout.allocate()
@@ -57,7 +57,7 @@ def streamed(header: wire.Header, arrays: list[np.ndarray], *, fp: str | None = 
     return [[head], *([wire.encode_chunk_tag(header.req, i), buf[s:e].tobytes()] for i, (s, e) in enumerate(bounds))]
 
 
-def single(header: wire.Header, arrays: list[np.ndarray]) -> Messages:
+def single(header: wire.Message, arrays: list[np.ndarray]) -> Messages:
     """The same reply in the single-message framing: the header and every payload frame in one message."""
     head, *chunks = streamed(header, arrays)
     layout = Layout.of(arrays)
@@ -99,7 +99,7 @@ def exchange(node: DpwaConnection, params: list[np.ndarray]) -> tuple[float, flo
 def test_stray_chunks_are_dropped_and_counted(rig):
     node, peer = rig
 
-    def respond(h: wire.Header) -> Messages:
+    def respond(h: wire.Message) -> Messages:
         head, chunk = streamed(h, model(8.0))
         other = [wire.encode_chunk_tag(h.req - 1, 0), chunk[1]]  # a chunk of an earlier request
         early = [wire.encode_chunk_tag(h.req, 0), bytes(len(chunk[1]))]  # ours, before its header
@@ -119,7 +119,7 @@ def test_a_rejected_streamed_header_takes_its_chunks_with_it(rig):
     """Its chunks are not strays: the socket is reset; the next reply from the same peer is mixed."""
     node, peer = rig
 
-    def respond(h: wire.Header) -> Messages:
+    def respond(h: wire.Message) -> Messages:
         head, chunk = streamed(h, model(8.0), fp="0" * 16)  # another layout: rejected on its header
         more = [[wire.encode_chunk_tag(h.req, i), chunk[1]] for i in (1, 2)]  # as if it had three chunks
         return [head, chunk, *more]
@@ -146,7 +146,7 @@ def test_frame_limit_follows_the_wire_layout(tmp_path: Path):
         wire_bytes = Layout.of(wire_arrays).total_bytes
         assert wire.MAX_HEADER_BYTES < wire_bytes < Layout.of(model(0.0, n)).total_bytes <= wire.CHUNK_BYTES
 
-        def oversized(h: wire.Header) -> Messages:
+        def oversized(h: wire.Message) -> Messages:
             head, (tag, _chunk) = streamed(h, wire_arrays)
             return [head, [tag, bytes(wire_bytes + 4096)]]  # within the float32 size, above the wire size
 

@@ -76,25 +76,25 @@ def test_frame_bounds_and_segments_cover_every_element():
 
 def test_fetch_state_error_round_trip():
     layout = Layout.of(arrays(("f4", (10,))))
-    h = wire.decode_header(wire.encode_fetch("w1", 7, layout.fingerprint))
+    h = wire.decode_message(wire.encode_fetch("w1", 7, layout.fingerprint))
     assert (h.kind, h.node, h.req, h.fingerprint) == (Kind.FETCH, "w1", 7, layout.fingerprint)
 
     raw = wire.encode_state("w2", 7, clock=3.5, loss=0.25, extras={"weight": 0.5}, layout=layout)
-    h = wire.decode_header(raw)
+    h = wire.decode_message(raw)
     assert h.kind is Kind.STATE and h.node == "w2" and h.clock == 3.5 and h.loss == 0.25
     assert h.extras == {"weight": 0.5} and h.total == layout.total_bytes and h.nframes == 1
-    wire.check_state_header(h, layout, peer="w2", req=7)
+    h.check_against(layout, peer="w2", req=7)
 
     assert h.gen == -1  # a reply that names no generation (a server older than the field)
-    h = wire.decode_header(wire.encode_state("w2", 7, clock=1, loss=1, extras={}, layout=layout, gen=12))
+    h = wire.decode_message(wire.encode_state("w2", 7, clock=1, loss=1, extras={}, layout=layout, gen=12))
     assert h.gen == 12
     assert h.front == -1  # a sender that does not say how far the cluster is
-    h = wire.decode_header(wire.encode_state("w2", 7, clock=1, loss=1, extras={}, layout=layout, front=0))
+    h = wire.decode_message(wire.encode_state("w2", 7, clock=1, loss=1, extras={}, layout=layout, front=0))
     assert h.front == 0
-    h = wire.decode_header(wire.encode_push("w2", 7, clock=1, loss=1, extras={}, layout=layout, front=2999))
+    h = wire.decode_message(wire.encode_push("w2", 7, clock=1, loss=1, extras={}, layout=layout, front=2999))
     assert h.kind is Kind.PUSH and h.front == 2999
 
-    h = wire.decode_header(wire.encode_error("w2", 7, ErrorCode.LAYOUT, "mine differs"))
+    h = wire.decode_message(wire.encode_error("w2", 7, ErrorCode.LAYOUT, "mine differs"))
     assert h.kind is Kind.ERROR and h.code == "layout-mismatch" and h.detail == "mine differs"
 
 
@@ -159,11 +159,11 @@ GOOD_STATE = {
 )
 def test_decode_rejects(frame, reason):
     with pytest.raises(WireError) as err:
-        wire.decode_header(frame)
+        wire.decode_message(frame)
     assert err.value.reason == reason
 
 
-def test_check_state_header_rejections():
+def test_state_check_against_rejections():
     layout = Layout.of(arrays(("f4", (10,))))
     other = Layout.of(arrays(("f4", (11,))))
 
@@ -171,7 +171,7 @@ def test_check_state_header_rejections():
         base = dict(clock=1.0, loss=1.0, extras={}, layout=layout)
         node, req = kw.pop("node", "w2"), kw.pop("req", 3)
         base.update(kw)
-        return wire.decode_header(wire.encode_state(node, req, **base))
+        return wire.decode_message(wire.encode_state(node, req, **base))
 
     cases = [
         (state(node="w3"), "identity"),
@@ -181,13 +181,14 @@ def test_check_state_header_rejections():
     ]
     for header, reason in cases:
         with pytest.raises(WireError) as err:
-            wire.check_state_header(header, layout, peer="w2", req=3)
+            header.check_against(layout, peer="w2", req=3)
         assert err.value.reason == reason
-    forged = wire.Header(
-        Kind.STATE, "w2", 3, fingerprint=layout.fingerprint, total=layout.total_bytes, chunk=wire.CHUNK_BYTES, nframes=2
-    )
+    forged = wire.State(
+        node="w2", req=3, fingerprint=layout.fingerprint, clock=0.0, loss=0.0, extras={}, total=layout.total_bytes,
+        chunk=wire.CHUNK_BYTES, nframes=2,
+    )  # fmt: skip
     with pytest.raises(WireError, match="frames"):
-        wire.check_state_header(forged, layout, peer="w2", req=3)
+        forged.check_against(layout, peer="w2", req=3)
 
 
 @pytest.mark.parametrize("dtype", ["f2", "f4", "f8"])
@@ -211,17 +212,17 @@ def test_finite_checker_finds_every_bad_element(dtype, bad):
 
 
 def test_fetch_may_carry_rule_extras():
-    h = wire.decode_header(wire.encode_fetch("w1", 3, "fp", {"leaders": {"w1": [0.5, 2.0]}}))
+    h = wire.decode_message(wire.encode_fetch("w1", 3, "fp", {"leaders": {"w1": [0.5, 2.0]}}))
     assert h.extras == {"leaders": {"w1": [0.5, 2.0]}}
-    assert wire.decode_header(wire.encode_fetch("w1", 3, "fp")).extras == {}
+    assert wire.decode_message(wire.encode_fetch("w1", 3, "fp")).extras == {}
     with pytest.raises(WireError, match="extras"):
-        wire.decode_header(_raw(1, {"node": "w1", "req": 1, "fp": "x", "extras": [1]}))
+        wire.decode_message(_raw(1, {"node": "w1", "req": 1, "fp": "x", "extras": [1]}))
 
 
 @pytest.mark.parametrize("key", ["clock", "loss"])
 def test_an_integer_beyond_float_range_is_a_wire_error_not_a_crash(key):
     with pytest.raises(WireError) as err:
-        wire.decode_header(
+        wire.decode_message(
             _raw(
                 2,
                 '{"node":"w2","req":1,"fp":"x","clock":1,"loss":1,"extras":{},"total":64,'
@@ -240,18 +241,18 @@ def test_a_push_of_one_chunk_travels_whole_and_a_larger_one_streamed():
         frame = wire.encode_push(
             "w2", 7, clock=1.0, loss=0.5, extras={"w_given": 0.5}, layout=layout, chunk=chunk, whole=whole
         )
-        return wire.decode_header(frame)
+        return wire.decode_message(frame)
 
     whole, streamed = push(small, True), push(small, False)
     assert (whole.kind, whole.stream, whole.nframes) == (Kind.PUSH, False, 1) and streamed.stream
-    wire.check_push_header(whole, small, chunk=chunk, whole=True)
-    wire.check_push_header(streamed, small, chunk=chunk)
-    wire.check_push_header(push(big, False), big, chunk=chunk)
+    whole.check_against(small, chunk=chunk, whole=True)
+    streamed.check_against(small, chunk=chunk)
+    push(big, False).check_against(big, chunk=chunk)
     for header, layout, as_whole in [
         (whole, small, False),  # an unstreamed header came alone: its payload is missing
         (streamed, small, True),  # a streamed header may not carry a payload frame
         (push(big, True), big, True),  # only a push of one chunk travels whole
     ]:
         with pytest.raises(WireError) as err:
-            wire.check_push_header(header, layout, chunk=chunk, whole=as_whole)
+            header.check_against(layout, chunk=chunk, whole=as_whole)
         assert err.value.reason == "frames"

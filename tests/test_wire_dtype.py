@@ -18,8 +18,7 @@ from conftest import exchange_pair, free_ports, port_is_free, traced_peak, write
 
 from dpwa import ConfigError, DpwaConnection
 from dpwa.config import parse_config
-from dpwa.node import wire
-from dpwa.node.wire import Layout, PayloadReader, PayloadWriter
+from dpwa.node.wire import Layout, PayloadReader, PayloadWriter, payload
 from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
 SIXTEEN = ["float16", "bfloat16"]
@@ -40,9 +39,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Run a test with numpy's casts, then with torch's (when torch is installed)."""
     if request.param == "torch":
         torch = pytest.importorskip("torch")
-        monkeypatch.setattr(wire, "_loaded_torch", lambda: torch)
+        monkeypatch.setattr(payload, "_loaded_torch", lambda: torch)
     else:
-        monkeypatch.setattr(wire, "_loaded_torch", lambda: None)
+        monkeypatch.setattr(payload, "_loaded_torch", lambda: None)
     return str(request.param)
 
 

@@ -50,7 +50,7 @@ from dpwa.node.transport import (
     connect_address,
     is_own_echo,
 )
-from dpwa.node.wire import ErrorCode, Header, Kind, Layout
+from dpwa.node.wire import ErrorCode, Kind, Layout
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import relative_distance
 from dpwa.rules.schedules import Round, Schedule
@@ -815,7 +815,7 @@ class Node:
 
     # ------------------------------------------------------------ RX thread
 
-    def serve(self, request: Header) -> Reply:
+    def serve(self, request: wire.Fetch) -> Reply:
         """Answer a FETCH with the current snapshot, or an error naming why not; both carry member news."""
         self.membership.observe(request)
         if self.membership.leaving:
@@ -939,7 +939,7 @@ class Node:
         if self.security is not None:
             self.security.forget(name)
 
-    def on_membership_message(self, header: Header, user: str | None) -> bytes | None:
+    def on_membership_message(self, header: wire.Push | wire.Join | wire.Members, user: str | None) -> bytes | None:
         """RX thread: a PUSH's member news (no answer), a JOIN (answered MEMBERS or ERROR join-refused), or a
         MEMBERS announcement (answered with this node's table)."""
         if header.kind is Kind.PUSH:
@@ -1041,7 +1041,7 @@ class Node:
     def join_answer(self, frames: list[bytes], req: int, address: JoinAddress) -> Member | None:
         """The answer to JOIN ``req``: this node's entry once the table is taken; None for an unrelated message."""
         try:
-            header = wire.decode_header(frames[0]) if len(frames) == 1 else None
+            header = wire.decode_message(frames[0]) if len(frames) == 1 else None
         except wire.WireError:
             header = None
         if header is None or header.req != req:

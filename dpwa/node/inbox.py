@@ -45,7 +45,7 @@ import zmq
 
 from dpwa.node import wire
 from dpwa.node.frames import discard_rest, receive_payload
-from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Layout, PayloadReader, WireError
+from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Layout, PayloadReader, Push, Settle, WireError
 
 __all__ = ["HOLD_TIMEOUTS", "InboxSlot", "PushReceiver", "round_of"]
 
@@ -66,14 +66,14 @@ class InboxSlot:
     sender: str = ""
     identity: bytes = b""
     seq: int = -1
-    header: Header | None = None
+    header: Push | None = None
     next_chunk: int = 0
     deadline: float = 0.0
     served: Any = None
     """An exchange: the snapshot (leased) this node served to the sender's fetch: the other half of the pair."""
 
 
-def round_of(header: Header | None) -> int | None:
+def round_of(header: Push | None) -> int | None:
     """The round a push names (``extras["round"]``, the sender's step: a non-negative integer), or None."""
     value = header.extras.get("round") if header is not None else None
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -178,11 +178,11 @@ class PushReceiver:
 
     # ------------------------------------------------------------ RX thread
 
-    def begin(self, identity: bytes, header: Header, user: str | None) -> bytes | None:
+    def begin(self, identity: bytes, header: Push, user: str | None) -> bytes | None:
         """A streamed PUSH's header: reserve a slot (None: nothing to answer yet) or refuse it (the ERROR)."""
         return self._reserve(identity, header, user, whole=False)
 
-    def whole(self, identity: bytes, header: Header, user: str | None, sock: zmq.Socket) -> bytes | None:
+    def whole(self, identity: bytes, header: Push, user: str | None, sock: zmq.Socket) -> bytes | None:
         """A whole PUSH, its one chunk next on ``sock``: reserve a slot and take the chunk, or refuse it.
 
         Returns the answer to send (ACK, ERROR) or None (a test hook dropped it)."""
@@ -192,7 +192,7 @@ class PushReceiver:
             return answer
         return self.chunk(identity, header.req, 0, sock)
 
-    def _reserve(self, identity: bytes, header: Header, user: str | None, *, whole: bool) -> bytes | None:
+    def _reserve(self, identity: bytes, header: Push, user: str | None, *, whole: bool) -> bytes | None:
         sender = header.node
         if self._stranger(sender, user):
             return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
@@ -206,7 +206,7 @@ class PushReceiver:
             return wire.encode_error(self.name, header.req, ErrorCode.NOT_READY, "no layout yet")
         wire_layout, _ = ready
         try:
-            wire.check_push_header(header, wire_layout, chunk=self._chunk, whole=whole)
+            header.check_against(wire_layout, chunk=self._chunk, whole=whole)
         except WireError as exc:
             self._on_reject(exc.reason)
             return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
@@ -297,7 +297,7 @@ class PushReceiver:
             slot.state, slot.served = "served", snapshot
             return True
 
-    def settle(self, identity: bytes, header: Header, user: str | None) -> bytes:
+    def settle(self, identity: bytes, header: Settle, user: str | None) -> bytes:
         """A SETTLE from ``header.node`` about its push ``header.req``: the ACK or ERROR to send back."""
         sender, seq = header.node, header.req
         if self._stranger(sender, user):
@@ -365,7 +365,7 @@ class PushReceiver:
             return None
         return frame
 
-    def _settle_round(self, sender: str, header: Header) -> None:
+    def _settle_round(self, sender: str, header: Push) -> None:
         """A push of ``sender`` got its verdict (taken, or refused: its mass went back): its round, if it names
         one, is settled here (caller holds the lock)."""
         value = round_of(header)

@@ -22,7 +22,7 @@ from typing import Any
 
 from dpwa.config import NodeSpec
 from dpwa.node.members import JoinRefused, Member, MemberTable
-from dpwa.node.wire import Header, MemberNews
+from dpwa.node.wire import MemberNews, WithNews
 
 __all__ = ["MAX_EVENTS", "MemberEvent", "Membership"]
 
@@ -133,7 +133,7 @@ class Membership:
             full = self._peer_digest.get(peer) != digest
             return MemberNews(digest, self._table.members() if full else None)
 
-    def reply_news(self, request: Header) -> MemberNews:
+    def reply_news(self, request: WithNews) -> MemberNews:
         """What to answer a message that carried ``request.digest``: the whole table when it differs."""
         with self._lock:
             digest = self._table.digest()
@@ -143,7 +143,7 @@ class Membership:
         with self._lock:
             return MemberNews(self._table.digest(), self._table.members())
 
-    def observe(self, header: Header, authenticated: bool = False) -> None:
+    def observe(self, header: WithNews, authenticated: bool = False) -> None:
         """Take the member news of a message from ``header.node``: merge its table, remember its digest.
         ``authenticated``: the message is a leave announcement whose sender is who it says (with CURVE, its key's
         name), so a file node's own ``left`` is taken from it."""

@@ -38,7 +38,7 @@ from dpwa.node import wire
 from dpwa.node.frames import discard_rest, receive_payload
 from dpwa.node.inbox import PushReceiver
 from dpwa.node.pushes import Push
-from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Header, Kind, Layout, MemberNews, PayloadReader, WireError
+from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Kind, Layout, MemberNews, PayloadReader, WireError
 from dpwa.utils.socket_thread import POLL_MS, SocketThread
 
 __all__ = [
@@ -81,7 +81,7 @@ def is_own_echo(head: bytes, node: str) -> bool:
     if len(head) > wire.MAX_HEADER_BYTES or head[:4] != wire.MAGIC:
         return False
     try:
-        header = wire.decode_header(head)
+        header = wire.decode_message(head)
     except WireError:
         return False
     return header.node == node and header.kind in OWN_REQUESTS
@@ -191,7 +191,7 @@ class RxServer(SocketThread):
         self,
         ctx: zmq.Context,
         endpoint: str,
-        serve: Callable[[Header], Reply],
+        serve: Callable[[wire.Fetch], Reply],
         on_event: Callable[[str, int], None],
         *,
         name: str = "dpwa-rx",
@@ -200,7 +200,7 @@ class RxServer(SocketThread):
         pushes: PushReceiver | None = None,
         chunk: int = CHUNK_BYTES,
         node: str = "-",
-        membership: Callable[[Header, str | None], bytes | None] | None = None,
+        membership: Callable[[wire.Push | wire.Join | wire.Members, str | None], bytes | None] | None = None,
     ) -> None:
         # Bind here, in the caller's thread, so that a busy port fails the constructor loudly.
         super().__init__(ctx.socket(zmq.ROUTER), name=name)
@@ -266,7 +266,7 @@ class RxServer(SocketThread):
             self._framed_message(sock, identity, head)
             return
         try:
-            header = wire.decode_header(head.buffer)
+            header = wire.decode_message(head.buffer)
             if header.kind not in (Kind.FETCH, Kind.PUSH, Kind.SETTLE, Kind.JOIN, Kind.MEMBERS):
                 raise WireError("header", f"expected FETCH, PUSH, SETTLE, JOIN or MEMBERS, got {header.kind.name}")
         except WireError as exc:
@@ -316,7 +316,7 @@ class RxServer(SocketThread):
             return
         if tag is None:
             try:
-                header = wire.decode_header(head.buffer)
+                header = wire.decode_message(head.buffer)
             except WireError:
                 header = None
             if header is not None and header.kind is Kind.PUSH:
@@ -326,7 +326,13 @@ class RxServer(SocketThread):
         self._on_event("push_stale_chunks" if tag is not None else "requests_rejected", 1)
 
     def _push_message(
-        self, sock: zmq.Socket, identity: bytes, header: Header, head: zmq.Frame, *, whole: bool = False
+        self,
+        sock: zmq.Socket,
+        identity: bytes,
+        header: wire.Push | wire.Settle,
+        head: zmq.Frame,
+        *,
+        whole: bool = False,
     ) -> None:
         """A PUSH (``whole``: its payload frame is next on ``sock``) or a SETTLE: hand it to the inbox and
         send its answer."""
@@ -397,7 +403,7 @@ class FetchTarget:
     status: str = "pending"  # ok | timeout | refused | rejected
     code: str = ""  # short reason, a stats key for rejections
     detail: str = ""
-    header: Header | None = None
+    header: wire.State | wire.Error | None = None
     ms: float = 0.0
     nbytes: int = 0
     next_chunk: int = -1
@@ -762,12 +768,15 @@ class TxFetcher(threading.Thread):
         if self._on_push is not None:
             self._on_push(push, status, code)
 
-    def _push_answer(self, peer: str, header: Header) -> bool:
+    def _push_answer(self, peer: str, header: wire.Ack | wire.Error) -> bool:
         """An ACK or ERROR from ``peer``: settle the push it names; True when it named one."""
         push = self._pushes.get((peer, header.req))
         if push is None or header.node != peer:
             return False
-        self._settle_push(push, "delivered" if header.kind is Kind.ACK else "refused", header.code)
+        if isinstance(header, wire.Error):
+            self._settle_push(push, "refused", header.code)
+        else:
+            self._settle_push(push, "delivered", "")
         return True
 
     def _ensure_layout(self, poller: zmq.Poller) -> tuple[Layout, Layout] | None:
@@ -914,10 +923,10 @@ class TxFetcher(threading.Thread):
         self, job: FetchJob | None, target: FetchTarget | None, sock: zmq.Socket, head: bytes, peer: str
     ) -> None:
         """One message whose first frame is ``head``; raises _Broken when a streamed reply goes wrong."""
-        header: Header | None = None  # a lone header frame is decoded once, here: push answers are routed by it
+        header: wire.Message | None = None  # a lone header frame is decoded once, here: push answers are routed by it
         if not sock.get(zmq.RCVMORE) and len(head) <= wire.MAX_HEADER_BYTES and head[:4] == wire.MAGIC:
             try:
-                header = wire.decode_header(head)
+                header = wire.decode_message(head)
             except WireError:
                 pass  # _header_message decodes it again and rejects the reply with the reason
             if header is not None and header.kind in (Kind.ACK, Kind.ERROR) and self._push_answer(peer, header):
@@ -944,7 +953,7 @@ class TxFetcher(threading.Thread):
         self._header_message(job, target, sock, head, header)
 
     def _header_message(
-        self, job: FetchJob, target: FetchTarget, sock: zmq.Socket, head: bytes, decoded: Header | None = None
+        self, job: FetchJob, target: FetchTarget, sock: zmq.Socket, head: bytes, decoded: wire.Message | None = None
     ) -> None:
         """A reply's header (``decoded``: already decoded), and with the single-message framing its payload
         frames too."""
@@ -954,7 +963,7 @@ class TxFetcher(threading.Thread):
         received = len(head)
         alone = not sock.get(zmq.RCVMORE)  # a header without payload frames: streamed chunks may follow it
         try:
-            header = decoded if decoded is not None else wire.decode_header(head)
+            header = decoded if decoded is not None else wire.decode_message(head)
             if header.kind is Kind.ERROR:
                 discard_rest(sock)
                 if header.node != target.peer or header.req != job.req:  # not a refusal of this fetch
@@ -967,7 +976,7 @@ class TxFetcher(threading.Thread):
             if header.kind is not Kind.STATE:
                 raise WireError("header", f"unexpected {header.kind.name} reply")
             try:
-                wire.check_state_header(header, wire_layout, peer=target.peer, req=job.req, chunk=self._chunk)
+                header.check_against(wire_layout, peer=target.peer, req=job.req, chunk=self._chunk)
             except WireError as exc:
                 if exc.reason == "stale":
                     discard_rest(sock)
