@@ -49,8 +49,9 @@ from dpwa.utils.partition import parse_partition  # noqa: E402
 
 NODE_SETTINGS = ("nodes", "fetch_probability", "timeout_ms")  # taken from --cluster; the rest is the rule's
 
-# label -> (what it is, the cluster-file keys it sets). Settings not given are the rules' defaults
-# (config.py); group uses pairs, as samples/group.yaml (with 4 nodes, group_size 4 is everyone every step).
+# label -> (what it is, the cluster-file keys it sets). Settings not given are the rules' defaults (each rule
+# module's settings class); group uses pairs, as samples/group.yaml (with 4 nodes, group_size 4 is everyone
+# every step).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("no gossip (fetch_probability 0): 4 independent nodes", {"fetch_probability": 0.0}),
     "constant": ("f = 0.5", {"interpolation": "constant", "constant": {"value": 0.5}}),

@@ -1,0 +1,38 @@
+"""Cluster configuration: the dataclasses (:mod:`dpwa.config.cluster`) and the cluster-file reader
+(:mod:`dpwa.config.reading`).
+
+``load_config(path)`` reads and validates a cluster file; every problem is a :class:`ConfigError` naming the file,
+line, key and what is allowed. A :class:`ClusterConfig` built in Python is checked the same way on construction.
+"""
+
+from __future__ import annotations
+
+from dpwa.config.cluster import (
+    BOOTSTRAP_MODES,
+    MAX_JOINED,
+    MEMORY,
+    PEER_SCHEDULES,
+    ClusterConfig,
+    ConfigError,
+    JoinAddress,
+    NodeSpec,
+    SecurityConfig,
+    parse_join,
+)
+from dpwa.config.reading import load_config, parse_config, resolve_config
+
+__all__ = [
+    "BOOTSTRAP_MODES",
+    "MAX_JOINED",
+    "MEMORY",
+    "PEER_SCHEDULES",
+    "ClusterConfig",
+    "ConfigError",
+    "JoinAddress",
+    "NodeSpec",
+    "SecurityConfig",
+    "load_config",
+    "parse_config",
+    "parse_join",
+    "resolve_config",
+]
