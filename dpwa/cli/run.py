@@ -212,11 +212,8 @@ def run(
     or usage; 130/143 interrupted.
     """
     if node_count is not None and resume is None:
-        positional = [a for a in (cluster, script) if a is not None] + list(script_args)
-        script, script_args = (positional[0], tuple(positional[1:])) if positional else (None, ())
+        script, script_args = _script_first(cluster, script, script_args, node_names)
         cluster = None
-        if node_names:
-            raise click.UsageError("-n N starts every node here; --node is for a cluster file's nodes")
     elif settings_file is not None:
         raise click.UsageError("--config goes with -n N; without -n the cluster file is the first argument")
     elif join is not None:
@@ -224,74 +221,16 @@ def run(
     if stop_on_failure and keep_going:
         raise click.UsageError("--stop-on-failure and --keep-going contradict each other: give one")
     stop = True if stop_on_failure else False if keep_going else None  # None: not given on this command line
-    reservation = None
     if resume is not None:
-        if node_count is not None:
-            raise click.UsageError("--resume RUN_DIR takes its nodes from RUN_DIR; drop -n")
-        if cluster is not None or node_names or run_dir is not None:
-            raise click.UsageError("--resume RUN_DIR takes the cluster file, nodes and command from RUN_DIR")
-        if partition is not None:
-            raise click.UsageError("--resume RUN_DIR keeps the run's data split; drop --partition")
-        config, nodes, command, directory, evaluate, per_node, recorded, spec = _resume_plan(
-            RunDir(resume), steps, threads
-        )
-        _check_ports(config, nodes)  # an `-n` run's ports too: nothing holds them for it any more
-        stop = recorded if stop is None else stop
-        _start(config, nodes, command, directory, evaluate, per_node, timeout_s, stop, restart_failed, True,
-               quiet, tensorboard, average if average is not None else spec)  # fmt: skip
-    listed = False  # the nodes come from the cluster file (not from -n's reservation or an engine)
-    if node_count is not None:
-        config, reservation = _local_cluster(node_count, settings_file, join)
-    elif cluster is None:
-        raise click.UsageError("missing CLUSTER.yaml (or -n N, or --resume RUN_DIR)")
-    else:
-        try:
-            config = load_config(cluster)
-        except ConfigError as err:
-            fail(err)
-        if not config.nodes:
-            try:
-                config, mine, _ = engine_nodes(config, os.environ)
-            except EngineError as err:
-                fail(f"{cluster}: {err}")
-            node_names = node_names or ((mine,) if mine is not None else ())
-        else:
-            listed = True
-    if script is None and average is not None:
-        raise click.UsageError("--evaluate MODULE:FUNCTION is for a SCRIPT's saved models; the demo evaluates itself")
-    if average is not None:
-        try:
-            check_spec(average)  # before any node trains: a typo found after the training would cost it all
-        except AverageError as err:
-            fail(err)
-    if script is None:
-        if importlib.util.find_spec(DEMO_MODULE) is None:
-            fail(f"the built-in demo ({DEMO_MODULE}) is not installed; give a SCRIPT to run")
-        command = [sys.executable, "-m", DEMO_MODULE]
-        command += ["--steps", str(steps)] if steps is not None else []
-        command += ["--partition", partition] if partition is not None else []
-    else:
-        if steps is not None or partition is not None:
-            option = "--steps" if steps is not None else "--partition"
-            raise click.UsageError(f"{option} is for the built-in demo; pass SCRIPT its own options after its name")
-        if not os.path.isfile(script):
-            fail(f"{script}: no such file")
-        command = [sys.executable, os.path.abspath(script), *script_args]
-    is_local = LocalHosts()
-    try:
-        nodes, warnings = select_nodes(config, node_names, is_local=is_local)
-    except ConfigError as err:
-        fail(err)
-    for warning in warnings:
-        click.echo(f"warning: {warning}", err=True)
-    if listed:  # ports -n reserved, or an engine derived, are this launcher's own: not checked
-        _check_ports(config, nodes, is_local)
+        _check_resume_usage(node_count, cluster, node_names, run_dir, partition)
+        _resume(RunDir(resume), steps, threads, timeout_s, stop, restart_failed, quiet, tensorboard, average)
+    config, reservation, node_names, listed = _cluster(cluster, node_count, settings_file, join, node_names)
+    _check_average(script, average)
+    command = _command(script, script_args, steps, partition)
+    nodes = _nodes_here(config, node_names, listed)
     directory = RunDir(run_dir if run_dir is not None else default_run_dir())
     evaluate = script is None and len(nodes) == len(config.nodes) and not config.join
-    if average is not None and (len(nodes) != len(config.nodes) or config.join):
-        click.echo("warning: --evaluate needs every node of the cluster in this run; run `dpwa average RUN_DIR "
-                   f"--evaluate {average}` once every launcher is done", err=True)  # fmt: skip
-        average = None
+    average = _average_here(config, nodes, average)
     per_node = threads if threads is not None else threads_per_node(len(nodes))
     try:  # the reserved ports stay locked until the job is over (and the process exits)
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, bool(stop), restart_failed, False,
@@ -299,6 +238,135 @@ def run(
     finally:
         if reservation is not None:
             reservation.release()
+
+
+def _script_first(
+    cluster: str | None, script: str | None, script_args: tuple[str, ...], node_names: tuple[str, ...]
+) -> tuple[str | None, tuple[str, ...]]:
+    """``-n N``: (SCRIPT, ARGS) from the positional arguments, there being no CLUSTER.yaml among them; a
+    UsageError with ``--node``."""
+    positional = [a for a in (cluster, script) if a is not None] + list(script_args)
+    script, script_args = (positional[0], tuple(positional[1:])) if positional else (None, ())
+    if node_names:
+        raise click.UsageError("-n N starts every node here; --node is for a cluster file's nodes")
+    return script, script_args
+
+
+def _check_resume_usage(
+    node_count: int | None,
+    cluster: str | None,
+    node_names: tuple[str, ...],
+    run_dir: Path | None,
+    partition: str | None,
+) -> None:
+    """A UsageError for an option that ``--resume RUN_DIR`` takes from the run directory instead."""
+    if node_count is not None:
+        raise click.UsageError("--resume RUN_DIR takes its nodes from RUN_DIR; drop -n")
+    if cluster is not None or node_names or run_dir is not None:
+        raise click.UsageError("--resume RUN_DIR takes the cluster file, nodes and command from RUN_DIR")
+    if partition is not None:
+        raise click.UsageError("--resume RUN_DIR keeps the run's data split; drop --partition")
+
+
+def _resume(
+    directory: RunDir,
+    steps: int | None,
+    threads: int | None,
+    timeout_s: float | None,
+    stop: bool | None,
+    restart_failed: int,
+    quiet: bool,
+    tensorboard: bool,
+    average: str | None,
+) -> NoReturn:
+    """``--resume``: run the job recorded in ``directory`` again and exit; ``stop`` (``average``), when not None,
+    overrides the recorded ``--stop-on-failure`` (``--evaluate``)."""
+    config, nodes, command, directory, evaluate, per_node, recorded, spec = _resume_plan(directory, steps, threads)
+    _check_ports(config, nodes)  # an `-n` run's ports too: nothing holds them for it any more
+    stop = recorded if stop is None else stop
+    _start(config, nodes, command, directory, evaluate, per_node, timeout_s, stop, restart_failed, True,
+           quiet, tensorboard, average if average is not None else spec)  # fmt: skip
+
+
+def _cluster(
+    cluster: str | None,
+    node_count: int | None,
+    settings_file: str | None,
+    join: str | None,
+    node_names: tuple[str, ...],
+) -> tuple[ClusterConfig, PortReservation | None, tuple[str, ...], bool]:
+    """(the cluster, the ``-n`` reservation holding its ports or None, the nodes named to start here, whether
+    the nodes come from the cluster file rather than from ``-n``'s reservation or an engine)."""
+    if node_count is not None:
+        config, reservation = _local_cluster(node_count, settings_file, join)
+        return config, reservation, node_names, False
+    if cluster is None:
+        raise click.UsageError("missing CLUSTER.yaml (or -n N, or --resume RUN_DIR)")
+    try:
+        config = load_config(cluster)
+    except ConfigError as err:
+        fail(err)
+    if config.nodes:
+        return config, None, node_names, True
+    try:
+        config, mine, _ = engine_nodes(config, os.environ)
+    except EngineError as err:
+        fail(f"{cluster}: {err}")
+    return config, None, node_names or ((mine,) if mine is not None else ()), False
+
+
+def _check_average(script: str | None, average: str | None) -> None:
+    """``--evaluate MODULE:FUNCTION``: a UsageError without SCRIPT, exit 2 when the spec does not resolve --
+    before any node trains: a typo found after the training would cost it all."""
+    if script is None and average is not None:
+        raise click.UsageError("--evaluate MODULE:FUNCTION is for a SCRIPT's saved models; the demo evaluates itself")
+    if average is not None:
+        try:
+            check_spec(average)
+        except AverageError as err:
+            fail(err)
+
+
+def _command(script: str | None, script_args: tuple[str, ...], steps: int | None, partition: str | None) -> list[str]:
+    """Each node's command: the built-in demo with ``--steps`` / ``--partition``, or ``python SCRIPT ARGS``;
+    exit 2 when the demo is not installed or SCRIPT is not a file, a UsageError for a demo option with SCRIPT."""
+    if script is None:
+        if importlib.util.find_spec(DEMO_MODULE) is None:
+            fail(f"the built-in demo ({DEMO_MODULE}) is not installed; give a SCRIPT to run")
+        command = [sys.executable, "-m", DEMO_MODULE]
+        command += ["--steps", str(steps)] if steps is not None else []
+        command += ["--partition", partition] if partition is not None else []
+        return command
+    if steps is not None or partition is not None:
+        option = "--steps" if steps is not None else "--partition"
+        raise click.UsageError(f"{option} is for the built-in demo; pass SCRIPT its own options after its name")
+    if not os.path.isfile(script):
+        fail(f"{script}: no such file")
+    return [sys.executable, os.path.abspath(script), *script_args]
+
+
+def _nodes_here(config: ClusterConfig, node_names: tuple[str, ...], listed: bool) -> list[NodeSpec]:
+    """The nodes to start on this machine (warnings on stderr); exit 2 when a ``listed`` one's port is in use
+    (ports ``-n`` reserved, or an engine derived, are this launcher's own: not checked)."""
+    is_local = LocalHosts()
+    try:
+        nodes, warnings = select_nodes(config, node_names, is_local=is_local)
+    except ConfigError as err:
+        fail(err)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if listed:
+        _check_ports(config, nodes, is_local)
+    return nodes
+
+
+def _average_here(config: ClusterConfig, nodes: list[NodeSpec], average: str | None) -> str | None:
+    """``average``, or None with a warning when this run does not hold every node of the cluster."""
+    if average is not None and (len(nodes) != len(config.nodes) or config.join):
+        click.echo("warning: --evaluate needs every node of the cluster in this run; run `dpwa average RUN_DIR "
+                   f"--evaluate {average}` once every launcher is done", err=True)  # fmt: skip
+        return None
+    return average
 
 
 def _check_ports(config: ClusterConfig, nodes: list[NodeSpec], is_local: LocalHosts | None = None) -> None:

@@ -75,32 +75,14 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
     deadline = None if job.timeout_s is None else time.monotonic() + job.timeout_s
 
     def tick(force: bool = False) -> None:
-        for name, tail in tails.items():
-            child = supervisor.children.get(name)
-            live[name].add_all(tail.read_new(final=child is not None and child.returncode is not None))
-        if progress is not None:
-            views = [NodeView(n, supervisor.children[n].state, live[n]) for n in live if n in supervisor.children]
-            progress.update(views, force=force)
-
-    def start(node: NodeSpec, restart: bool = False) -> None:
-        node_vars = node_env(
-            base, node=node.name, config_path=job.run_dir.config_path, run_dir=job.run_dir.path, threads=job.threads
-        )
-        if restart or job.resume:
-            node_vars.update(resume_env())
-        log_path = job.run_dir.log_path(node.name)
-        supervisor.start(node.name, job.command, env=node_vars, log_path=log_path, append=restart or job.resume,
-                         replace=restart)  # fmt: skip
+        _refresh(supervisor, tails, live, progress, force)
 
     specs = {node.name: node for node in job.nodes}
 
     def restart(name: str) -> None:
         message = f"restarting {name} ({supervisor.children[name].describe_exit()}), restart {restarter.counts[name]}"
-        if progress is not None:
-            progress.message(message)
-        else:
-            click.echo(message, err=True)
-        start(specs[name], restart=True)
+        _say(progress, message)
+        _start_node(supervisor, job, base, specs[name], restart=True)
 
     restarter = Restarter(job.restart_failed, {n.name: (n.host, n.port) for n in job.nodes}, restart)
 
@@ -108,16 +90,13 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
         child = supervisor.children[name]
         message = f"{name} failed ({child.describe_exit()}); the other nodes keep running (the run will exit 1)"
         log.info("%s", message)
-        if progress is not None:
-            progress.message(message)
-        else:
-            click.echo(message, err=True)
+        _say(progress, message)
 
     status = "failed"
     with SignalTrap() as trap:
         try:
             for node in job.nodes:
-                start(node)
+                _start_node(supervisor, job, base, node)
             on_failure = None if job.stop_on_failure else run_on
             status = _watch(supervisor, trap, deadline, job.stop_on_failure, tick, restarter, on_failure)
             stop_quietly(supervisor, trap)
@@ -137,6 +116,46 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
     code = 0 if status == "ok" else 128 + signum if signum is not None else 1
     _finish(job, supervisor, status, code, signum, started)
     return code
+
+
+def _refresh(
+    supervisor: Supervisor,
+    tails: Mapping[str, MetricsTail],
+    live: Mapping[str, NodeMetrics],
+    progress: Progress | None,
+    force: bool = False,
+) -> None:
+    """Add each node's new metrics records to its ``live`` figures (to the end of the file once the node has
+    exited), then redraw ``progress`` with every started node (``force``: even if drawn a moment ago)."""
+    for name, tail in tails.items():
+        child = supervisor.children.get(name)
+        live[name].add_all(tail.read_new(final=child is not None and child.returncode is not None))
+    if progress is not None:
+        views = [NodeView(n, supervisor.children[n].state, live[n]) for n in live if n in supervisor.children]
+        progress.update(views, force=force)
+
+
+def _start_node(
+    supervisor: Supervisor, job: Job, base: Mapping[str, str], node: NodeSpec, restart: bool = False
+) -> None:
+    """Start ``node``'s process with ``job``'s command and its environment (from ``base``), output to its log;
+    a restart, or any start of a resumed job, resumes from the checkpoint and appends to the log."""
+    node_vars = node_env(
+        base, node=node.name, config_path=job.run_dir.config_path, run_dir=job.run_dir.path, threads=job.threads
+    )
+    if restart or job.resume:
+        node_vars.update(resume_env())
+    log_path = job.run_dir.log_path(node.name)
+    supervisor.start(node.name, job.command, env=node_vars, log_path=log_path, append=restart or job.resume,
+                     replace=restart)  # fmt: skip
+
+
+def _say(progress: Progress | None, message: str) -> None:
+    """``message`` above the live progress when there is one, else as a line on stderr."""
+    if progress is not None:
+        progress.message(message)
+    else:
+        click.echo(message, err=True)
 
 
 def _watch(
@@ -199,25 +218,51 @@ def _evaluate(
 
 def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: int | None, started: float) -> None:
     """Write ``summary.json`` and print the table, the demo's numbers, failing logs and the run directory."""
-    nodes: dict[str, dict[str, Any]] = {}
-    for node in job.nodes:
-        child = supervisor.children.get(node.name)
-        metrics = NodeMetrics.of(job.run_dir.read_metrics(node.name))
-        nodes[node.name] = {
-            "host": node.host,
-            "port": node.port,
-            "status": child.state if child is not None else "not started",
-            "returncode": None if child is None else child.returncode,
-            "exit": None if child is None else child.describe_exit(),
-            "pid": None if child is None else child.pid,
-            "restarts": len(supervisor.previous.get(node.name, [])),
-            "restarted_after": [c.describe_exit() for c in supervisor.previous.get(node.name, [])],
-            "log": job.run_dir.log_path(node.name).name,
-            "metrics": job.run_dir.metrics_path(node.name).name,
-            "data": job.run_dir.read_data(node.name),
-            **metrics.summary(),
-        }
-    summary: dict[str, Any] = {
+    nodes = {node.name: _node_summary(job, supervisor, node) for node in job.nodes}
+    summary = _summary(job, status, code, started, nodes)
+    evaluation = supervisor.children.get("evaluate")
+    evaluated = evaluation is not None and evaluation.state == "ok"
+    demo = job.run_dir.read_demo() if evaluated and job.evaluate else None
+    if job.evaluate:
+        summary["demo"] = demo
+    models = None if job.evaluate else _models(job, job.run_dir.read_average() if evaluated else None)
+    if models is not None:
+        summary["models"] = models
+    try:
+        job.run_dir.write_summary(summary)
+    except OSError as err:
+        click.echo(f"error: cannot write {job.run_dir.summary_path}: {err}", err=True)
+
+    click.echo(summary_table(nodes))
+    _print_evaluation(job, status, demo, models)
+    _print_failures(job, supervisor, status, signum)
+    click.echo(f"run dir: {job.run_dir.path}")
+
+
+def _node_summary(job: Job, supervisor: Supervisor, node: NodeSpec) -> dict[str, Any]:
+    """``node``'s entry in ``summary.json``: where it ran, how its process ended (``not started`` without
+    one), its restarts, its files and the summary of its metrics."""
+    child = supervisor.children.get(node.name)
+    metrics = NodeMetrics.of(job.run_dir.read_metrics(node.name))
+    return {
+        "host": node.host,
+        "port": node.port,
+        "status": child.state if child is not None else "not started",
+        "returncode": None if child is None else child.returncode,
+        "exit": None if child is None else child.describe_exit(),
+        "pid": None if child is None else child.pid,
+        "restarts": len(supervisor.previous.get(node.name, [])),
+        "restarted_after": [c.describe_exit() for c in supervisor.previous.get(node.name, [])],
+        "log": job.run_dir.log_path(node.name).name,
+        "metrics": job.run_dir.metrics_path(node.name).name,
+        "data": job.run_dir.read_data(node.name),
+        **metrics.summary(),
+    }
+
+
+def _summary(job: Job, status: str, code: int, started: float, nodes: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json`` without the evaluation's figures: the run, its outcome and exit code, and ``nodes``."""
+    return {
         "version": 1,
         "run_dir": str(job.run_dir.path),
         "config": job.config.source,
@@ -235,20 +280,11 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
         "ok": status == "ok",
         "nodes": nodes,
     }
-    evaluation = supervisor.children.get("evaluate")
-    evaluated = evaluation is not None and evaluation.state == "ok"
-    demo = job.run_dir.read_demo() if evaluated and job.evaluate else None
-    if job.evaluate:
-        summary["demo"] = demo
-    models = None if job.evaluate else _models(job, job.run_dir.read_average() if evaluated else None)
-    if models is not None:
-        summary["models"] = models
-    try:
-        job.run_dir.write_summary(summary)
-    except OSError as err:
-        click.echo(f"error: cannot write {job.run_dir.summary_path}: {err}", err=True)
 
-    click.echo(summary_table(nodes))
+
+def _print_evaluation(job: Job, status: str, demo: Mapping[str, Any] | None, models: Mapping[str, Any] | None) -> None:
+    """On stdout: the demo's averaged-model and baseline accuracies (or why they were skipped) and the saved
+    models' line."""
     if demo is not None:
         apart = demo.get("disagreement")
         click.echo(
@@ -260,6 +296,11 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
         click.echo("(averaged-model evaluation skipped: it needs every node of the file in one run directory)")
     if models is not None:
         click.echo(_models_line(models, job.run_dir.path))
+
+
+def _print_failures(job: Job, supervisor: Supervisor, status: str, signum: int | None) -> None:
+    """On stderr: the last lines of each failed process's log, and what stopped the run early (a signal or the
+    timeout)."""
     for child in supervisor.children.values():
         if child.state == "failed":
             click.echo(f"{child.name} failed ({child.describe_exit()}); last lines of {child.log_path}:", err=True)
@@ -269,7 +310,6 @@ def _finish(job: Job, supervisor: Supervisor, status: str, code: int, signum: in
         click.echo(f"interrupted by {signal.Signals(signum).name}: stopped every process this run started", err=True)
     elif status == "timeout":
         click.echo(f"timed out after {job.timeout_s:g} s: stopped the processes still running", err=True)
-    click.echo(f"run dir: {job.run_dir.path}")
 
 
 def _models(job: Job, average: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -225,35 +225,17 @@ class GemRule(Rule):
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             n = stop - start
-            xb, mb = xv[start:stop], mv[start:stop]
+            xb, bb, mb = xv[start:stop], bv[start:stop], mv[start:stop]
             xc = widen(xb, scratch.get(c, n, 0)) if half else xb  # x_now in compute precision
-            dl = scratch.get(c, n, 1)  # delta = x_now - x_sent
-            if half:
-                widen(bv[start:stop], dl)
-                np.subtract(xc, dl, out=dl)
-            else:
-                np.subtract(xc, bv[start:stop], out=dl)
-            np.multiply(mb, mu, out=mb)
-            np.add(mb, dl, out=mb)  # m <- mu*m + delta
+            dl = _advance_proxy(xc, bb, mb, scratch.get(c, n, 1), mu, half)
             if pv is None:
                 continue
             pc = widen(pv[start:stop], scratch.get(c, n, 2)) if half else pv[start:stop]
             if self.reference == "now":
                 ref = xc
             else:  # "sent": the mixing step is measured from the published model
-                ref = widen(bv[start:stop], scratch.get(c, n, 4)) if half else bv[start:stop]
-            g = scratch.get(c, n, 3)
-            np.abs(mb, out=g)
-            if kappa != 1:
-                np.multiply(g, kappa, out=g)
-            np.abs(dl, out=dl)
-            np.subtract(g, dl, out=g)  # kappa*|m| - |delta|
-            np.subtract(pc, ref, out=dl)
-            np.abs(dl, out=dl)
-            np.add(dl, eps, out=dl)  # |x_peer - x| + eps/f0  (= (|d| + eps)/f0)
-            np.divide(g, dl, out=g)  # f0*pi
-            np.fmax(g, 0, out=g)  # NaN -> 0
-            np.fmin(g, 1, out=g)
+                ref = widen(bb, scratch.get(c, n, 4)) if half else bb
+            g = _factor(scratch.get(c, n, 3), mb, dl, pc, ref, kappa, eps)
             flags = scratch.get(np.bool_, n, 0)
             low += int(np.count_nonzero(np.equal(g, 0, out=flags)))
             high += int(np.count_nonzero(np.equal(g, 1, out=flags)))
@@ -262,15 +244,55 @@ class GemRule(Rule):
                 continue
             if s != 1:
                 np.multiply(g, s, out=g)
-            if self.reference == "now":
-                np.multiply(g, xc, out=dl)
-                np.subtract(xc, dl, out=xc)
-                np.multiply(g, pc, out=dl)
-                np.add(xc, dl, out=xc)  # x - g*x + g*x_peer
-            else:
-                np.subtract(pc, ref, out=dl)
-                np.multiply(dl, g, out=dl)
-                np.add(xc, dl, out=xc)  # x_now + g*(x_peer - x_sent)
+            _step(xc, g, pc, ref, dl, self.reference == "now")
             if half:
                 narrow(xc, xb, dl)
         return total, low, high
+
+
+def _advance_proxy(
+    xc: np.ndarray, sent: np.ndarray, m: np.ndarray, dl: np.ndarray, mu: np.generic, half: bool
+) -> np.ndarray:
+    """One block: ``dl <- delta = x_now - x_sent`` (``xc``: x_now in compute precision; ``sent`` widened into
+    ``dl`` first when ``half``) and ``m <- mu*m + delta`` in place; returns ``dl``."""
+    if half:
+        widen(sent, dl)
+        np.subtract(xc, dl, out=dl)
+    else:
+        np.subtract(xc, sent, out=dl)
+    np.multiply(m, mu, out=m)
+    np.add(m, dl, out=m)  # m <- mu*m + delta
+    return dl
+
+
+def _factor(
+    g: np.ndarray, m: np.ndarray, dl: np.ndarray, pc: np.ndarray, ref: np.ndarray, kappa: np.generic, eps: np.generic
+) -> np.ndarray:
+    """One block: ``g <- clamp((kappa*|m| - |delta|) / (|x_peer - ref| + eps/f0), 0, 1)`` (= ``f0*pi``, NaN -> 0),
+    with ``dl`` holding delta on entry and used as scratch (undefined after); returns ``g``."""
+    np.abs(m, out=g)
+    if kappa != 1:
+        np.multiply(g, kappa, out=g)
+    np.abs(dl, out=dl)
+    np.subtract(g, dl, out=g)  # kappa*|m| - |delta|
+    np.subtract(pc, ref, out=dl)
+    np.abs(dl, out=dl)
+    np.add(dl, eps, out=dl)  # |x_peer - x| + eps/f0  (= (|d| + eps)/f0)
+    np.divide(g, dl, out=g)  # f0*pi
+    np.fmax(g, 0, out=g)  # NaN -> 0
+    np.fmin(g, 1, out=g)
+    return g
+
+
+def _step(xc: np.ndarray, g: np.ndarray, pc: np.ndarray, ref: np.ndarray, dl: np.ndarray, now: bool) -> None:
+    """One block, in place: ``xc <- xc - g*xc + g*x_peer`` (``now``), else ``xc <- xc + g*(x_peer - ref)``
+    (``ref``: x_sent); ``dl`` is scratch."""
+    if now:
+        np.multiply(g, xc, out=dl)
+        np.subtract(xc, dl, out=xc)
+        np.multiply(g, pc, out=dl)
+        np.add(xc, dl, out=xc)  # x - g*x + g*x_peer
+    else:
+        np.subtract(pc, ref, out=dl)
+        np.multiply(dl, g, out=dl)
+        np.add(xc, dl, out=xc)  # x_now + g*(x_peer - x_sent)

@@ -111,9 +111,26 @@ def plot_run(run_dir: RunDir, output: Path) -> Path:
 
     fig = Figure(figsize=(15, 9), layout="constrained")
     axes = fig.subplot_mosaic([["loss", "factor", "latency"], ["distance", "report", "report"]])
-    loss_ax, factor_ax, fetch_ax, distance_ax, report_ax = (
-        axes[k] for k in ("loss", "factor", "latency", "distance", "report")
-    )
+    _draw_lines(axes["loss"], axes["factor"], axes["distance"], data)
+    _draw_reports(axes["report"], {name: reported(rs) for name, rs in records.items()})
+    _finish_distance(axes["distance"], data)
+    _draw_latency(axes["latency"], data)
+    loss_ax, factor_ax = axes["loss"], axes["factor"]
+    loss_ax.set(title="training loss", xlabel="step (faint: every batch, bold: moving average)", ylabel="loss")
+    factor_ax.set(title=f"mixing factor (moving average of {SMOOTH})", xlabel="seconds", ylabel="factor")
+    for ax in (loss_ax, factor_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(str(run_dir.path), fontsize="small")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, format="png", dpi=100)
+    log.info("wrote %s", output)
+    return output
+
+
+def _draw_lines(loss_ax: Any, factor_ax: Any, distance_ax: Any, data: Mapping[str, Mapping[str, Any]]) -> None:
+    """Each node's lines, in its own colour: the loss (every batch faint, a moving average bold), the mixing
+    factor's moving average and, where measured, the distance's."""
     for i, (name, cols) in enumerate(data.items()):
         color = f"C{i % 10}"
         window = max(SMOOTH, len(cols["loss"]) // 50)  # ~50 independent points across the run
@@ -123,10 +140,14 @@ def plot_run(run_dir: RunDir, output: Path) -> Path:
         if cols["distance"]:
             smooth = _moving_average(cols["distance"], max(1, len(cols["distance"]) // 50))
             distance_ax.plot(cols["distance_step"], smooth, color=color, label=name, linewidth=1)
-    reports = {name: reported(rs) for name, rs in records.items()}
+
+
+def _draw_reports(report_ax: Any, reports: Mapping[str, Mapping[str, tuple[list[float], list[float]]]]) -> None:
+    """The reported-values panel: one line per node (its colour) and key (a marker style per key), or a note
+    that nothing was reported."""
     styles = ("o-", "s--", "^:", "d-.")
     keys = sorted({key for values in reports.values() for key in values})
-    for i, name in enumerate(data):
+    for i, name in enumerate(reports):
         for j, key in enumerate(keys):
             if key in reports[name]:
                 steps, values = reports[name][key]
@@ -135,6 +156,12 @@ def plot_run(run_dir: RunDir, output: Path) -> Path:
         report_ax.text(0.5, 0.5, "nothing reported", ha="center", va="center", transform=report_ax.transAxes)
     else:
         report_ax.legend(fontsize="small", ncol=max(1, len(keys)))
+    report_ax.set(title="reported values (adapter.report)", xlabel="step", ylabel="value")
+    report_ax.grid(alpha=0.3)
+
+
+def _finish_distance(distance_ax: Any, data: Mapping[str, Mapping[str, Any]]) -> None:
+    """The distance panel's log scale and legend (or a note that no node measured it), titles and grid."""
     if any(cols["distance"] for cols in data.values()):
         distance_ax.set_yscale("log")
         distance_ax.legend(fontsize="small")
@@ -142,9 +169,12 @@ def plot_run(run_dir: RunDir, output: Path) -> Path:
         distance_ax.text(0.5, 0.5, "no distance measured", ha="center", va="center", transform=distance_ax.transAxes)
     distance_ax.set(title="the models' disagreement (distance to the peer mixed in)", xlabel="step",
                     ylabel="||x - x_peer|| / ||x||")  # fmt: skip
-    report_ax.set(title="reported values (adapter.report)", xlabel="step", ylabel="value")
     distance_ax.grid(alpha=0.3)
-    report_ax.grid(alpha=0.3)
+
+
+def _draw_latency(latency_ax: Any, data: Mapping[str, Mapping[str, Any]]) -> None:
+    """The latency panel (:func:`latency_kind`): one step histogram per node on shared bins, the slowest 0.5 %
+    in the last bin, or a note that there is none."""
     kind = latency_kind(data)
     fetches = [ms for cols in data.values() for ms in cols[f"{kind}_ms"]]
     if fetches:
@@ -152,22 +182,12 @@ def plot_run(run_dir: RunDir, output: Path) -> Path:
         bins = np.histogram_bin_edges(np.minimum(fetches, top), bins=40)
         for i, (name, cols) in enumerate(data.items()):
             color = f"C{i % 10}"  # the same colour as the node's lines in the other panels
-            fetch_ax.hist(np.minimum(cols[f"{kind}_ms"], top), bins=bins, histtype="step", label=name, color=color)
-        fetch_ax.legend(fontsize="small")
+            latency_ax.hist(np.minimum(cols[f"{kind}_ms"], top), bins=bins, histtype="step", label=name, color=color)
+        latency_ax.legend(fontsize="small")
     else:
-        fetch_ax.text(0.5, 0.5, "no fetch or push latency", ha="center", va="center", transform=fetch_ax.transAxes)
-    loss_ax.set(title="training loss", xlabel="step (faint: every batch, bold: moving average)", ylabel="loss")
-    factor_ax.set(title=f"mixing factor (moving average of {SMOOTH})", xlabel="seconds", ylabel="factor")
+        latency_ax.text(0.5, 0.5, "no fetch or push latency", ha="center", va="center", transform=latency_ax.transAxes)
     ylabel = "fetches" if kind == "fetch" else "exchanges"
-    fetch_ax.set(title=LATENCY_TITLES[kind], xlabel="ms (last bin: slowest 0.5 %)", ylabel=ylabel)
-    for ax in (loss_ax, factor_ax):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.suptitle(str(run_dir.path), fontsize="small")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, format="png", dpi=100)
-    log.info("wrote %s", output)
-    return output
+    latency_ax.set(title=LATENCY_TITLES[kind], xlabel="ms (last bin: slowest 0.5 %)", ylabel=ylabel)
 
 
 # --------------------------------------------------------------------------- helpers

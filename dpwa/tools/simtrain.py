@@ -85,34 +85,16 @@ def simulate_training(
     data = data if data is not None else gaussian_mixture(seed, DataSpec())
     classes = int(data.y_train.max()) + 1
     shards = partition_indices(data.y_train, nodes, partition, seed, classes)
-    features = data.x_train.shape[1]
     names = [f"w{i + 1}" for i in range(nodes)]
-    start = [np.zeros((features, classes)), np.zeros(classes)]
     gossip = rule != "none"
-    sim = Simulation(
-        [[a.copy() for a in start] for _ in names],
-        lambda: make_rule(rule if gossip else "constant", settings, 0.0),
-        lambda: make_schedule(schedule or RULES[rule if gossip else "constant"].default_schedule, settings),
-        seed=seed,
-    )
-    streams = {name: np.random.default_rng([seed, 0xBA7C, i]) for i, name in enumerate(names)}
-    orders: dict[str, np.ndarray] = {}
-    cursor = dict.fromkeys(names, 0)
+    sim = _simulation(rule if gossip else "constant", names, data.x_train.shape[1], classes, settings, schedule, seed)
+    batches = _Batches(names, shards, batch_size, seed)
     losses: dict[str, float] = dict.fromkeys(names, math.log(classes))
-
-    def batch(name: str) -> np.ndarray:
-        shard = shards[names.index(name)]
-        if name not in orders or cursor[name] + batch_size > len(shard):
-            orders[name] = shard[streams[name].permutation(len(shard))]
-            cursor[name] = 0
-        out = orders[name][cursor[name] : cursor[name] + batch_size]
-        cursor[name] += batch_size
-        return out
 
     def train(node: SimNode) -> float:
         k = node.step
         step_lr = 0.5 * lr * (1.0 + math.cos(math.pi * k / rounds))
-        idx = batch(node.name)
+        idx = batches.next(node.name)
         loss = _loss_and_step(node.arrays[0], node.arrays[1], data.x_train[idx], data.y_train[idx], step_lr)
         losses[node.name] = loss
         return loss
@@ -124,17 +106,67 @@ def simulate_training(
             for node in sim.nodes.values():
                 train(node)
                 node.step += 1
-    models = {name: sim[name].arrays for name in names}
+    return _result(rule, str(partition), rounds, sim, data, shards, classes)
+
+
+def _simulation(
+    rule: str, names: list[str], features: int, classes: int, settings: Any, schedule: str | None, seed: int
+) -> Simulation:
+    """The nodes ``names``, each with zero weights ``(features, classes)`` and biases, ``rule`` (with
+    ``settings``) and ``schedule`` (default: the rule's own)."""
+    start = [np.zeros((features, classes)), np.zeros(classes)]
+    return Simulation(
+        [[a.copy() for a in start] for _ in names],
+        lambda: make_rule(rule, settings, 0.0),
+        lambda: make_schedule(schedule or RULES[rule].default_schedule, settings),
+        seed=seed,
+    )
+
+
+class _Batches:
+    """Each node's mini-batches: ``batch_size`` indices of its shard at a time, the shard in a fresh order of
+    the node's seeded stream whenever the rest of the current order is shorter than a batch."""
+
+    def __init__(self, names: list[str], shards: list[np.ndarray], batch_size: int, seed: int) -> None:
+        self._shards = dict(zip(names, shards))
+        self._streams = {name: np.random.default_rng([seed, 0xBA7C, i]) for i, name in enumerate(names)}
+        self._orders: dict[str, np.ndarray] = {}
+        self._cursor = dict.fromkeys(names, 0)
+        self._size = batch_size
+
+    def next(self, name: str) -> np.ndarray:
+        """Node ``name``'s next batch of sample indices."""
+        shard = self._shards[name]
+        if name not in self._orders or self._cursor[name] + self._size > len(shard):
+            self._orders[name] = shard[self._streams[name].permutation(len(shard))]
+            self._cursor[name] = 0
+        out = self._orders[name][self._cursor[name] : self._cursor[name] + self._size]
+        self._cursor[name] += self._size
+        return out
+
+
+def _result(
+    rule: str,
+    partition: str,
+    rounds: int,
+    sim: Simulation,
+    data: MixtureData,
+    shards: list[np.ndarray],
+    classes: int,
+) -> SimTrainResult:
+    """The held-out accuracy of each of ``sim``'s nodes and of their averaged model, with the nodes' histograms
+    of the ``classes`` classes (node ``i`` holds ``shards[i]``)."""
+    models = {name: sim[name].arrays for name in sim.names}
     node_accuracy = {name: accuracy(m[0], m[1], data.x_test, data.y_test) for name, m in models.items()}
     mean_w = np.mean([m[0] for m in models.values()], axis=0)
     mean_b = np.mean([m[1] for m in models.values()], axis=0)
     return SimTrainResult(
         rule=rule,
-        partition=str(partition),
+        partition=partition,
         rounds=rounds,
         node_accuracy=node_accuracy,
         averaged_accuracy=accuracy(mean_w, mean_b, data.x_test, data.y_test),
-        classes={name: class_histogram(data.y_train, shards[i], classes) for i, name in enumerate(names)},
+        classes={name: class_histogram(data.y_train, shards[i], classes) for i, name in enumerate(sim.names)},
     )
 
 

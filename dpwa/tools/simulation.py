@@ -132,69 +132,21 @@ class Simulation:
         """
         active = [n for n in self.nodes.values() if n.name not in skip]
         for node in active:  # 1. update_send
-            loss = losses[node.name] if isinstance(losses, Mapping) else float(losses)
-            node.state.clock += 1
-            node.state.loss = loss
-            node.published = [np.array(a, copy=True) for a in node.arrays]
-            for a in node.published:
-                a.flags.writeable = False
-            node.published_state = NodeState(node.name, node.state.clock, loss, dict(node.state.extras))
-            node.rule.on_publish(node.state, node.published)
+            self._publish(node, losses[node.name] if isinstance(losses, Mapping) else float(losses))
         for node in active:  # 2. local training
             if train is not None:
                 new_loss = train(node)
                 if new_loss is not None:
                     node.state.loss = float(new_loss)
-        plan: dict[str, list[str]] = {}
-        for node in active:  # 3. choose peers
-            rnd = Round(node.name, self.names, node.step, node.state)
-            wanted = node.schedule.targets(rnd)
-            if wanted is None:
-                plan[node.name] = node.flow.choose(node.schedule.fanout)
-            else:
-                plan[node.name] = node.flow.admit([p for p in wanted if p != node.name])
+        plan = {node.name: self._choose(node) for node in active}  # 3. choose peers
         replies: dict[str, list[PeerSnapshot]] = {n.name: [] for n in active}
         live = {n.name for n in active}
         for node in active:  # 4. serve from round-start copies (or push, or exchange)
             if node.rule.transfer == "push":
                 self._push(node, plan[node.name], live, replies, lose, delay)
-                continue
-            for peer in plan[node.name]:
-                server = self.nodes[peer]
-                if peer not in live or server.published_state is None:
-                    node.flow.failure(peer)
-                    node.rule.on_reply_lost(node.state, None)
-                    continue
-                request = node.rule.request_extras(node.state)
-                if request:
-                    server.rule.on_request(server.state, request)
-                given = server.rule.on_serve(server.state)
-                extras = {**server.published_state.extras, **given}
-                kind = lose(node.name, peer) if lose is not None else None
-                if kind is not None:
-                    node.flow.failure(peer)
-                    node.rule.on_reply_lost(node.state, extras if kind == "rejected" else None)
-                    continue
-                node.flow.success(peer)
-                st = server.published_state
-                arrays = [np.array(a, copy=True) for a in server.published]
-                replies[node.name].append(PeerSnapshot(NodeState(peer, st.clock, st.loss, extras), arrays))
-                if node.rule.transfer == "exchange" and node.published_state is not None:
-                    mine = node.published_state
-                    replies[peer].append(
-                        PeerSnapshot(
-                            NodeState(node.name, mine.clock, mine.loss, dict(mine.extras)),
-                            [np.array(a, copy=True) for a in node.published],
-                            reference=server.published,
-                        )
-                    )
-        due = [m for m in self.in_flight if m[0] <= self.rounds]
-        self.in_flight = [m for m in self.in_flight if m[0] > self.rounds]
-        for _, target, message in due:  # delayed pushes land now (a target sitting out gets them next time)
-            if target in replies:
-                replies[target].append(message)
             else:
-                self.in_flight.append((self.rounds + 1, target, message))
+                self._fetch(node, plan[node.name], live, replies, lose)
+        self._land_delayed(replies)
         outcomes = {}
         for name in list(replies):  # the inbox is mixed in arrival order; keep it deterministic
             replies[name].sort(key=lambda p: (p.state.name != name, self.names.index(p.state.name)))
@@ -203,6 +155,78 @@ class Simulation:
             node.step += 1
         self.rounds += 1
         return outcomes
+
+    def _publish(self, node: SimNode, loss: float) -> None:
+        """Step 1 for one node: ``clock += 1``, remember ``loss``, publish a read-only copy of its arrays and
+        its state, ``rule.on_publish``."""
+        node.state.clock += 1
+        node.state.loss = loss
+        node.published = [np.array(a, copy=True) for a in node.arrays]
+        for a in node.published:
+            a.flags.writeable = False
+        node.published_state = NodeState(node.name, node.state.clock, loss, dict(node.state.extras))
+        node.rule.on_publish(node.state, node.published)
+
+    def _choose(self, node: SimNode) -> list[str]:
+        """Step 3 for one node: the schedule's targets (admitted by flow control, never itself), or flow
+        control's choice of ``fanout`` peers when the schedule names none."""
+        rnd = Round(node.name, self.names, node.step, node.state)
+        wanted = node.schedule.targets(rnd)
+        if wanted is None:
+            return node.flow.choose(node.schedule.fanout)
+        return node.flow.admit([p for p in wanted if p != node.name])
+
+    def _fetch(
+        self,
+        node: SimNode,
+        targets: Sequence[str],
+        live: set[str],
+        replies: dict[str, list[PeerSnapshot]],
+        lose: Callable[[str, str], LossKind | None] | None,
+    ) -> None:
+        """Step 4 for a fetching rule: each live target serves its published copy (after ``on_request`` and
+        ``on_serve``) into ``node``'s replies unless ``lose`` drops it; an ``exchange`` rule's fetch also leaves
+        ``node``'s published copy in the target's inbox, referenced to the target's."""
+        for peer in targets:
+            server = self.nodes[peer]
+            if peer not in live or server.published_state is None:
+                node.flow.failure(peer)
+                node.rule.on_reply_lost(node.state, None)
+                continue
+            request = node.rule.request_extras(node.state)
+            if request:
+                server.rule.on_request(server.state, request)
+            given = server.rule.on_serve(server.state)
+            extras = {**server.published_state.extras, **given}
+            kind = lose(node.name, peer) if lose is not None else None
+            if kind is not None:
+                node.flow.failure(peer)
+                node.rule.on_reply_lost(node.state, extras if kind == "rejected" else None)
+                continue
+            node.flow.success(peer)
+            st = server.published_state
+            arrays = [np.array(a, copy=True) for a in server.published]
+            replies[node.name].append(PeerSnapshot(NodeState(peer, st.clock, st.loss, extras), arrays))
+            if node.rule.transfer == "exchange" and node.published_state is not None:
+                mine = node.published_state
+                replies[peer].append(
+                    PeerSnapshot(
+                        NodeState(node.name, mine.clock, mine.loss, dict(mine.extras)),
+                        [np.array(a, copy=True) for a in node.published],
+                        reference=server.published,
+                    )
+                )
+
+    def _land_delayed(self, inboxes: dict[str, list[PeerSnapshot]]) -> None:
+        """The delayed pushes due this round land in their targets' inboxes; one whose target sits this round
+        out (no inbox) stays in flight one round more."""
+        due = [m for m in self.in_flight if m[0] <= self.rounds]
+        self.in_flight = [m for m in self.in_flight if m[0] > self.rounds]
+        for _, target, message in due:
+            if target in inboxes:
+                inboxes[target].append(message)
+            else:
+                self.in_flight.append((self.rounds + 1, target, message))
 
     def _push(
         self,
