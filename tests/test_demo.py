@@ -1,4 +1,4 @@
-"""The built-in demo (dpwa/tools/demo.py): its data and shards, a short 2-node run, and ``--evaluate``."""
+"""The built-in demo (dpwa/tools/demo/): its data and shards, a short 2-node run, and ``--evaluate``."""
 
 from __future__ import annotations
 
