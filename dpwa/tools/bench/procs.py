@@ -193,11 +193,7 @@ def run_workers(
                 supervisor.poll()
                 now = time.monotonic()
                 if now >= next_sample:
-                    for child in supervisor.running():
-                        value = read_rss_kib(child.pid)
-                        if value is not None:
-                            rss[child.name].append(value)
-                        fds[child.name] = max(fds[child.name], count_fds(child.pid) or 0)
+                    _sample(supervisor, rss, fds)
                     next_sample = now + sample_s
                     if on_tick is not None:
                         on_tick(now - start)
@@ -222,6 +218,15 @@ def run_workers(
         fds_max=fds,
         wall_s=time.monotonic() - start,
     )
+
+
+def _sample(supervisor: Supervisor, rss: dict[str, list[int]], fds: dict[str, int]) -> None:
+    """Append each running worker's RSS (KiB) to ``rss[name]``; raise ``fds[name]`` to its open fds if more."""
+    for child in supervisor.running():
+        value = read_rss_kib(child.pid)
+        if value is not None:
+            rss[child.name].append(value)
+        fds[child.name] = max(fds[child.name], count_fds(child.pid) or 0)
 
 
 def _failure(name: str, what: str, log_path: Path) -> str:

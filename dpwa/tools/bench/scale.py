@@ -198,6 +198,34 @@ def averaged_accuracy(config: dict[str, Any], records: Sequence[np.ndarray]) -> 
 # --------------------------------------------------------------------------- one N
 
 
+def _remove_stale(directory: Path, names: Sequence[str]) -> None:
+    """Delete the go file and every node's ready, record and metrics file a reused ``directory`` may hold."""
+    stale = [directory / GO_FILE]
+    stale += [directory / f"{name}{suffix}" for name in names for suffix in (READY_SUFFIX, SUFFIX, ".metrics.jsonl")]
+    for path in stale:  # no earlier go, ready or appended-to file may count
+        path.unlink(missing_ok=True)
+
+
+class _StartBarrier:
+    """The nodes' start barrier: :meth:`release_when_ready` creates the go file once every node is ready.
+
+    ``time`` (``time.time()``) and ``elapsed`` (seconds since the workers' start): the release; None until then.
+    """
+
+    def __init__(self, directory: Path, names: Sequence[str]) -> None:
+        self.directory = directory
+        self.names = list(names)
+        self.time: float | None = None
+        self.elapsed: float | None = None
+
+    def release_when_ready(self, elapsed: float) -> None:
+        """Release the nodes (once) if every one has written its ready file; ``elapsed``: seconds since the start."""
+        if self.time is None and all((self.directory / f"{name}{READY_SUFFIX}").exists() for name in self.names):
+            self.time, self.elapsed = time.time(), elapsed
+            (self.directory / GO_FILE).touch()
+            log.info("%d nodes ready after %.1f s: released", len(self.names), elapsed)
+
+
 def run_step(
     directory: Path,
     n: int,
@@ -230,35 +258,25 @@ def run_step(
         "record_every": record_every,
         "start_timeout_s": timeout_s,
     }
-    stale = [directory / GO_FILE]
-    stale += [directory / f"{name}{suffix}" for name in names for suffix in (READY_SUFFIX, SUFFIX, ".metrics.jsonl")]
-    for path in stale:  # a reused run directory: no earlier go, ready or appended-to file may count
-        path.unlink(missing_ok=True)
+    _remove_stale(directory, names)
     spec_path = directory / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1) + "\n")
-    released: dict[str, float] = {}
-
-    def release(elapsed: float) -> None:
-        if not released and all((directory / f"{name}{READY_SUFFIX}").exists() for name in names):
-            released["time"], released["elapsed"] = time.time(), elapsed
-            (directory / GO_FILE).touch()
-            log.info("%d nodes ready after %.1f s: released", n, elapsed)
-
+    barrier = _StartBarrier(directory, names)
     run = run_workers(
         directory, WORKER_MODULE, names, lambda rank, _n: [str(spec_path), str(rank)], timeout_s=timeout_s,
-        config_path=cluster, sample_s=sample_s, on_tick=release,
+        config_path=cluster, sample_s=sample_s, on_tick=barrier.release_when_ready,
     )  # fmt: skip
-    if not released:
+    if barrier.time is None or barrier.elapsed is None:
         raise WorkerFailed(f"the {n} nodes all exited before they were released")
     ready = {name: json.loads((directory / f"{name}{READY_SUFFIX}").read_text()) for name in names}
     size = int(ready[names[0]]["params"])
     records = [read_records(directory / f"{name}{SUFFIX}", size) for name in names]
     metrics = {name: read_metrics(directory / f"{name}.metrics.jsonl", missing_ok=True) for name in names}
-    go_elapsed = released["elapsed"]
+    go_elapsed = barrier.elapsed
     samples_per_s = 1.0 / sample_s
     training_rss = {name: v[int(go_elapsed * samples_per_s) :] or v for name, v in run.rss_kib.items()}
     visiting = [names.index(name) for name in joiners]
-    row = summarize(n, metrics, ready, training_rss, released["time"], records, visiting)
+    row = summarize(n, metrics, ready, training_rss, barrier.time, records, visiting)
     row["accuracy"] = averaged_accuracy(config, [r for i, r in enumerate(records) if i not in visiting])
     row["fds_per_node_max"] = max(run.fds_max.values())
     row["startup_s"] = go_elapsed

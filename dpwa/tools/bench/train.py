@@ -59,6 +59,7 @@ import numpy as np
 from dpwa.tools.bench.fingerprint import SUFFIX, mean_state_at, read_records
 from dpwa.tools.bench.procs import BenchInterrupted, WorkerFailed, free_ports, node_names, run_workers, write_cluster
 from dpwa.tools.bench.report import Column, Report, bench_run_dir, comma_list, render_table
+from dpwa.tools.bench.trainplot import plot_curves
 from dpwa.tools.options import check_partition
 from dpwa.utils.partition import PARTITION_HELP
 
@@ -429,33 +430,6 @@ class Plan:
         return pair, results, target
 
 
-def plot_curves(path: Path, scenarios: list[tuple[str, dict[str, PhaseResult], float]]) -> Path:
-    """``train.png``: the model's training loss against wall time, one panel per scenario, the target dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(2, len(scenarios))
-    rows = math.ceil(len(scenarios) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4 * rows), squeeze=False)
-    for ax in axes.flat[len(scenarios) :]:
-        ax.set_visible(False)
-    for ax, (label, phases, target) in zip(axes.flat, scenarios):
-        for method, p in phases.items():
-            ax.plot(p.curve_t, p.curve_loss, label=f"{method} ({p.samples_per_s:.0f} samples/s)")
-        ax.axhline(target, linestyle="--", color="grey", label=f"target {target:.3f}")
-        ax.set_title(f"straggler {label}")
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel("training loss of the (averaged) model")
-        ax.set_yscale("log")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 # --------------------------------------------------------------------------- the command
 
 
@@ -546,23 +520,7 @@ def train(
     plan = Plan(names, config.to_dict(), phases, target_loss, None if target_at is None else target_at * steps,
                 threads, timeout_s)  # fmt: skip
     click.echo(f"dpwa bench train: {nodes} nodes, stragglers {stragglers}, run dir {directory}", err=True)
-    rows: list[dict[str, Any]] = []
-    curves: list[tuple[str, dict[str, PhaseResult], float]] = []
-    for factor in factors:
-        runs = []
-        for rep in range(repeats):
-            sub = directory / (f"straggler-{factor:g}x" + (f"-run{rep + 1}" if repeats > 1 else ""))
-            try:
-                pair, results, target = plan.run(sub, factor, rep, repeats)
-            except WorkerFailed as err:
-                click.echo(f"error: straggler {_label(factor)}, run {rep + 1}: {err}", err=True)
-                sys.exit(1)
-            except BenchInterrupted as err:
-                click.echo(f"error: {err}", err=True)
-                sys.exit(128 + err.signum)
-            runs.append(pair)
-            curves.append((_label(factor) + (f", run {rep + 1}" if repeats > 1 else ""), results, target))
-        rows += [row for pair in runs for row in pair] + (median_rows(runs) if repeats > 1 else [])
+    rows, curves = _run_scenarios(plan, directory, factors, repeats)
     settings = {
         "nodes": nodes,
         "steps": steps,
@@ -586,6 +544,41 @@ def train(
         "threads_per_worker": threads,
         "command": " ".join(sys.argv),
     }
+    _report(directory, rows, settings, curves, plot)
+
+
+def _run_scenarios(
+    plan: Plan, directory: Path, factors: Sequence[float], repeats: int
+) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, PhaseResult], float]]]:
+    """Every scenario's runs: (the table rows, median rows included; each run's curves); exits on a failure."""
+    rows: list[dict[str, Any]] = []
+    curves: list[tuple[str, dict[str, PhaseResult], float]] = []
+    for factor in factors:
+        runs = []
+        for rep in range(repeats):
+            sub = directory / (f"straggler-{factor:g}x" + (f"-run{rep + 1}" if repeats > 1 else ""))
+            try:
+                pair, results, target = plan.run(sub, factor, rep, repeats)
+            except WorkerFailed as err:
+                click.echo(f"error: straggler {_label(factor)}, run {rep + 1}: {err}", err=True)
+                sys.exit(1)
+            except BenchInterrupted as err:
+                click.echo(f"error: {err}", err=True)
+                sys.exit(128 + err.signum)
+            runs.append(pair)
+            curves.append((_label(factor) + (f", run {rep + 1}" if repeats > 1 else ""), results, target))
+        rows += [row for pair in runs for row in pair] + (median_rows(runs) if repeats > 1 else [])
+    return rows, curves
+
+
+def _report(
+    directory: Path,
+    rows: list[dict[str, Any]],
+    settings: dict[str, Any],
+    curves: list[tuple[str, dict[str, PhaseResult], float]],
+    plot: bool,
+) -> None:
+    """Write train.json, print the table, and with ``plot`` write train.png."""
     report = Report("train", rows=rows, settings=settings)
     path = report.write(directory)
     click.echo(render_table(rows, COLUMNS))
