@@ -64,7 +64,7 @@ CHUNK_TAG = struct.Struct("<4sQI")
 STREAMING = hasattr(wire, "encode_chunk_tag")
 """The core streams replies (docs/wire.md: header, then one [tag, chunk] message per chunk) when a FETCH asks."""
 MAX_REQ = 2**64 - 1
-RX_MAXMSGSIZE = MAX_HEADER_BYTES  # dpwa/node/transport.py: MAX_REQUEST_BYTES
+RX_MAXMSGSIZE = MAX_HEADER_BYTES  # dpwa/node/transport/sockets.py: MAX_REQUEST_BYTES
 TX_TIMEOUT_MS = 200
 # Liveness, not latency: the tight bound (timeout + 0.25 s) is asserted by test_connection/test_cluster/test_faults;
 # here hundreds of exchanges run on a possibly loaded machine, so "never hangs" is timeout + 2 s.
@@ -822,7 +822,7 @@ class TxRig:
             # the fetch deadline is 200 ms: no garbage collection may stall the fake peer or the TX thread inside it
             with collector_paused():
                 self.conn.update_send(self.params, 1.0)
-                job = self.conn._node.pending
+                job = self.conn._node.transfer.fetcher.pending
                 t0 = time.monotonic()
                 factor = self.conn.update_wait(1.0)
                 waited = time.monotonic() - t0

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import free_ports, in_threads, wait_until, write_cluster
+from fakes import Faults
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,9 +32,14 @@ from dpwa.tools.simulation import Simulation
 pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 
-def cluster(tmp_path: Path, n: int, label: str = "c", **settings: Any) -> list[DpwaConnection]:
+def cluster(
+    tmp_path: Path, n: int, label: str = "c", *, faults: Sequence[Faults] | None = None, **settings: Any
+) -> list[DpwaConnection]:
+    """``n`` nodes on free ports; ``faults``: node i runs a transport doing what ``faults[i]`` says."""
     cfg = load_config(write_cluster(tmp_path / f"{label}.yaml", free_ports(n), **settings))
-    return [DpwaConnection(f"w{i + 1}", cfg, seed=i) for i in range(n)]
+    if faults is None:
+        return [DpwaConnection(f"w{i + 1}", cfg, seed=i) for i in range(n)]
+    return [DpwaConnection(f"w{i + 1}", cfg, seed=i, transport=faults[i].factory) for i in range(n)]
 
 
 def start_params(n: int, seed: int = 0) -> list[list[np.ndarray]]:
@@ -201,23 +207,26 @@ def test_every_local_step_lands_whole_on_the_numerator_over_the_network(tmp_path
 
 @pytest.mark.slow  # 13 s here
 def test_pushsum_mass_survives_dropped_pushes_and_dropped_acks(tmp_path: Path) -> None:
-    """A test hook loses pushes (the receiver never sees them) and ACKs (it took the push, the sender never
+    """A faulty transport loses pushes (the receiver never sees them) and ACKs (it took the push, the sender never
     hears): SETTLE queries settle each one, and the weights still sum to N within 1e-9, the average exact."""
-    conns = cluster(tmp_path, 4, interpolation="pushsum", timeout_ms=150)
+
+    def lossy(seed: int) -> Faults:
+        rng = random.Random(seed)
+        return Faults(drop=lambda kind: rng.random() < 0.2)
+
+    faults = [lossy(100 + i) for i in range(4)]
+    conns = cluster(tmp_path, 4, interpolation="pushsum", timeout_ms=150, faults=faults)
     try:
-        for i, c in enumerate(conns):
-            rng = random.Random(100 + i)
-            c._node.inbox.drop = lambda kind, rng=rng: rng.random() < 0.2
         params = start_params(4, seed=3)
         mean0 = np.mean([np.concatenate([a.ravel() for a in p]) for p in params], axis=0)
         rng = random.Random(2)
         run_threads(conns, params, 120, lambda i, k: rng.random() * 0.003)
-        for c in conns:
-            c._node.inbox.drop = None
+        for f in faults:
+            f.drop = None
         quiesce(conns)
         stats = [c.stats() for c in conns]
-        assert sum(s["pushes_dropped_by_hook"] for s in stats) > 5
-        assert sum(s["acks_dropped_by_hook"] for s in stats) > 5
+        assert sum(f.counts["pushes_dropped"] for f in faults) > 5
+        assert sum(f.counts["acks_dropped"] for f in faults) > 5
         assert sum(s["push_queries"] for s in stats) >= sum(s["pushes_unknown"] for s in stats) > 10
         assert sum(s["pushes_returned"] for s in stats) > 5  # the lost pushes' mass came back
         assert math.fsum(weights(conns)) == pytest.approx(4.0, abs=1e-9)
@@ -231,6 +240,7 @@ def test_osgp_keeps_at_most_overlap_pushes_unacknowledged_under_a_slow_receiver(
     """OSGP (overlap 2) against receivers that hold every ACK 0.2 s: update_wait returns with at most two
     pushes unacknowledged, blocking only beyond; with overlap 0 every push is acknowledged by its step's end."""
     for overlap in (2, 0):
+        slow = [Faults(ack_delay_s=0.2) for _ in range(5)]
         conns = cluster(
             tmp_path,
             5,
@@ -239,16 +249,15 @@ def test_osgp_keeps_at_most_overlap_pushes_unacknowledged_under_a_slow_receiver(
             peers="random",
             timeout_ms=3000,
             pushsum={"overlap": overlap},
+            faults=slow,
         )
         try:
             params = start_params(5)
-            for c in conns:
-                c._node.inbox.ack_delay_s = 0.2
             lags, waits = [], []
 
             def record(i: int, conn: DpwaConnection, lags: list[int] = lags, waits: list[float] = waits) -> None:
                 if i == 0:
-                    ledger = conn._node.ledger
+                    ledger = conn._node.transfer.ledger
                     lags.append(sum(p.status == "sending" for p in ledger.unresolved()))
                     waits.append(conn.last_exchange["wait_ms"])
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import free_ports, wait_until, write_cluster
-from fakes import FakePeer, Messages
+from fakes import FakePeer, Faults, Messages
 
 from dpwa import DpwaConnection
 from dpwa.node import wire
@@ -66,14 +66,17 @@ def single(header: wire.Message, arrays: list[np.ndarray]) -> Messages:
 
 
 @contextlib.contextmanager
-def make_rig(tmp_path: Path, **settings: object) -> Iterator[tuple[DpwaConnection, FakePeer]]:
+def make_rig(
+    tmp_path: Path, faults: Faults | None = None, **settings: object
+) -> Iterator[tuple[DpwaConnection, FakePeer]]:
     """Node w1 (timeout TIMEOUT_MS) whose only peer w2 is a :class:`FakePeer`, by default answering every FETCH
-    with a streamed reply of ``model(8.0)``."""
+    with a streamed reply of ``model(8.0)``; with ``faults``, w1 runs a transport doing what they say."""
     ports = free_ports(2)
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=TIMEOUT_MS, **settings)
     peer = FakePeer(ports[1], lambda header: streamed(header, model(8.0)), thread_name="fake-w2")
+    transport = {} if faults is None else {"transport": faults.factory}
     try:
-        with DpwaConnection("w1", cfg, seed=0) as node:
+        with DpwaConnection("w1", cfg, seed=0, **transport) as node:
             yield node, peer
     finally:
         peer.close()
@@ -83,6 +86,14 @@ def make_rig(tmp_path: Path, **settings: object) -> Iterator[tuple[DpwaConnectio
 def rig(tmp_path: Path) -> Iterator[tuple[DpwaConnection, FakePeer]]:
     with make_rig(tmp_path) as pair:
         yield pair
+
+
+@pytest.fixture
+def faulty(tmp_path: Path) -> Iterator[tuple[DpwaConnection, FakePeer, Faults]]:
+    """The rig, w1 on a :class:`~fakes.FaultyTransport` (no fault until a test sets one)."""
+    faults = Faults()
+    with make_rig(tmp_path, faults) as (node, peer):
+        yield node, peer, faults
 
 
 def exchange(node: DpwaConnection, params: list[np.ndarray]) -> tuple[float, float]:
@@ -165,17 +176,17 @@ def test_frame_limit_follows_the_wire_layout(tmp_path: Path):
 # --------------------------------------------------------------------------- thread death
 
 
-@pytest.mark.parametrize("method", ["_start", "_receive"])
-def test_tx_thread_death_raises_in_the_trainer(rig, monkeypatch, caplog, method: str):
-    """``_start``: the thread dies taking the job; ``_receive``: while the trainer waits for the reply."""
-    node, peer = rig
+@pytest.mark.parametrize("point", ["tx.start", "tx.receive"])
+def test_tx_thread_death_raises_in_the_trainer(faulty, caplog, point: str):
+    """``tx.start``: the thread dies taking the job; ``tx.receive``: while the trainer waits for the reply."""
+    node, peer, faults = faulty
     p = model(0.0)
     assert exchange(node, p)[0] == 0.5
 
     def boom(*args: object) -> None:
         raise Injected("injected into the TX thread")
 
-    monkeypatch.setattr(node._node.tx, method, boom)
+    faults.before[point] = boom
     node.update_send(p, 1.0)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="TX thread died") as info:
@@ -190,29 +201,24 @@ def test_tx_thread_death_raises_in_the_trainer(rig, monkeypatch, caplog, method:
     assert all((x == 4.0).all() for x in p)
 
 
-class SlowToClose(dict):
-    """The TX thread's socket table, but closing the sockets (the thread's last act) takes CLOSE_S."""
-
-    CLOSE_S = 0.3
-
-    def values(self):  # type: ignore[override] - only the thread's clean-up iterates the values
-        time.sleep(self.CLOSE_S)
-        return super().values()
+CLOSE_S = 0.3
+"""How long the dying TX thread takes to close its sockets (its last act) in the race below."""
 
 
-def test_the_trainer_sees_the_dead_tx_thread_ended(rig, monkeypatch):
+def test_the_trainer_sees_the_dead_tx_thread_ended(faulty):
     """The race behind a flake: the job's waiter is woken before the dying thread has closed its sockets.
     Once update_wait has raised, stats() must already say the thread ended (it is joined, bounded)."""
-    node, peer = rig
+    node, peer, faults = faulty
     p = model(0.0)
     assert exchange(node, p)[0] == 0.5
-    tx = node._node.tx
-    monkeypatch.setattr(tx, "_sockets", SlowToClose(tx._sockets))
+    assert faults.transport is not None
+    tx = faults.transport.tx
 
     def boom(*args: object) -> None:
         raise Injected("injected into the TX thread")
 
-    monkeypatch.setattr(tx, "_start", boom)
+    faults.before["tx.close"] = lambda: time.sleep(CLOSE_S)
+    faults.before["tx.start"] = boom
     node.update_send(p, 1.0)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="TX thread died"):
@@ -221,14 +227,15 @@ def test_the_trainer_sees_the_dead_tx_thread_ended(rig, monkeypatch):
     assert not node.stats()["tx_alive"] and not tx.is_alive()
 
 
-def test_rx_thread_death_is_logged_shown_and_raised(tmp_path: Path, monkeypatch, caplog):
+def test_rx_thread_death_is_logged_shown_and_raised(tmp_path: Path, caplog):
     port = free_ports(1)[0]
     cfg = write_cluster(tmp_path / "c.yaml", [port], timeout_ms=TIMEOUT_MS)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    faults = Faults()
     try:
-        with DpwaConnection("w1", cfg) as node:
+        with DpwaConnection("w1", cfg, transport=faults.factory) as node:
             p = model(0.0)
             node.update_send(p, 1.0)
             assert node.update_wait(1.0) == 0.0
@@ -236,7 +243,7 @@ def test_rx_thread_death_is_logged_shown_and_raised(tmp_path: Path, monkeypatch,
             def boom(*args: object) -> None:
                 raise Injected("injected into the RX thread")
 
-            monkeypatch.setattr(node._node.rx, "_handle_one", boom)
+            faults.before["rx.handle"] = boom
             sock.connect(f"tcp://127.0.0.1:{port}")
             sock.send(wire.encode_fetch("w9", 1, Layout.of(p).fingerprint))
             wait_until(lambda: not node.stats()["rx_alive"], 5, message="the RX thread ended")
@@ -255,33 +262,30 @@ def test_rx_thread_death_is_logged_shown_and_raised(tmp_path: Path, monkeypatch,
 
 
 @pytest.mark.parametrize("framing", ["single", "streamed"])
-def test_a_stalled_tx_thread_never_holds_the_trainer(rig, monkeypatch, framing: str):
+def test_a_stalled_tx_thread_never_holds_the_trainer(faulty, framing: str):
     """The late verdict: an accepted reply (single framing) or the chunks after its header (streamed), dropped."""
-    node, peer = rig
+    node, peer, faults = faulty
     peer.respond = lambda h: (single if framing == "single" else streamed)(h, model(8.0))
     p = model(0.0)
     assert exchange(node, p)[0] == 0.5  # p is 4.0 now
-    tx = node._node.tx
-    original = tx._header_message
     entered, release = threading.Event(), threading.Event()
 
     def stalled(*args: object) -> None:  # the TX thread blocks on the reply's header, then goes on as usual
         entered.set()
         release.wait(30)
-        original(*args)
 
-    monkeypatch.setattr(tx, "_header_message", stalled)
+    faults.before["tx.header"] = stalled
     before, jobs = [a.copy() for a in p], []
     try:
         node.update_send(p, 1.0)
-        jobs.append(node._node.pending)
+        jobs.append(node._node.transfer.fetcher.pending)
         t0 = time.monotonic()
         factor, waited = node.update_wait(1.0), time.monotonic() - t0
         assert factor == 0.0 and waited <= BOUND_S, waited
         assert entered.is_set()  # the reply did arrive: the TX thread sits on it
         assert node.last_exchange["status"] == "timeout"
         node.update_send(p, 1.0)  # a second fetch, queued behind the stalled one
-        jobs.append(node._node.pending)
+        jobs.append(node._node.transfer.fetcher.pending)
         t0 = time.monotonic()
         factor, waited = node.update_wait(1.0), time.monotonic() - t0
         assert factor == 0.0 and waited <= BOUND_S, waited
@@ -296,6 +300,6 @@ def test_a_stalled_tx_thread_never_holds_the_trainer(rig, monkeypatch, framing: 
     assert s["stale_replies"] == 1, s  # the late verdict, dropped
     assert s["fetches_ok"] == 1 and s["mixes"] == 1 and s["fetches_started"] == 2, s  # the queued one never sent
     assert all(a.tobytes() == b.tobytes() for a, b in zip(p, before)) and node.clock == clock
-    monkeypatch.undo()
+    faults.before.clear()
     assert exchange(node, p)[0] == 0.5  # the peer is still up; the TX thread serves the next fetch
     assert all((x == 6.0).all() for x in p)

@@ -1,7 +1,7 @@
 """Is a node's port free here? Checked by ``dpwa validate`` and ``dpwa run`` before any process starts.
 
 A node's RX server binds ``tcp://<host's IPv4 address>:<port>`` with ZeroMQ, which sets ``SO_REUSEADDR``
-(:func:`dpwa.node.core.bind_endpoint`). :func:`busy_ports` binds each port the same way, for an instant:
+(:func:`dpwa.node.transport.bind_endpoint`). :func:`busy_ports` binds each port the same way, for an instant:
 a port that another process listens on (or has bound) fails with ``EADDRINUSE``, exactly as the node's
 bind would, while a port left in TIME-WAIT by an earlier run does not.
 

@@ -23,6 +23,7 @@ from dpwa.checkpoint import DpwaState
 from dpwa.config import ClusterConfig, resolve_config
 from dpwa.node.core import Node
 from dpwa.node.membership import MemberEvent
+from dpwa.node.transport import Transport, TransportFactory
 from dpwa.rules import Rule, make_rule
 from dpwa.rules.schedules import make_schedule
 
@@ -40,6 +41,9 @@ class DpwaConnection:
     passed to :meth:`update_send`, sets the node's buffers up before it answers anyone, so that a push
     arriving before the first ``update_send`` is taken instead of refused "not ready" (push-sum's first
     rounds then stay synchronous).
+
+    ``transport`` builds the node's sockets and threads, called like :class:`~dpwa.node.transport.Transport`
+    (the default): tests and tools may pass a wrapping transport (one that drops, delays or fails on purpose).
     """
 
     def __init__(
@@ -50,13 +54,14 @@ class DpwaConnection:
         seed: int | None = None,
         rule: Rule | None = None,
         params: Sequence[np.ndarray] | None = None,
+        transport: TransportFactory = Transport,
     ) -> None:
         cfg = resolve_config(config)
         cfg.node(name)  # a clear ConfigError before anything starts
         if rule is None:
             rule = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
         schedule = make_schedule(cfg.schedule, cfg.settings)
-        self._node = Node(name, cfg, rule, schedule, seed, params)
+        self._node = Node(name, cfg, rule, schedule, seed, params, transport)
         self._finalizer = weakref.finalize(self, Node.close, self._node)
 
     @property
@@ -70,7 +75,7 @@ class DpwaConnection:
     @property
     def endpoint(self) -> str:
         """The tcp:// endpoint the RX thread is bound to."""
-        return self._node.rx.endpoint
+        return self._node.transport.endpoint
 
     @property
     def clock(self) -> float:

@@ -11,6 +11,9 @@ frame order, finite values) and copies it into a free slot. A slot's life::
     any state but mixing -> free                         (refused, expired, aborted)
     full / committed -> mixing -> free                   (the trainer's update_wait)
 
+(:class:`~dpwa.node.states.SlotState`; every move goes through :data:`~dpwa.node.states.SLOT_MOVES`,
+and one the table does not list is a bug: it raises.)
+
 Rules of the inbox:
 
 * at most ``slots`` pushes are held, and at most ``per_sender`` from one sender (one more is
@@ -45,6 +48,7 @@ import zmq
 
 from dpwa.node import wire
 from dpwa.node.frames import discard_rest, receive_payload
+from dpwa.node.states import SLOT_MOVES, SlotState, moves
 from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Layout, PayloadReader, Push, Settle, WireError
 
 __all__ = ["HOLD_TIMEOUTS", "InboxSlot", "PushReceiver", "round_of"]
@@ -62,7 +66,7 @@ class InboxSlot:
     index: int
     buffer: np.ndarray
     views: list[np.ndarray]
-    state: str = "free"
+    state: SlotState = SlotState.FREE
     sender: str = ""
     identity: bytes = b""
     seq: int = -1
@@ -71,6 +75,19 @@ class InboxSlot:
     deadline: float = 0.0
     served: Any = None
     """An exchange: the snapshot (leased) this node served to the sender's fetch: the other half of the pair."""
+
+
+_UNSETTLED = frozenset({SlotState.RECEIVING, SlotState.HELD, SlotState.SERVED})
+"""A push still arriving, or an exchange's push waiting for its FETCH or its SETTLE: what expires or aborts."""
+_READY = frozenset({SlotState.FULL, SlotState.COMMITTED})
+"""Whole and taken: what the trainer mixes."""
+
+
+def _move(slot: InboxSlot, new: SlotState) -> None:
+    """Move ``slot`` to ``new`` (caller holds the inbox's lock); RuntimeError for a move :data:`SLOT_MOVES` lacks."""
+    if not moves(SLOT_MOVES, slot.state, new):
+        raise RuntimeError(f"inbox slot {slot.index}: no move from {slot.state} to {new}")
+    slot.state = new
 
 
 def round_of(header: Push | None) -> int | None:
@@ -137,11 +154,6 @@ class PushReceiver:
         """sender -> (its latest sequence number seen, True accepted / False refused / None pending)."""
         self._rounds: dict[str, int] = {}
         """sender -> the round (``extras["round"]``) of its latest push that has a verdict here."""
-        self._delayed: list[tuple[float, bytes, bytes]] = []
-        self.drop: Callable[[str], bool] | None = None
-        """Test hook: ``drop("push")`` True ignores a push header (as if lost); ``drop("ack")`` True loses an ACK."""
-        self.ack_delay_s = 0.0
-        """Test hook: hold every ACK this long (a slow receiver)."""
         self.closing = False
         """Set when the node leaves: every new push is refused busy (the sender keeps its mass)."""
 
@@ -152,7 +164,7 @@ class PushReceiver:
         among them and with nothing in the inbox are dropped (per-sender state stays bounded by the table)."""
         with self._lock:
             self._senders = frozenset(n for n in names if n != self.name)
-            held = {s.sender for s in self._slots if s.state != "free"}
+            held = {s.sender for s in self._slots if s.state != SlotState.FREE}
             for sender in [n for n in self._verdicts if n not in self._senders and n not in held]:
                 del self._verdicts[sender]
                 self._rounds.pop(sender, None)
@@ -185,7 +197,7 @@ class PushReceiver:
     def whole(self, identity: bytes, header: Push, user: str | None, sock: zmq.Socket) -> bytes | None:
         """A whole PUSH, its one chunk next on ``sock``: reserve a slot and take the chunk, or refuse it.
 
-        Returns the answer to send (ACK, ERROR) or None (a test hook dropped it)."""
+        Returns the answer to send (ACK, ERROR) or None (an exchange's push: held, answered by its SETTLE)."""
         answer = self._reserve(identity, header, user, whole=True)
         if answer is not None:
             discard_rest(sock)
@@ -196,9 +208,6 @@ class PushReceiver:
         sender = header.node
         if self._stranger(sender, user):
             return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
-        if self.drop is not None and self.drop("push"):
-            self._on_event("pushes_dropped_by_hook", 1)
-            return None
         ready = self._ready()
         if ready is None:  # refused before this node's first publish: the sender keeps its mass, the round is over
             with self._lock:
@@ -220,21 +229,22 @@ class PushReceiver:
                 self._settle_round(sender, header)
                 self._on_event("pushes_busy", 1)
                 return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "this node is leaving")
-            if sum(s.state != "free" and s.sender == sender for s in self._slots) >= self._per_sender:
+            if sum(s.state != SlotState.FREE and s.sender == sender for s in self._slots) >= self._per_sender:
                 self._verdicts[sender] = (header.req, False)
                 self._settle_round(sender, header)
                 self._on_event("pushes_busy", 1)
                 return wire.encode_error(
                     self.name, header.req, ErrorCode.BUSY, f"this sender has {self._per_sender} unmixed pushes here"
                 )
-            slot = next((s for s in self._slots if s.state == "free"), None)
+            slot = next((s for s in self._slots if s.state == SlotState.FREE), None)
             if slot is None:
                 self._verdicts[sender] = (header.req, False)
                 self._settle_round(sender, header)
                 self._on_event("pushes_busy", 1)
                 return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "inbox full")
             self._verdicts[sender] = (header.req, None)
-            slot.state, slot.sender, slot.identity, slot.seq = "receiving", sender, identity, header.req
+            _move(slot, SlotState.RECEIVING)
+            slot.sender, slot.identity, slot.seq = sender, identity, header.req
             slot.header, slot.next_chunk = header, 0
             slot.deadline = time.monotonic() + self._timeout_s
         return None
@@ -246,7 +256,8 @@ class PushReceiver:
         """
         with self._lock:
             slot = next(
-                (s for s in self._slots if s.state == "receiving" and s.identity == identity and s.seq == seq), None
+                (s for s in self._slots if s.state == SlotState.RECEIVING and s.identity == identity and s.seq == seq),
+                None,
             )
         if slot is None:
             discard_rest(sock)
@@ -265,14 +276,14 @@ class PushReceiver:
         assert slot.header is not None
         with self._lock:
             if slot.header.hold:
-                slot.state = "held"
+                _move(slot, SlotState.HELD)
                 slot.deadline = time.monotonic() + HOLD_TIMEOUTS * self._timeout_s
                 return None
-            slot.state = "full"
+            _move(slot, SlotState.FULL)
             self._verdicts[slot.sender] = (seq, True)
             self._settle_round(slot.sender, slot.header)
         self._on_event("pushes_received", 1)
-        return self._ack(identity, seq)
+        return wire.encode_ack(self.name, seq)
 
     def _take(self, slot: InboxSlot, index: int, sock: zmq.Socket) -> None:
         assert self._reader is not None
@@ -291,10 +302,13 @@ class PushReceiver:
 
         False (nothing kept: serve an ERROR instead) when no held push of that exchange is here."""
         with self._lock:
-            slot = next((s for s in self._slots if s.state == "held" and s.sender == sender and s.seq == seq), None)
+            slot = next(
+                (s for s in self._slots if s.state == SlotState.HELD and s.sender == sender and s.seq == seq), None
+            )
             if slot is None:
                 return False
-            slot.state, slot.served = "served", snapshot
+            _move(slot, SlotState.SERVED)
+            slot.served = snapshot
             return True
 
     def settle(self, identity: bytes, header: Settle, user: str | None) -> bytes:
@@ -303,17 +317,19 @@ class PushReceiver:
         if self._stranger(sender, user):
             return wire.encode_error(self.name, seq, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
         with self._lock:
-            slot = next((s for s in self._slots if s.state != "free" and s.sender == sender and s.seq == seq), None)
+            slot = next(
+                (s for s in self._slots if s.state != SlotState.FREE and s.sender == sender and s.seq == seq), None
+            )
             last, verdict = self._verdicts.get(sender, (-1, None))
             if header.op == "commit":
-                if slot is not None and slot.state == "served":
-                    slot.state = "committed"
+                if slot is not None and slot.state == SlotState.SERVED:
+                    _move(slot, SlotState.COMMITTED)
                     self._verdicts[sender] = (seq, True)
                     self._on_event("exchanges_committed", 1)
                     return wire.encode_ack(self.name, seq)
                 return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "no exchange to commit")
             if header.op == "abort":
-                if slot is not None and slot.state in ("receiving", "held", "served"):
+                if slot is not None and slot.state in _UNSETTLED:
                     self._free(slot, accepted=False)
                     self._on_event("exchanges_aborted", 1)
                 elif seq > last:
@@ -324,7 +340,7 @@ class PushReceiver:
                 self._verdicts[sender] = (seq, False)
                 return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "never arrived whole")
             if seq == last and verdict is None:
-                if slot is not None and slot.state == "receiving":
+                if slot is not None and slot.state == SlotState.RECEIVING:
                     self._free(slot, accepted=False)
                 self._verdicts[sender] = (seq, False)
                 verdict = False
@@ -342,28 +358,10 @@ class PushReceiver:
         """Free the slots of pushes that did not arrive whole in time, and of exchanges never settled."""
         with self._lock:
             for slot in self._slots:
-                if slot.state in ("receiving", "held", "served") and now >= slot.deadline:
-                    self._on_event("pushes_expired" if slot.state == "receiving" else "exchanges_expired", 1)
+                if slot.state in _UNSETTLED and now >= slot.deadline:
+                    self._on_event("pushes_expired" if slot.state == SlotState.RECEIVING else "exchanges_expired", 1)
                     log.debug("node %s: %s push %d of %s expired", self.name, slot.state, slot.seq, slot.sender)
                     self._free(slot, accepted=False)
-
-    def take_delayed(self, now: float) -> list[tuple[bytes, bytes]]:
-        """ACKs held back by the ``ack_delay_s`` test hook that are due: ``(identity, frame)`` pairs."""
-        if not self._delayed:
-            return []
-        due = [(i, f) for t, i, f in self._delayed if t <= now]
-        self._delayed = [d for d in self._delayed if d[0] > now]
-        return due
-
-    def _ack(self, identity: bytes, seq: int) -> bytes | None:
-        if self.drop is not None and self.drop("ack"):
-            self._on_event("acks_dropped_by_hook", 1)
-            return None
-        frame = wire.encode_ack(self.name, seq)
-        if self.ack_delay_s > 0:
-            self._delayed.append((time.monotonic() + self.ack_delay_s, identity, frame))
-            return None
-        return frame
 
     def _settle_round(self, sender: str, header: Push) -> None:
         """A push of ``sender`` got its verdict (taken, or refused: its mass went back): its round, if it names
@@ -382,12 +380,16 @@ class PushReceiver:
         return True
 
     def _free(self, slot: InboxSlot, *, accepted: bool) -> None:
-        """Empty ``slot`` (caller holds the lock); a refused push's verdict is recorded as refused."""
+        """Empty ``slot`` (caller holds the lock); a refused push's verdict is recorded as refused. A free slot
+        stays as it is."""
+        if slot.state == SlotState.FREE:
+            return
         if not accepted and self._verdicts.get(slot.sender, (-1, None))[0] == slot.seq:
             self._verdicts[slot.sender] = (slot.seq, False)
         if slot.served is not None:
             self._release(slot.served)
-        slot.state, slot.sender, slot.identity, slot.seq = "free", "", b"", -1
+        _move(slot, SlotState.FREE)
+        slot.sender, slot.identity, slot.seq = "", b"", -1
         slot.header, slot.served, slot.next_chunk = None, None, 0
 
     # ------------------------------------------------------------ trainer thread
@@ -400,7 +402,7 @@ class PushReceiver:
         sender in lock-step, a little ahead); one naming none, an earlier round, or a later one is taken."""
         with self._lock:
             ready = sorted(
-                (s for s in self._slots if s.state in ("full", "committed") and not _early(s, upto, window)),
+                (s for s in self._slots if s.state in _READY and not _early(s, upto, window)),
                 key=lambda s: (s.sender, s.seq),
             )
             if not every:
@@ -409,7 +411,7 @@ class PushReceiver:
                     oldest.setdefault(s.sender, s)
                 ready = list(oldest.values())
             for s in ready:
-                s.state = "mixing"
+                _move(s, SlotState.MIXING)
         return ready
 
     def latest_round(self, sender: str) -> int:
@@ -435,11 +437,12 @@ class PushReceiver:
             for s in slots:
                 self._free(s, accepted=True)
 
-    def pending_mass(self, key: str) -> float:
-        """The sum of ``extras[key]`` over the pushes held and not yet mixed (accounting, any thread)."""
+    def pending_mass(self, key: str | None) -> float:
+        """The sum of ``extras[key]`` over the pushes held and not yet mixed (accounting, any thread); 0.0 for no
+        key."""
         with self._lock:
-            held = [s.header.extras for s in self._slots if s.state in ("full", "committed") and s.header is not None]
-        return wire.extras_sum(held, key)
+            held = [s.header.extras for s in self._slots if s.state in _READY and s.header is not None]
+        return wire.extras_sum(held, key) if key is not None else 0.0
 
     def verdict_for(self, sender: str) -> tuple[int, bool | None]:
         """``sender``'s latest sequence number here and its verdict (True taken, False refused, None pending);
@@ -451,9 +454,9 @@ class PushReceiver:
     def receiving(self) -> int:
         """Pushes still arriving (any thread)."""
         with self._lock:
-            return sum(s.state == "receiving" for s in self._slots)
+            return sum(s.state == SlotState.RECEIVING for s in self._slots)
 
     def occupied(self) -> int:
         """Slots not free (any thread)."""
         with self._lock:
-            return sum(s.state != "free" for s in self._slots)
+            return sum(s.state != SlotState.FREE for s in self._slots)

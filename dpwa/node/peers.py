@@ -1,4 +1,4 @@
-"""Flow-control peer selection (docs/rules.md, "Choosing a peer: flow control"), minus the original's permanent drops.
+"""Flow-control peer selection (docs/rules.md, "Choosing a peer: flow control"); no peer is ever dropped for good.
 
 Each peer has a score in ``[floor, ceiling]`` starting at ``initial``:
 ``+reward`` per good fetch, ``-penalty`` per timeout / refusal / rejection.
@@ -7,6 +7,8 @@ Each peer has a score in ``[floor, ceiling]`` starting at ``initial``:
 *down*: it is not chosen normally but probed after a backoff (``probe_backoff[0]``
 seconds, doubling after each failed probe, capped at ``probe_backoff[1]``), and
 a successful answer brings it back at full score.  Nobody is ever dropped.
+:meth:`FlowControl.record` applies an outcome's :class:`~dpwa.node.states.FlowEffect` (the table of which
+outcome counts as what is :mod:`dpwa.node.states`).
 
 Pure and seedable (inject ``rng`` and ``now``); not thread-safe -- the caller locks.
 """
@@ -17,6 +19,8 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from dpwa.node.states import FlowEffect
 
 __all__ = ["JITTER", "FlowControl"]
 
@@ -163,6 +167,16 @@ class FlowControl:
         elif p.failures >= self._down_after:
             p.down, p.backoff = True, self._backoff_first
             p.next_probe = self._now() + p.backoff
+
+    def record(self, peer: str, effect: FlowEffect) -> bool:
+        """Apply ``effect`` to ``peer`` (:meth:`success`, :meth:`failure`, or nothing); True when it was a failure
+        that leaves the peer down (the caller suspects it)."""
+        if effect is FlowEffect.SUCCESS:
+            self.success(peer)
+        elif effect is FlowEffect.FAILURE:
+            self.failure(peer)
+            return not self.is_up(peer)
+        return False
 
     def scores(self) -> dict[str, float]:
         """Current score of every peer (up or down), in construction order."""

@@ -11,7 +11,12 @@ it its verdict (:meth:`PushLedger.settle`):
 * while neither came (the deadline passed without an answer: the ACK, or the push itself, may
   be lost) the push is ``unknown`` and the TX thread asks the receiver with a SETTLE query
   until it answers. The receiver closes a push it is asked about, so its answer is final:
-  nothing is ever lost or counted twice.
+  nothing is ever lost or counted twice;
+* ``lost`` -- the receiver was forgotten with the push unresolved (:meth:`PushLedger.abandon`).
+
+A push's status is a :class:`~dpwa.node.states.PushStatus`; the ledger moves it only along
+:data:`~dpwa.node.states.PUSH_MOVES` and ignores a move the table does not list (a verdict that
+comes after another one).
 
 A node keeps at most one unresolved push per receiver (a step whose target still has one
 skips its push, keeping what it would have given). The ledger is shared by the trainer and
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpwa.node.states import PUSH_MOVES, PushStatus, moves
 from dpwa.node.wire import extras_sum
 
 __all__ = ["Push", "PushLedger"]
@@ -42,7 +48,7 @@ class Push:
     deadline: float
     prepare: Callable[[int], None] | None = None
     """Called with a chunk index before that chunk is sent (rounds a narrower wire dtype in place)."""
-    status: str = "sending"  # sending | unknown | delivered | refused | lost
+    status: PushStatus = PushStatus.SENDING
     queries: int = 0
     """SETTLE queries sent about this push so far."""
     code: str = ""
@@ -77,13 +83,14 @@ class PushLedger:
         with self._cond:
             return peer in self._open
 
-    def settle(self, push: Push, status: str, code: str = "") -> bool:
+    def settle(self, push: Push, status: PushStatus | str, code: str = "") -> bool:
         """Give ``push`` its final verdict (``delivered`` or ``refused``); False when it already had one."""
+        verdict = PushStatus(status)
         with self._cond:
-            if self._open.get(push.peer) is not push:
+            if self._open.get(push.peer) is not push or not moves(PUSH_MOVES, push.status, verdict):
                 return False
             del self._open[push.peer]
-            push.status, push.code = status, code
+            push.status, push.code = verdict, code
             push.ms = (time.monotonic() - push.started) * 1000.0
             self._finished.append(push)
             self._cond.notify_all()
@@ -92,8 +99,8 @@ class PushLedger:
     def mark_unknown(self, push: Push) -> None:
         """The deadline passed without an answer (the TX thread asks the receiver from now on): wake waiters."""
         with self._cond:
-            if push.status == "sending":
-                push.status = "unknown"
+            if moves(PUSH_MOVES, push.status, PushStatus.UNKNOWN):
+                push.status = PushStatus.UNKNOWN
             self._cond.notify_all()
 
     def wait_settled(self, timeout_s: float, waited: Callable[[str], bool] = lambda peer: True) -> bool:
@@ -130,8 +137,8 @@ class PushLedger:
         push-sum) and not collected; returned for its snapshot's release."""
         with self._cond:
             push = self._open.pop(peer, None)
-            if push is not None:
-                push.status, push.code = "lost", "member-gone"
+            if push is not None and moves(PUSH_MOVES, push.status, PushStatus.LOST):
+                push.status, push.code = PushStatus.LOST, "member-gone"
                 self._cond.notify_all()
             return push
 
@@ -145,7 +152,7 @@ class PushLedger:
         deadline), at most until the latest such deadline plus ``slack_s``; True if reached."""
         with self._cond:
             while True:
-                sending = [p for p in self._open.values() if p.status == "sending"]
+                sending = [p for p in self._open.values() if p.status == PushStatus.SENDING]
                 if len(sending) <= at_most:
                     return True
                 left = max(p.deadline for p in sending) + slack_s - time.monotonic()
@@ -159,7 +166,7 @@ class PushLedger:
             done, self._finished = self._finished, []
             return done
 
-    def in_flight(self, key: str) -> float:
-        """The sum of ``given[key]`` over the pushes without a verdict (accounting)."""
+    def in_flight(self, key: str | None) -> float:
+        """The sum of ``given[key]`` over the pushes without a verdict (accounting); 0.0 for no key."""
         with self._cond:
-            return extras_sum((p.given for p in self._open.values()), key)
+            return extras_sum((p.given for p in self._open.values()), key) if key is not None else 0.0

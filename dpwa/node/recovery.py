@@ -1,8 +1,9 @@
 """Recovering a node: its gossip state to and from a checkpoint, and catching up by copying a peer.
 
 The policy only, as functions of the node's :class:`~dpwa.rules.base.NodeState`, its rule and
-arrays; the node (:class:`dpwa.node.core.Node`) calls them on the trainer's thread, holds the
-state lock where they change state, and owns the sockets (it passes a ``fetch`` callable in).
+arrays, and :class:`Recovery`, which remembers whether the node has caught up; the node
+(:class:`dpwa.node.core.Node`) calls them on the trainer's thread, holds the state lock where
+they change state, and owns the sockets (it passes a ``fetch`` callable in).
 
 * :func:`export_state` / :func:`restore_state`: the node's :class:`~dpwa.checkpoint.DpwaState`
   (clock, step, loss, the rule's scalar extras such as push-sum's weight, and the rule's arrays
@@ -23,16 +24,18 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from dpwa.checkpoint import CheckpointError, DpwaState, scalar_extras
-from dpwa.rules.base import NodeState, PeerSnapshot, Rule
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 
 __all__ = [
     "RETRY_PAUSE_S",
+    "Recovery",
     "ask_peers",
     "copy_peer",
     "export_state",
@@ -140,3 +143,91 @@ def copy_peer(own: NodeState, rule: Rule, params: Sequence[np.ndarray], peer: Pe
         np.copyto(dst, src, casting="no")
     own.clock = float(peer.state.clock)
     rule.on_params_replaced(own)
+
+
+class Recovery:
+    """One node's catching up: at its first successful reply, and in a bootstrap. ``caught_up``: a peer was
+    copied, or the first reply was checked for "far behind" (it is checked once per process).
+
+    Every method runs on the trainer's thread, with the node's state lock held but :meth:`bootstrap`;
+    ``count(event)`` adds one to the node's counter ``event`` (a copy counts in ``bootstraps``)."""
+
+    def __init__(self, name: str, rule: Rule, gap: float, count: Callable[[str], None]) -> None:
+        self.name = name
+        self.rule = rule
+        self.gap = gap
+        """``bootstrap_gap``: how far ahead (clock units) a peer must be to be copied at the first reply."""
+        self._count = count
+        self.caught_up = False
+
+    def catch_up(
+        self, own: NodeState, params: Sequence[np.ndarray], peers: Sequence[PeerSnapshot]
+    ) -> MixOutcome | None:
+        """At the node's first successful reply: copy the most advanced of ``peers`` if it is more than ``gap``
+        ahead and return the outcome (factor 1); else None (the caller runs the rule)."""
+        self.caught_up = True
+        ahead = far_ahead(peers, own, self.gap)
+        if ahead is None:
+            return None
+        log.warning(
+            "node %s: far behind (clock %g, peer %s at %g, more than bootstrap_gap %g ahead); copying its model",
+            self.name,
+            own.clock,
+            ahead.state.name,
+            ahead.state.clock,
+            self.gap,
+        )
+        for peer in peers:
+            self.rule.on_reply_not_mixed(own, peer.state.extras)
+        self.copy(own, params, ahead)
+        return MixOutcome(1.0, (ahead.state.name,), {**self.rule.state_metrics(own), "bootstrap": 1.0})
+
+    def bootstrap(
+        self,
+        own: NodeState,
+        lock: threading.Lock,
+        params: Sequence[np.ndarray],
+        peers: Sequence[str],
+        fetch: Callable[[str, float], PeerSnapshot | None],
+        timeout_s: float,
+    ) -> str | None:
+        """Ask ``peers`` in turn (:func:`ask_peers`) and adopt the first answer (:meth:`adopt`, under ``lock``,
+        the lock of ``own``); the name of the peer copied, or None. Called without the lock held."""
+        peer = ask_peers(peers, fetch, timeout_s) if peers else None
+        if peer is None:
+            if peers:
+                log.warning(
+                    "node %s: no peer answered within %.1f s; training from its own state (not bootstrapped)",
+                    self.name,
+                    timeout_s,
+                )
+            return None
+        with lock:
+            before = own.clock
+            if not self.adopt(own, params, peer):
+                return None
+        log.info("node %s: bootstrapped from %s (clock %g -> %g)", self.name, peer.state.name, before, peer.state.clock)
+        return peer.state.name
+
+    def adopt(self, own: NodeState, params: Sequence[np.ndarray], peer: PeerSnapshot) -> bool:
+        """A bootstrap's answer ``peer``: the rule takes back what it carried, and ``peer`` is copied if it is
+        ahead (:func:`is_ahead`); True when it was."""
+        before = own.clock
+        self.rule.on_reply_not_mixed(own, peer.state.extras)
+        if not is_ahead(peer, own):
+            log.info(
+                "node %s: peer %s is not ahead (clock %g, own %g); keeping its own state",
+                self.name,
+                peer.state.name,
+                peer.state.clock,
+                before,
+            )
+            return False
+        self.copy(own, params, peer)
+        return True
+
+    def copy(self, own: NodeState, params: Sequence[np.ndarray], peer: PeerSnapshot) -> None:
+        """:func:`copy_peer`, counted in ``bootstraps``; the node has caught up."""
+        copy_peer(own, self.rule, params, peer)
+        self.caught_up = True
+        self._count("bootstraps")

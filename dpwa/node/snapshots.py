@@ -36,7 +36,7 @@ import numpy as np
 
 from dpwa.node.wire import CHUNK_BYTES, Layout, PayloadWriter
 
-__all__ = ["DEFER_S", "GEN_START_BOUND", "POLL_S", "Snapshot", "SnapshotPool", "Tracker"]
+__all__ = ["DEFER_S", "GEN_START_BOUND", "POLL_S", "Snapshot", "SnapshotPool", "Tracker", "open_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -259,3 +259,37 @@ class SnapshotPool:
         self._work.set()
         if self._converter is not None and self._converter is not threading.current_thread():
             self._converter.join(timeout)
+
+
+def open_pool(
+    params: Sequence[np.ndarray],
+    wire_dtype: str | None,
+    *,
+    name: str,
+    held: int,
+    defer: Callable[[], bool],
+    max_messages: int,
+) -> SnapshotPool:
+    """The pool a node publishes ``params`` through: their layout, travelling as ``wire_dtype`` says
+    (:meth:`~dpwa.node.wire.Layout.on_wire`), with room for ``held`` snapshots kept leased beyond the pool's own
+    six (pushes, exchanges).
+
+    ValueError when one reply of that layout would take more than ``max_messages`` messages (a node's reply
+    queue)."""
+    layout = Layout.of(params)
+    wire = layout.on_wire(wire_dtype)
+    if len(wire.frame_bounds()) + 1 > max_messages:
+        raise ValueError(
+            f"a model of {wire.total_bytes / 2**30:.1f} GiB on the wire needs more messages per reply "
+            f"than a node queues ({max_messages}); exchange a part of it, or a narrower wire_dtype"
+        )
+    pool = SnapshotPool(layout, max_size=6 + held, wire=wire, name=name, defer=defer)
+    log.info(
+        "node %s: %d arrays, %.1f MB per snapshot, %.1f MB on the wire (wire_dtype %s)",
+        name,
+        len(params),
+        layout.total_bytes / 1e6,
+        wire.total_bytes / 1e6,
+        wire_dtype,
+    )
+    return pool

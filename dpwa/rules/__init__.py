@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpwa.rules.adpsgd import AdpsgdRule, AdpsgdSettings
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
 from dpwa.rules.dpsgd import DpsgdRule, DpsgdSettings
 from dpwa.rules.gem import GemRule, GemSettings
 from dpwa.rules.group import GroupRule, GroupSettings
@@ -64,6 +64,7 @@ __all__ = [
     "PushSumRule",
     "PushSumSettings",
     "Rule",
+    "Transfer",
     "make_rule",
 ]
 

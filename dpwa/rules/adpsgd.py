@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
 from dpwa.rules.mixing import add_difference_, mix_clock
 from dpwa.utils.settings import Settings
 
@@ -44,7 +44,7 @@ class AdpsgdRule(Rule):
 
     name = "adpsgd"
     settings_class = AdpsgdSettings
-    transfer = "exchange"
+    transfer = Transfer.EXCHANGE
 
     def __init__(self, divergence_threshold: float = 0.0) -> None:
         super().__init__(divergence_threshold)

@@ -7,9 +7,10 @@ they only read :class:`NodeState` / :class:`PeerSnapshot` and mutate the
 trainer's arrays and state in place.
 
 Whom to fetch is not a rule's business but a schedule's (:mod:`dpwa.rules.schedules`).
-How models travel is the rule's :attr:`Rule.transfer`: ``pull`` (fetch the peers' snapshots),
-``push`` (send one's own snapshot with :meth:`Rule.push_shares`; mix what arrives in the inbox)
-or ``exchange`` (a fetch that carries one's own snapshot: both ends of the pair mix).
+How models travel is the rule's :attr:`Rule.transfer`, a :class:`Transfer`: ``pull`` (fetch the peers'
+snapshots), ``push`` (send one's own snapshot with :meth:`Rule.push_shares`; mix what arrives in the inbox)
+or ``exchange`` (a fetch that carries one's own snapshot: both ends of the pair mix). A rule whose pushes
+carry mass names the extras key that holds it (:attr:`Rule.mass_key`), so that the node can account for it.
 
 Which thread calls what (the connection and the simulator guarantee it):
 
@@ -37,6 +38,7 @@ Which thread calls what (the connection and the simulator guarantee it):
 
 from __future__ import annotations
 
+import enum
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -55,12 +57,24 @@ __all__ = [
     "NodeState",
     "PeerSnapshot",
     "Rule",
+    "Transfer",
     "check_repeats",
     "fresh_peers",
 ]
 
 ONE_PEER_SCHEDULES = ("random", "exponential", "ring")
 """The peer schedules that give a node one peer a round: what a rule that mixes one peer at a time works with."""
+
+
+class Transfer(enum.StrEnum):
+    """How a rule's models travel between nodes (the node picks the matching transfer from ``dpwa.node``)."""
+
+    PULL = "pull"
+    """Fetch the peers' published snapshots."""
+    PUSH = "push"
+    """Send one's own snapshot, with a share of the rule's state, to the peers' inboxes; mix what arrives."""
+    EXCHANGE = "exchange"
+    """A fetch that carries one's own snapshot along: both ends of the pair mix."""
 
 
 @dataclass
@@ -155,8 +169,11 @@ class Rule(ABC):
     """The peer schedules (:mod:`dpwa.rules.schedules`) this rule works with: the values its ``peers`` key allows."""
     default_schedule: ClassVar[str] = "random"
     """The schedule that ``peers: auto`` (the default) stands for; one of :attr:`allowed_schedules`."""
-    transfer: ClassVar[str] = "pull"
-    """``pull``, ``push`` or ``exchange``: how this rule's models travel (module doc-string)."""
+    transfer: ClassVar[Transfer] = Transfer.PULL
+    """How this rule's models travel (module doc-string)."""
+    mass_key: ClassVar[str | None] = None
+    """The extras key of the mass a push carries (push-sum: ``"w_given"``), which the node sums over the pushes
+    in flight and in its inbox for its statistics; None: the rule's pushes carry no mass."""
     overlap: int = 0
     """``push`` rules: how many pushes may still await their ACK when ``update_wait`` returns (OSGP's tau)."""
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
 from dpwa.rules.mixing import interpolate_, mix_clock, scale_motion_
 from dpwa.utils.settings import Settings, setting
 
@@ -106,7 +106,8 @@ class PushSumRule(Rule):
     name = "pushsum"
     settings_class = PushSumSettings
     default_schedule = "exponential"  # SGP's one-peer exponential graph
-    transfer = "push"
+    transfer = Transfer.PUSH
+    mass_key = "w_given"
 
     def __init__(self, overlap: int = 0, divergence_threshold: float = 0.0) -> None:
         super().__init__(divergence_threshold)

@@ -1,0 +1,169 @@
+"""A node's direct contact with its members, outside the exchange: JOIN one member, tell every member its table.
+
+* :func:`join` -- a node started with ``join: [NAME@]HOST:PORT`` asks that member to admit it (a JOIN, repeated
+  every ``timeouts.exchange_s`` seconds) and takes the cluster's table from the MEMBERS answer
+  (:func:`join_answer`), or is refused (JoinRefused) or times out (TimeoutError);
+* :func:`wait_for_peers` -- before training, a MEMBERS message to every member, waiting (bounded) until each has
+  answered: nodes started together start training together;
+* :func:`announce` -- a leaving node's table (which says it left) to every member that is up, waiting (bounded)
+  for their answers; a member whose connection is refused is not waited for.
+
+The decisions are the node's (what to send, what an answer means for the member table); the sockets are the
+transport's control plane (:class:`~dpwa.node.transport.ControlPlane`). Trainer's thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+from dpwa.config import JoinAddress
+from dpwa.node import wire
+from dpwa.node.members import JoinRefused, Member
+from dpwa.node.membership import Membership
+from dpwa.node.peers import FlowControl
+from dpwa.node.stats import NodeStats
+from dpwa.node.timeouts import Timeouts
+from dpwa.node.transfers import TransferPattern
+from dpwa.node.transport import Transport
+from dpwa.node.wire import Kind
+from dpwa.security.curve import NodeSecurity
+
+__all__ = ["Contacting", "announce", "ask_members", "join", "join_answer", "wait_for_peers"]
+
+log = logging.getLogger(__name__)
+
+
+class Contacting(Protocol):
+    """What contacting the members uses of the node (:class:`dpwa.node.core.Node` is one)."""
+
+    name: str
+    membership: Membership
+    requests: Iterator[int]
+    """Request ids: one counter for every request the node sends."""
+    stats: NodeStats
+    timeouts: Timeouts
+    transport: Transport
+    security: NodeSecurity | None
+    flow: FlowControl
+    flow_lock: threading.Lock
+    transfer: TransferPattern
+    """What the leave announcement says of each member's latest push here (its ``verdict_for``)."""
+    started_with: set[str]
+    """The peers that answered :func:`wait_for_peers`."""
+
+
+def join(node: Contacting, address: JoinAddress, timeout_s: float) -> Member:
+    """Ask the member at ``address`` to admit ``node`` (a JOIN, repeated every ``timeouts.exchange_s`` seconds until
+    ``timeout_s``), then take the cluster's table from its answer (:func:`join_answer`); ``node``'s own entry.
+
+    JoinRefused (the member's reason: a name clash, a file node's name) or TimeoutError (no answer; with
+    CURVE, an unlisted key looks the same)."""
+    me = node.membership.me
+
+    def request() -> tuple[int, bytes]:
+        req = next(node.requests)
+        return req, wire.encode_join(node.name, req, me.host, me.port)
+
+    own = node.transport.control.join(
+        address.name,
+        f"tcp://{address.host}:{address.port}",
+        request,
+        lambda frames, req: join_answer(node, frames, req, address),
+        retry_s=node.timeouts.exchange_s,
+        timeout_s=timeout_s,
+    )
+    if own is None:
+        hint = (
+            f"; with security.curve on, is {node.name}.key in every member's key directory?"
+            if node.security is not None
+            else ""
+        )
+        raise TimeoutError(
+            f"node {node.name}: no answer to its JOIN from {address} in {timeout_s:g} s"
+            f" (is a member listening there?){hint}"
+        )
+    return own
+
+
+def join_answer(node: Contacting, frames: list[bytes], req: int, address: JoinAddress) -> Member | None:
+    """The answer to JOIN ``req``: ``node``'s entry once the table is taken; None for an unrelated message (counted
+    ``stale_replies``); JoinRefused for an ERROR."""
+    try:
+        header = wire.decode_message(frames[0]) if len(frames) == 1 else None
+    except wire.WireError:
+        header = None
+    if header is None or header.req != req:
+        node.stats.add("stale_replies")
+        return None
+    if header.kind is Kind.ERROR:
+        raise JoinRefused(f"node {node.name}: the member at {address} refused to admit it: {header.detail}")
+    if header.kind is not Kind.MEMBERS or header.members is None:
+        node.stats.add("stale_replies")
+        return None
+    fixed = [m.spec() for m in header.members if m.name in header.permanent]
+    own = node.membership.adopt(fixed, header.members, mass=header.mass)
+    log.info(
+        "node %s: joined the cluster through %s (%s) as version %d; %d members",
+        node.name,
+        header.node,
+        address,
+        own.version,
+        len(node.membership.order()),
+    )
+    return own
+
+
+def announce(node: Contacting, deadline: float) -> None:
+    """Send ``node``'s table (which says it left) to every member flow control thinks up, and wait until
+    ``deadline`` (time.monotonic seconds) for their answers (counted ``leave_acknowledged``); a member whose
+    connection is refused (a dead node on a live host) is not waited for. Each message carries the verdict on
+    that member's latest push here."""
+    news = node.membership.full_news()
+    with node.flow_lock:
+        members = [m for m in node.membership.peers() if node.flow.is_up(m.name)]
+
+    def message(member: Member) -> bytes:
+        return wire.encode_members(node.name, next(node.requests), news, settled=node.transfer.verdict_for(member.name))
+
+    answered = ask_members(node, members, message, deadline, refused_ends=True)
+    node.stats.add("leave_acknowledged", len(answered))
+
+
+def wait_for_peers(node: Contacting, timeout_s: float) -> dict[str, bool]:
+    """Send every member ``node``'s table (a MEMBERS message, which a node's server answers as soon as it listens)
+    and wait until each has answered or ``timeout_s`` seconds passed. A member not listening yet is waited for
+    (ZeroMQ delivers once it binds). Member name -> answered; those that did join ``node.started_with``."""
+    news = node.membership.full_news()
+    members = list(node.membership.peers())
+    deadline = time.monotonic() + timeout_s
+
+    def message(member: Member) -> bytes:
+        return wire.encode_members(node.name, next(node.requests), news)
+
+    answered = ask_members(node, members, message, deadline, refused_ends=False)
+    node.started_with |= answered
+    return {m.name: m.name in answered for m in members}
+
+
+def ask_members(
+    node: Contacting,
+    members: Sequence[Member],
+    message: Callable[[Member], bytes],
+    deadline: float,
+    *,
+    refused_ends: bool,
+) -> set[str]:
+    """Send each member ``message(member)`` on a control socket of its own and wait until ``deadline`` for
+    their answers (:meth:`~dpwa.node.transport.ControlPlane.ask`; ``refused_ends``: a member whose connection
+    is refused is not waited for). The names that answered."""
+    by_name = {m.name: m for m in members}
+    return node.transport.control.ask(
+        [(m.name, m.spec().endpoint) for m in members],
+        lambda name: message(by_name[name]),
+        deadline,
+        refused_ends=refused_ends,
+    )

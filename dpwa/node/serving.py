@@ -1,0 +1,199 @@
+"""What the RX thread answers, decided for the node: a FETCH (:func:`serve`) and a membership message
+(:func:`answer_membership`); and a node that only serves before it closes (:func:`linger`).
+
+:func:`serve` answers a FETCH with the current snapshot, zero-copy, or an ERROR saying why not (the node left,
+it has published nothing yet, a different layout, an exchange whose push is not here). It leases the snapshot
+for the reply; the lease ends exactly once: when ZeroMQ is done sending (the reply's ``sent`` hook), or at once
+when no reply with the snapshot goes out. Both kinds of answer carry member news.
+
+:func:`answer_membership` takes a PUSH's member news, admits a joining node (or says why not), and answers a
+MEMBERS announcement with this node's table (a leaving member's also settles this node's push to it).
+Both run on the RX thread and return promptly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+from dpwa.node import wire
+from dpwa.node.members import JoinRefused
+from dpwa.node.membership import Membership
+from dpwa.node.snapshots import Snapshot, SnapshotPool
+from dpwa.node.stats import NodeStats, OnceLog
+from dpwa.node.transfers import TransferPattern
+from dpwa.node.transport import Reply
+from dpwa.node.wire import ErrorCode, Kind, Layout, MemberNews
+from dpwa.rules import NodeState, Rule
+from dpwa.security.curve import NodeSecurity
+
+__all__ = ["Served", "answer_membership", "linger", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+class Served(Protocol):
+    """What serving reads of the node (:class:`dpwa.node.core.Node` is one)."""
+
+    name: str
+    membership: Membership
+    stats: NodeStats
+    once: OnceLog
+    rule: Rule
+    state: NodeState
+    state_lock: threading.Lock
+    """Guards ``state`` and the rule."""
+    wire_layout: Layout | None
+    pool: SnapshotPool | None
+    transfer: TransferPattern
+    security: NodeSecurity | None
+    closed: bool
+
+
+def _error(node: Served, req: int, code: ErrorCode, detail: str, news: MemberNews | None = None) -> Reply:
+    return Reply(wire.encode_error(node.name, req, code, detail, news))
+
+
+def serve(node: Served, request: wire.Fetch) -> Reply:
+    """Answer a FETCH with the current snapshot, or an error naming why not; both carry member news."""
+    node.membership.observe(request)
+    if node.membership.leaving:
+        node.stats.add("left_answers")
+        return _error(node, request.req, ErrorCode.LEFT, "this node has left the cluster", node.membership.full_news())
+    news = node.membership.reply_news(request)
+    layout, pool = node.wire_layout, node.pool
+    if layout is None or pool is None:
+        return _error(node, request.req, ErrorCode.NOT_READY, "no snapshot published yet", news)
+    if request.fingerprint != layout.fingerprint:
+        detail = (
+            f"{node.name} has layout {layout.fingerprint} ({len(layout.shapes)} arrays, "
+            f"{layout.total_bytes} bytes), {request.node} asked for {request.fingerprint}"
+        )
+        node.once.warning(
+            (request.node, "layout"), "node %s: refusing %s: layout mismatch: %s", node.name, request.node, detail
+        )
+        return _error(node, request.req, ErrorCode.LAYOUT, detail)
+    snapshot = pool.lease()
+    if snapshot is None:
+        return _error(node, request.req, ErrorCode.NOT_READY, "no snapshot published yet", news)
+    reply = None
+    try:
+        refusal = None
+        if request.exchange >= 0:  # AD-PSGD: the push that came just before keeps this snapshot as its pair
+            refusal = node.transfer.pair_exchange(request.node, request.exchange, snapshot)
+        if refusal is not None:
+            return _error(node, request.req, *refusal)
+        reply = _state_reply(node, request, snapshot, layout, pool, news)
+        return reply
+    finally:
+        if reply is None:  # no reply with the snapshot goes out: the lease ends here
+            pool.release(snapshot)
+
+
+def _state_reply(
+    node: Served, request: wire.Fetch, snapshot: Snapshot, layout: Layout, pool: SnapshotPool, news: MemberNews
+) -> Reply:
+    """The STATE reply of ``snapshot`` (leased): the rule's ``on_serve`` extras ride along, given back by
+    ``on_serve_failed`` when the reply is never sent; the lease ends when the send has."""
+    with node.state_lock:
+        if request.extras:
+            node.rule.on_request(node.state, request.extras)
+        given = node.rule.on_serve(node.state)
+    stream = request.stream and wire.can_stream(request.req)
+    encode = functools.partial(
+        wire.encode_state,
+        node.name,
+        request.req,
+        clock=snapshot.clock,
+        loss=snapshot.loss,
+        extras={**snapshot.extras, **given},
+        layout=layout,
+        stream=stream,
+        gen=snapshot.gen,
+        front=snapshot.front,
+    )
+    try:
+        header = encode(news=news)
+    except ValueError:  # the member table does not fit a header: its digest goes alone
+        header = encode(news=MemberNews(news.digest))
+
+    def sent(tracker: Any) -> None:
+        pool.release(snapshot, tracker)
+        if tracker is None and given:  # never sent: give back what on_serve handed out
+            with node.state_lock:
+                node.rule.on_serve_failed(node.state, given)
+
+    def prepare(index: int) -> None:
+        pool.prepare(snapshot, index)
+
+    return Reply(header, snapshot.frames, sent, prepare, stream, request.req)
+
+
+def answer_membership(node: Served, header: wire.Push | wire.Join | wire.Members, user: str | None) -> bytes | None:
+    """A PUSH's member news (no answer), a JOIN (answered MEMBERS or ERROR join-refused), or a MEMBERS
+    announcement (answered with this node's table). ``user``: the sender's CURVE identity (None without CURVE)."""
+    membership = node.membership
+    if header.kind is Kind.PUSH:
+        membership.observe(header)
+        return None
+    if header.kind is Kind.MEMBERS:
+        trusted = node.security is None or user == header.node  # with CURVE, the sender is its key's name
+        membership.observe(header, authenticated=trusted)
+        leaver = membership.get(header.node)
+        if header.settled is not None and trusted and leaver is not None and leaver.state == "left":
+            node.transfer.settle_with_leaver(header.node, *header.settled)
+        return wire.encode_members(node.name, header.req, membership.full_news())
+    return _answer_join(node, header, user)
+
+
+def _answer_join(node: Served, header: wire.Join, user: str | None) -> bytes:
+    """Admit the node that asks to join, or refuse it (ERROR join-refused, with the reason)."""
+    membership = node.membership
+    refused = None
+    if membership.leaving:
+        refused = f"{node.name} is leaving the cluster; join through another member"
+    elif node.security is not None and user != header.node:
+        refused = f"the joining node calls itself {header.node!r} but its CURVE key is {user!r}'s"
+    else:
+        try:
+            entry = membership.admit(header.node, header.host, header.port)
+        except JoinRefused as err:
+            refused = str(err)
+    if refused is not None:
+        node.stats.add("joins_refused")
+        log.warning("node %s: refused a join of %s: %s", node.name, header.node, refused)
+        return wire.encode_error(node.name, header.req, ErrorCode.JOIN_REFUSED, refused)
+    node.stats.add("joins_admitted")
+    log.info("node %s: %s joined from %s:%d (version %d)", node.name, entry.name, entry.host, entry.port, entry.version)
+    return wire.encode_members(
+        node.name,
+        header.req,
+        membership.full_news(),
+        permanent=membership.permanent(),
+        mass=float(membership.incarnations()),
+    )
+
+
+def linger(node: Served, seconds: float, idle_s: float = 1.0) -> float:
+    """Trainer thread, after training: keep serving the last snapshot for up to ``seconds``, less once no peer
+    fetched for ``idle_s``; the seconds spent.
+
+    A node that finished training and closed at once would cost every peer still training a timeout or three
+    before flow control marks it down. The transfer is told first (:meth:`TransferPattern.linger_starts`): an
+    exchange rule's node refuses new exchanges while it lingers; pulls are still served, and a push rule's node
+    still takes pushes (its hand-off folds them)."""
+    node.transfer.linger_starts()
+    start = last = time.monotonic()
+    served = node.stats.snapshot()["served"]
+    while not node.closed:
+        now = time.monotonic()
+        if now - start >= seconds or now - last >= idle_s:
+            break
+        time.sleep(min(0.05, idle_s / 4))
+        current = node.stats.snapshot()["served"]
+        if current != served:
+            served, last = current, time.monotonic()
+    return time.monotonic() - start

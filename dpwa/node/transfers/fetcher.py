@@ -1,0 +1,209 @@
+"""Fetching: jobs the TX thread runs into this node's preallocated receive buffers, and their verdicts.
+
+Every transfer pattern fetches: a pull rule every round, an exchange rule one peer a round (its job carries the
+exchange's push), a push rule only to bootstrap. :class:`Fetcher` owns what that takes:
+
+* the receive buffers (one per peer a round can fetch), allocated at the first publish;
+* the job ``update_send`` started (:attr:`Fetcher.pending`), waited for by ``update_wait`` at most until its
+  deadline plus the verdict slack, a target still without a verdict then timed out here (``late``);
+* the generation of the snapshot last fetched from each peer, so that a reply holding the very snapshot fetched
+  last time is marked a ``repeat`` (the peer published nothing since);
+* each verdict's counting, logging and flow-control effect (:meth:`Fetcher.fetch_done`, on the TX thread);
+* whether the node trains alone (no peer up), said once when it starts and once when a peer answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from dpwa.metrics import DECLINED_CODES, fetch_reason
+from dpwa.node.states import FetchStatus, fetch_effect
+from dpwa.node.transfers.host import Host
+from dpwa.node.transport import FetchJob, FetchTarget
+from dpwa.node.wire import Layout
+from dpwa.rules import NodeState, PeerSnapshot
+from dpwa.rules.schedules import Round
+
+__all__ = ["Fetcher", "round_peers"]
+
+log = logging.getLogger(__name__)
+
+
+def round_peers(host: Host) -> tuple[list[str], bool]:
+    """This round's peers, to fetch from or push to: the schedule's (down peers left out unless a probe is due),
+    else flow control's choice; and whether any peer was wanted at all."""
+    with host.state_lock:
+        wanted = host.schedule.targets(Round(host.name, host.names, host.step, host.state))
+    with host.flow_lock:
+        if wanted is None:
+            chosen = host.flow.choose(host.schedule.fanout)
+        else:
+            chosen = host.flow.admit([p for p in wanted if p != host.name])
+    return chosen, wanted is None or bool(wanted)
+
+
+class Fetcher:
+    """One node's fetch jobs (see the module doc-string). The trainer's thread starts and waits for jobs; the TX
+    thread reports verdicts through :meth:`fetch_done`; :meth:`forget` may come from any thread."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.slots: list[tuple[np.ndarray, list[np.ndarray]]] = []
+        """The receive buffers: (flat buffer, its views in the local layout)."""
+        self.pending: FetchJob | None = None
+        """The job ``update_send`` started and ``update_wait`` has not waited for yet."""
+        self._waited: FetchJob | None = None
+        self.alone = False
+        """No peer was up at the latest fetch: the node trains alone until one answers."""
+        self._gens: dict[str, int] = {}
+        self._gens_lock = threading.Lock()
+
+    def allocate(self, layout: Layout, count: int) -> None:
+        """Allocate ``count`` (at least one) receive buffers in ``layout`` (once, at the first publish)."""
+        for _ in range(max(1, count)):
+            buffer = layout.allocate()
+            self.slots.append((buffer, layout.views(buffer)))
+
+    def in_flight(self) -> bool:
+        """True while the pending job has a target without a verdict (any thread)."""
+        job = self.pending
+        return job is not None and not job.done.is_set()
+
+    # ------------------------------------------------------------ trainer thread: the step
+
+    def plan(self) -> tuple[list[FetchTarget], dict[str, Any]] | None:
+        """``update_send``: this round's targets (one receive buffer each) and the rule's request extras, or None
+        when no fetch starts: the previous one is still in flight, ``fetch_probability`` said no, or no peer is
+        up (counted in ``fetches_skipped``; the node then trains alone, said once)."""
+        host = self.host
+        if self.in_flight():
+            host.stats.add("fetches_skipped")  # update_wait was not called for the previous fetch
+            return None
+        self.pending = None
+        if host.rng.random() >= host.config.fetch_probability:
+            return None
+        with host.state_lock:
+            extras = host.rule.request_extras(host.state)
+        chosen, wanted = round_peers(host)
+        chosen = chosen[: len(self.slots)]
+        if not chosen:
+            host.stats.add("fetches_skipped")
+            if not self.alone and len(host.names) > 1 and wanted:
+                log.warning("node %s: no peer is up; training alone (factor 0) until one answers", host.name)
+            self.alone = True
+            return None
+        return [FetchTarget(peer, buf, views) for peer, (buf, views) in zip(chosen, self.slots)], extras
+
+    def job(self, targets: list[FetchTarget], extras: dict[str, Any]) -> FetchJob:
+        """A job for ``targets`` with the next request id, due one exchange timeout from now."""
+        deadline = time.monotonic() + self.host.timeouts.exchange_s
+        return FetchJob(next(self.host.requests), targets, deadline, extras)
+
+    def submit(self, job: FetchJob) -> None:
+        """Hand ``job`` to the TX thread; it is the pending job until ``update_wait``."""
+        self.pending = job
+        self.host.tx.submit(job)
+
+    def wait(self) -> None:
+        """``update_wait``: wait for the pending job's verdicts (bounded); a target without one is timed out."""
+        job, self.pending = self.pending, None
+        for target in job.wait() if job is not None else ():  # a busy or stalled TX thread: timed out here
+            self.fetch_done(job, target)
+        self._waited = job
+
+    def collect(self) -> tuple[list[FetchTarget], list[PeerSnapshot]]:
+        """After :meth:`wait`: the job's targets, and its replies that came whole as peers for the rule."""
+        job, self._waited = self._waited, None
+        targets = job.targets if job is not None else []
+        return targets, [self.fetched(t) for t in targets if t.status == FetchStatus.OK and t.header is not None]
+
+    def fetched(self, target: FetchTarget) -> PeerSnapshot:
+        """A fetched reply as a peer for the rule, marked ``repeat`` when it holds the very snapshot (same
+        generation) this node fetched from that peer last time: the peer has published nothing since."""
+        header = target.header
+        assert header is not None
+        with self._gens_lock:
+            repeat = header.gen >= 1 and self._gens.get(target.peer) == header.gen
+            self._gens[target.peer] = header.gen
+        self.host.note_front(header.front)
+        return PeerSnapshot(
+            NodeState(target.peer, header.clock, header.loss, dict(header.extras)), target.views, repeat=repeat
+        )
+
+    def fetch_one(self, peer: str, deadline: float) -> PeerSnapshot | None:
+        """Fetch ``peer``'s snapshot into the first receive buffer, waiting at most until one exchange timeout from
+        now (or ``deadline``, if sooner) plus the verdict slack; the snapshot, or None when it did not come."""
+        buffer, views = self.slots[0]
+        target = FetchTarget(peer, buffer, views)
+        due = min(deadline, time.monotonic() + self.host.timeouts.exchange_s)
+        job = FetchJob(next(self.host.requests), [target], due)
+        self.host.tx.submit(job)
+        for late in job.wait():  # the TX thread is late: time the fetch out here, as update_wait does
+            self.fetch_done(job, late)
+        if target.status != FetchStatus.OK or target.header is None:
+            return None
+        return self.fetched(target)  # its generation is recorded: a copied snapshot is not mixed again
+
+    def forget(self, peer: str) -> None:
+        """``peer`` was forgotten: drop the generation last fetched from it."""
+        with self._gens_lock:
+            self._gens.pop(peer, None)
+
+    # ------------------------------------------------------------ TX thread
+
+    def fetch_done(self, job: FetchJob, target: FetchTarget) -> None:
+        """Count a finished fetch, take the member news of its answer, feed flow control, say what went wrong."""
+        host, peer = self.host, target.peer
+        host.stats.peer_outcome(peer, target.status)
+        if target.header is not None and target.status in (FetchStatus.OK, FetchStatus.REFUSED):
+            host.membership.observe(target.header)
+        if target.status == FetchStatus.OK:
+            host.stats.fetch_done(target.ms, target.nbytes)
+        else:
+            host.stats.outcome(fetch_reason(target.status, target.code, target.late) or target.status)
+        host.flow_outcome(peer, fetch_effect(target.status, target.code))
+        if target.status != FetchStatus.OK:
+            self._failed(target)
+        elif self.alone:
+            log.info("node %s: peer %s answers; mixing again", host.name, peer)
+            self.alone = False
+
+    def _failed(self, target: FetchTarget) -> None:
+        """Count a fetch that did not end ok by its kind, and say so once per peer and reason."""
+        host, peer, once = self.host, target.peer, self.host.once
+        if target.status == FetchStatus.TIMEOUT and target.late:
+            host.stats.add("fetches_timed_out")
+            host.stats.add("fetches_late")
+            once.warning(
+                (peer, "late"), "node %s: no verdict on %s by the deadline: the TX thread is late", host.name, peer
+            )
+        elif target.status == FetchStatus.TIMEOUT:
+            host.stats.add("fetches_timed_out")
+            once.warning((peer, "timeout"), "node %s: peer %s did not answer in time", host.name, peer)
+        elif target.status == FetchStatus.REFUSED:
+            host.stats.refuse(target.code)
+            once.warning(
+                (peer, target.code),
+                "node %s: peer %s refused: %s (%s)",
+                host.name,
+                peer,
+                target.code,
+                target.detail,
+                # a peer starting up, busy, or gone has declined, not failed: routine
+                level=logging.INFO if target.code in DECLINED_CODES else logging.WARNING,
+            )
+        else:
+            host.stats.reject(target.code, target.nbytes)
+            once.warning(
+                (peer, target.code),
+                "node %s: dropped a reply from %s (%s%s)",
+                host.name,
+                peer,
+                target.code,
+                f": {target.detail}" if target.detail else "",
+            )

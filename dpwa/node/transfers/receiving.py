@@ -1,0 +1,95 @@
+"""The receiving half shared by the patterns whose node takes models it did not ask for: push and exchange.
+
+:class:`InboxTransfer` owns the node's inbox (:class:`~dpwa.node.inbox.PushReceiver`), which the RX thread
+fills: it pairs an exchange's push with the snapshot served to the same sender's FETCH, turns the slots
+``update_wait`` drains into peers for the rule (an exchange's with the snapshot served as its reference), tells
+the inbox who the members are, and accounts for what the inbox holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dpwa.node.inbox import InboxSlot, PushReceiver
+from dpwa.node.snapshots import Snapshot
+from dpwa.node.transfers.base import Arrival, Refusal, TransferPattern
+from dpwa.node.transfers.fetcher import Fetcher
+from dpwa.node.transfers.host import Host
+from dpwa.node.wire import ErrorCode, Layout
+from dpwa.rules import NodeState, PeerSnapshot
+
+__all__ = ["InboxTransfer"]
+
+
+class InboxTransfer(TransferPattern):
+    """A pattern with an inbox; a subclass says what it sends (:meth:`start`) and what it takes (:meth:`collect`)."""
+
+    inbox: PushReceiver
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host, Fetcher(host))
+        config = host.config
+        self.inbox = PushReceiver(
+            host.name,
+            host.names,
+            host.layouts,
+            config.inbox_slots,
+            host.timeouts.exchange_s,
+            host.stats.add,
+            host.stats.reject_push,
+            host.release_snapshot,
+            check_identity=config.security.curve,
+            per_sender=config.inbox_per_sender,
+        )
+
+    def held_snapshots(self) -> int:
+        """One per inbox slot (an exchange's pair), and per push a round may still have unsettled."""
+        host = self.host
+        return host.config.inbox_slots + max(1, host.schedule.max_fanout(len(host.names))) * (host.rule.overlap + 2)
+
+    def allocate(self, layout: Layout) -> None:
+        super().allocate(layout)
+        self.inbox.allocate(layout)
+
+    def drain(self, *, every: bool, upto: int | None, window: int) -> tuple[list[InboxSlot], list[PeerSnapshot]]:
+        """The inbox's slots to mix now (:meth:`PushReceiver.drain`) and the peers they hold, for the rule; the
+        slots stay the trainer's until released."""
+        slots = self.inbox.drain(every=every, upto=upto, window=window)
+        try:
+            return slots, [self._peer(s) for s in slots]
+        except BaseException:
+            self.inbox.release(slots)
+            raise
+
+    def _peer(self, slot: InboxSlot) -> PeerSnapshot:
+        """What an inbox slot holds, as a peer for the rule (an exchange with the snapshot served as reference)."""
+        header = slot.header
+        assert header is not None
+        self.host.note_front(header.front)
+        reference = slot.served.readonly if slot.served is not None else None
+        return PeerSnapshot(
+            NodeState(slot.sender, header.clock, header.loss, dict(header.extras)), slot.views, reference
+        )
+
+    def fields(self, arrival: Arrival) -> dict[str, Any]:
+        return {"received": len(arrival.received)}
+
+    def pair_exchange(self, sender: str, seq: int, snapshot: Snapshot) -> Refusal | None:
+        """Keep ``snapshot`` (a lease of its own) as the pair of the held push of ``sender``'s exchange ``seq``."""
+        pool = self.host.pool
+        assert pool is not None
+        pool.retain(snapshot)
+        if self.inbox.serve_exchange(sender, seq, snapshot):
+            return None
+        pool.release(snapshot)  # the lease taken for the exchange
+        return ErrorCode.NOT_DELIVERED, "the exchange's push is not here"
+
+    def set_senders(self, names: Sequence[str]) -> None:
+        self.inbox.set_senders(list(names))
+
+    def verdict_for(self, peer: str) -> tuple[int, bool | None]:
+        return self.inbox.verdict_for(peer)
+
+    def stats(self) -> dict[str, Any]:
+        return {"inbox_mass": self.inbox.pending_mass(self.host.rule.mass_key), "inbox_occupied": self.inbox.occupied()}
