@@ -48,7 +48,7 @@ def fetch_reason(status: str, code: str = "", late: bool = False) -> str | None:
     if status == "timeout" and late:
         return "timeout: late"
     if not code or (status == "timeout" and code == "timeout"):
-        return status
+        return str(status)  # the word itself, also for a status Enum
     return f"{status}: {code}"
 
 

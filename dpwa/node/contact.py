@@ -162,8 +162,17 @@ def ask_members(
     is refused is not waited for). The names that answered."""
     by_name = {m.name: m for m in members}
     return node.transport.control.ask(
-        [(m.name, m.spec().endpoint) for m in members],
+        [(m.name, endpoint) for m in members if (endpoint := reachable_at(m)) is not None],
         lambda name: message(by_name[name]),
         deadline,
         refused_ends=refused_ends,
     )
+
+
+def reachable_at(member: Member) -> str | None:
+    """The endpoint ``member``'s table entry names, or None when the entry names no valid address (it is skipped,
+    as a member that cannot be sent to)."""
+    try:
+        return member.spec().endpoint
+    except (KeyError, ValueError):
+        return None

@@ -70,6 +70,14 @@ def _as_loss(loss: Any) -> float:
     return value
 
 
+def lost_extras(header: wire.Message | None) -> dict[str, Any] | None:
+    """What a lost reply told the rule: a STATE's extras, ``{}`` for another answer (an ERROR that came after the
+    target timed out), None when nothing came."""
+    if header is None:
+        return None
+    return dict(header.extras) if isinstance(header, wire.State) else {}
+
+
 class Node:
     """Everything a node is, minus the public facade; the threads hold only this object.
 
@@ -336,7 +344,7 @@ class Node:
             clock_before = self.state.clock
             for t in arrival.targets:
                 if t.status in (FetchStatus.TIMEOUT, FetchStatus.REJECTED):
-                    self.rule.on_reply_lost(self.state, dict(t.header.extras) if t.header is not None else None)
+                    self.rule.on_reply_lost(self.state, lost_extras(t.header))
             distance = self.measure_distance(others)
             outcome = None
             if others and not self.recovery.caught_up:

@@ -39,6 +39,12 @@ class SocketThread(threading.Thread):
         """Ask the thread to end; it does within ``POLL_MS`` (join it to know)."""
         self._stop_flag.set()
 
+    def close_socket(self) -> None:
+        """Close the socket of a thread that was never started (its owner gives up before :meth:`start`)."""
+        if self.is_alive():
+            raise RuntimeError(f"{self.name} is running: stop it, and it closes its socket")
+        self._sock.close(linger=0)
+
     def run(self) -> None:
         sock = self._sock
         try:

@@ -176,7 +176,12 @@ class PushTransfer(InboxTransfer):
         host = self.host
         targets, fetched = self.fetcher.collect()
         returned, self._returned = self._returned, []
-        slots, received = self.drain(every=True, upto=upto, window=self.source_window())
+        try:
+            slots, received = self.drain(every=True, upto=upto, window=self.source_window())
+        except BaseException:  # the refused pushes' snapshots go back all the same
+            for p in returned:
+                host.release_snapshot(p.snapshot, p.tracker)
+            raise
         back = [
             PeerSnapshot(NodeState(host.name, p.snapshot.clock, p.snapshot.loss, dict(p.given)), p.snapshot.readonly)
             for p in returned

@@ -113,14 +113,23 @@ class Transport:
                 self.security = security(self.ctx, port.auth_denied)
             self.rx = self.make_rx(endpoint, port)
         except BaseException:  # a busy port, a missing key: stop what started, then raise
-            if self.security is not None:
-                self.security.stop()
-            self.ctx.term()
+            self._abandon()
             raise
         warn_if_exposed(name, self.rx.endpoint, curve=self.security is not None)
-        self.tx = self.make_tx(dict(peers), port)
+        try:
+            self.tx = self.make_tx(dict(peers), port)
+        except BaseException:  # the RX server is bound but never ran: close its socket too
+            self.rx.close_socket()
+            self._abandon()
+            raise
         client = self.security.client if self.security is not None else None
         self.control = ControlPlane(self.ctx, name, port, setup=client, reconnect_ms=timeouts.control_reconnect_ms)
+
+    def _abandon(self) -> None:
+        """Construction failed: stop the ZAP handler (if it started) and end the context."""
+        if self.security is not None:
+            self.security.stop()
+        self.ctx.term()
 
     def make_rx(self, endpoint: str, port: NodePort) -> RxServer:
         """The RX server, bound at ``endpoint`` (not started). A wrapping transport overrides this."""
