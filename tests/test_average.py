@@ -101,6 +101,7 @@ def evaluate(state_dict):
 """
 
 
+@pytest.mark.slow  # several seconds: kept out of the fast subset
 def test_dpwa_average_writes_the_average_and_evaluates_it_beside_the_nodes_and_a_baseline(tmp_path: Path) -> None:
     run_dir = run_dir_of(tmp_path, "run", {"w1": ([1.0, 0.0], 1.0), "w2": ([3.0, 0.0], 1.0)})
     baseline = run_dir_of(tmp_path, "one", {"w1": ([2.5, 0.0], 1.0)})

@@ -155,6 +155,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # several seconds: kept out of the fast subset
 @pytest.mark.timing
 def test_a_writer_killed_at_random_points_never_leaves_an_unloadable_checkpoint(tmp_path: Path) -> None:
     """12 writer processes in turn, each SIGKILLed after a random 0-150 ms of writing 1.6 MB checkpoints."""

@@ -92,6 +92,7 @@ def _read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # several seconds: kept out of the fast subset
 @pytest.mark.integration
 @pytest.mark.outcome
 @pytest.mark.usefixtures("keep_torch_threads")

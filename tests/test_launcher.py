@@ -538,6 +538,7 @@ def test_a_node_whose_port_was_taken_after_the_check_fails_with_one_line(tmp_pat
     assert port_is_free(busy_port) is False
 
 
+@pytest.mark.slow  # several seconds: kept out of the fast subset
 @pytest.mark.skipif(not importlib.util.find_spec("torch"), reason="the built-in demo needs torch")
 def test_the_built_in_demo_on_a_taken_port_logs_one_error_line(tmp_path: Path, busy_port: int) -> None:
     path = cluster(tmp_path / "c.yaml", [busy_port])

@@ -160,6 +160,7 @@ def free_base_port(hosts: list[str], tasks: int) -> int:
     raise RuntimeError("no free base port in 10000-19999")
 
 
+@pytest.mark.slow  # several seconds: kept out of the fast subset
 @pytest.mark.integration
 def test_srun_python_train_py_tasks_find_each_other_through_the_adapter(tmp_path: Path) -> None:
     """3 tasks on one host alias (127.0.0.4), started as `srun -n 3 python train.py` would: each adapter builds

@@ -97,6 +97,7 @@ def test_dpwa_plot_tensorboard_and_its_errors(tmp_path: Path, monkeypatch) -> No
         "'dpwa[tensorboard]'\n"  # fmt: skip
 
 
+@pytest.mark.slow  # several seconds: kept out of the fast subset
 @pytest.mark.integration
 def test_dpwa_run_tensorboard_writes_each_nodes_scalars(tmp_path: Path) -> None:
     script = tmp_path / "gossip_node.py"
