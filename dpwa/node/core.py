@@ -41,10 +41,8 @@ from dpwa.node.transport import (
     FetchJob,
     FetchTarget,
     Reply,
-    RxServer,
     Transport,
     TransportFactory,
-    TxFetcher,
 )
 from dpwa.node.wire import Layout
 from dpwa.node.wiring import open_transport
@@ -139,16 +137,6 @@ class Node:
             rule.name,
             schedule.name,
         )
-
-    @property
-    def rx(self) -> RxServer:
-        """The transport's RX thread."""
-        return self.transport.rx
-
-    @property
-    def tx(self) -> TxFetcher:
-        """The transport's TX thread."""
-        return self.transport.tx
 
     def _init_step(self, rule: Rule, schedule: Schedule, seed: int | None, peers: list[str]) -> None:
         """Everything the step works with, before the threads start: the rule and schedule, the node's gossip

@@ -24,7 +24,7 @@ __all__ = ["Follower", "PeerLinks", "forget_member", "sync_members"]
 
 
 class PeerLinks(Protocol):
-    """The TX thread, as the member table steers it."""
+    """The transport, as the member table steers its TX thread."""
 
     def set_peer(self, peer: str, endpoint: str | None) -> None:
         """Reach ``peer`` at ``endpoint`` from now on; None: it is gone."""
@@ -47,8 +47,8 @@ class Follower(Protocol):
     flow_lock: threading.Lock
 
     @property
-    def tx(self) -> PeerLinks:
-        """The TX thread."""
+    def transport(self) -> PeerLinks:
+        """The node's transport: its TX thread reaches the members."""
         ...
 
     transfer: TransferPattern
@@ -77,10 +77,10 @@ def sync_members(node: Follower) -> None:
             endpoint = member.spec().endpoint
             if node.endpoints.get(name) != endpoint:
                 node.endpoints[name] = endpoint
-                node.tx.set_peer(name, endpoint)
+                node.transport.set_peer(name, endpoint)
         for name in set(node.endpoints) - peers.keys():
             del node.endpoints[name]
-            node.tx.set_peer(name, None)
+            node.transport.set_peer(name, None)
             if node.membership.get(name) is None:  # forgotten: nobody will answer, nothing is kept of it
                 forget_member(node, name)
         node.transfer.set_senders(list(peers))

@@ -21,7 +21,7 @@ from dpwa.node.transfers import TransferPattern
 from dpwa.rules import NodeState, Rule
 from dpwa.rules.schedules import Schedule
 
-__all__ = ["Reported", "Thread", "node_stats"]
+__all__ = ["Reported", "Thread", "Threads", "node_stats"]
 
 
 class Thread(Protocol):
@@ -32,6 +32,16 @@ class Thread(Protocol):
     def is_alive(self) -> bool:
         """Whether the thread still runs."""
         ...
+
+
+class Threads(Protocol):
+    """The transport, as reported: its two threads."""
+
+    @property
+    def rx(self) -> Thread: ...
+
+    @property
+    def tx(self) -> Thread: ...
 
 
 class Reported(Protocol):
@@ -50,13 +60,8 @@ class Reported(Protocol):
     transfer: TransferPattern
 
     @property
-    def rx(self) -> Thread:
-        """The RX thread."""
-        ...
-
-    @property
-    def tx(self) -> Thread:
-        """The TX thread."""
+    def transport(self) -> Threads:
+        """The node's transport, whose threads are reported."""
         ...
 
 
@@ -75,8 +80,7 @@ def node_stats(node: Reported) -> dict[str, Any]:
     out["schedule"] = node.schedule.name
     out["snapshot_buffers"] = len(node.pool) if node.pool is not None else 0
     out.update(node.transfer.stats())
-    out["rx_alive"], out["tx_alive"] = node.rx.is_alive(), node.tx.is_alive()
-    out["thread_errors"] = {
-        role: repr(thread.failure) for role, thread in (("rx", node.rx), ("tx", node.tx)) if thread.failure
-    }
+    rx, tx = node.transport.rx, node.transport.tx
+    out["rx_alive"], out["tx_alive"] = rx.is_alive(), tx.is_alive()
+    out["thread_errors"] = {role: repr(thread.failure) for role, thread in (("rx", rx), ("tx", tx)) if thread.failure}
     return out

@@ -107,7 +107,7 @@ class Fetcher:
     def submit(self, job: FetchJob) -> None:
         """Hand ``job`` to the TX thread; it is the pending job until ``update_wait``."""
         self.pending = job
-        self.host.tx.submit(job)
+        self.host.transport.submit(job)
 
     def wait(self) -> None:
         """``update_wait``: wait for the pending job's verdicts (bounded); a target without one is timed out."""
@@ -142,7 +142,7 @@ class Fetcher:
         target = FetchTarget(peer, buffer, views)
         due = min(deadline, time.monotonic() + self.host.timeouts.exchange_s)
         job = FetchJob(next(self.host.requests), [target], due)
-        self.host.tx.submit(job)
+        self.host.transport.submit(job)
         for late in job.wait():  # the TX thread is late: time the fetch out here, as update_wait does
             self.fetch_done(job, late)
         if target.status != FetchStatus.OK or target.header is None:

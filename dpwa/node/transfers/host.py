@@ -27,7 +27,7 @@ __all__ = ["Host", "Sender"]
 
 
 class Sender(Protocol):
-    """The TX thread, as a transfer hands it work."""
+    """The transport, as a transfer hands its TX thread work."""
 
     def submit(self, job: FetchJob) -> None:
         """Run ``job`` (one at a time, in order)."""
@@ -60,8 +60,8 @@ class Host(Protocol):
     pool: SnapshotPool | None
 
     @property
-    def tx(self) -> Sender:
-        """The TX thread."""
+    def transport(self) -> Sender:
+        """The node's transport: its TX thread takes the work."""
         ...
 
     requests: Iterator[int]

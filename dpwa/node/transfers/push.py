@@ -99,7 +99,7 @@ class PushTransfer(InboxTransfer):
         prepare = functools.partial(pool.prepare_push, snapshot)
         push = Push(peer, next(self.host.requests), given, snapshot, deadline, prepare=prepare)
         self.ledger.open(push)
-        self.host.tx.submit_push(push)
+        self.host.transport.submit_push(push)
         return push
 
     def source_window(self) -> int:
