@@ -57,7 +57,7 @@ def test_each_array_travels_narrower_or_as_itself():
     assert local.on_wire("float32").dtypes == ("<f4", "<f4", "<f2", "bf16")
     assert local.on_wire("float16").shapes == local.shapes
     with pytest.raises(ValueError, match="wire dtype"):
-        local.on_wire("int8")
+        local.on_wire("int4")
 
 
 def test_fingerprint_includes_the_wire_dtype():

@@ -150,8 +150,8 @@ class DpwaConnection:
     def wait_published(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s until the last ``update_send``'s snapshot can be served whole; True if so.
 
-        Only a 16-bit ``wire_dtype`` makes this wait (the snapshot is rounded in the background); False also
-        before the first ``update_send``.
+        Only a narrower ``wire_dtype`` (16-bit, int8) makes this wait (the snapshot is rounded in the background);
+        False also before the first ``update_send``.
         """
         pool = self._node.pool
         return pool is not None and pool.wait_ready(timeout)

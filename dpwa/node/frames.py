@@ -13,9 +13,11 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
-from dpwa.node.wire import PayloadReader, WireError
+from dpwa.node.wire import INDEX_RANGE, NON_FINITE, PayloadReader, WireError
 
 __all__ = ["discard_rest", "receive_payload"]
+
+_FAULTS = {NON_FINITE: "payload holds NaN or infinity", INDEX_RANGE: "payload holds an index out of range"}
 
 
 def discard_rest(sock: zmq.Socket) -> None:
@@ -34,20 +36,22 @@ def receive_payload(
 ) -> int:
     """Receive the next frame as wire bytes [start, end) into ``buffer`` / ``views``, validated; its size.
 
-    Raises WireError ``size`` (a frame of another length) or ``non-finite``; the buffer is then
+    Raises WireError ``size`` (a frame of another length), ``non-finite`` (a NaN or an infinity: a value, or
+    an int8 array's scale) or ``index-range`` (an index at or above its array's bound); the buffer is then
     partly written (receive buffers are scratch until a payload is accepted).
     """
     if reader.direct:  # ZeroMQ copies straight into place; then one check pass
         n = sock.recv_into(buffer[start:end], flags=zmq.NOBLOCK)
         if n != end - start:
             raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
-        finite = reader.check(views, start, end)
+        valid = reader.check(views, start, end)
     else:  # widen from ZeroMQ's buffer, checking each block while it is in cache
         frame = sock.recv(zmq.NOBLOCK, copy=False)
         n = len(frame)
         if n != end - start:
             raise WireError("size", f"payload frame of {n} bytes, expected {end - start}")
-        finite = reader.read(np.frombuffer(frame.buffer, np.uint8), start, views)
-    if not finite:
-        raise WireError("non-finite", "payload holds NaN or infinity")
+        valid = reader.read(np.frombuffer(frame.buffer, np.uint8), start, views)
+    if not valid:
+        reason = reader.fault or NON_FINITE
+        raise WireError(reason, _FAULTS.get(reason, reason))
     return n

@@ -5,7 +5,8 @@
 * :mod:`~dpwa.utils.atomic` -- writing a file so that readers never see a torn one;
 * :mod:`~dpwa.utils.settings` -- settings dataclasses whose fields say what they allow and check themselves
   (the rules' settings and the cluster file's keys);
-* :mod:`~dpwa.utils.dtypes` -- the names of the dtypes arrays may travel in (``wire_dtype``).
+* :mod:`~dpwa.utils.dtypes` -- the names of the dtypes arrays may travel in (``wire_dtype``);
+* :mod:`~dpwa.utils.int8` -- blockwise int8 quantization (``wire_dtype: int8``, CHOCO's ``int8`` compressor).
 """
 
 __all__: list[str] = []

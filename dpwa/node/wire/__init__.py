@@ -11,7 +11,9 @@ chunks. The package's modules, each with one concern:
 * :mod:`~dpwa.node.wire.fields` -- the header field checks the kinds share, :class:`WireError`
   and :class:`MemberNews`;
 * :mod:`~dpwa.node.wire.chunks` -- the tags of a streamed payload's chunks;
-* :mod:`~dpwa.node.wire.payload` -- arrays to wire bytes and back, every value checked finite.
+* :mod:`~dpwa.node.wire.payload` -- arrays to wire bytes and back, every value checked;
+* :mod:`~dpwa.node.wire.checks` -- those checks (floats finite, indices below their bound) and their reasons;
+* :mod:`~dpwa.node.wire.quantized` -- ``wire_dtype: int8``: a float array's scales and int8 values.
 
 Callers use this facade (``from dpwa.node import wire``). The ``encode_*`` functions below
 are shorthands for ``Fetch(...).encode()`` and its siblings, taking the arguments a sender has at hand.
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dpwa.node.wire.checks import INDEX_RANGE, NON_FINITE, IndexChecker, PayloadChecker
 from dpwa.node.wire.chunks import can_stream, decode_chunk_tag, encode_chunk_tag
 from dpwa.node.wire.constants import (
     ALIGN,
@@ -40,7 +43,18 @@ from dpwa.node.wire.constants import (
     Kind,
 )
 from dpwa.node.wire.fields import MemberNews, WireError, extras_sum
-from dpwa.node.wire.layout import SUPPORTED_DTYPES, WIRE_CODES, Layout, code_dtype, dtype_code, wire_code
+from dpwa.node.wire.layout import (
+    FLOAT_CODES,
+    INDEX_CODE,
+    INT8_CODE,
+    QUANTIZED_CODE,
+    SUPPORTED_DTYPES,
+    WIRE_CODES,
+    Layout,
+    code_dtype,
+    dtype_code,
+    wire_code,
+)
 from dpwa.node.wire.messages import (
     MESSAGE_CLASSES,
     Ack,
@@ -62,14 +76,20 @@ __all__ = [
     "CHUNK_BYTES",
     "CHUNK_MAGIC",
     "FINITE_CHECK_BLOCK",
+    "FLOAT_CODES",
+    "INDEX_CODE",
+    "INDEX_RANGE",
+    "INT8_CODE",
     "MAGIC",
     "MAX_DETAIL_CHARS",
     "MAX_HEADER_BYTES",
     "MAX_NAME_CHARS",
     "MAX_REQ",
     "MESSAGE_CLASSES",
+    "NON_FINITE",
     "PAYLOAD_BLOCK",
     "PROTOCOL_VERSION",
+    "QUANTIZED_CODE",
     "SETTLE_OPS",
     "SUPPORTED_DTYPES",
     "WIRE_CODES",
@@ -78,12 +98,14 @@ __all__ = [
     "ErrorCode",
     "Fetch",
     "FiniteChecker",
+    "IndexChecker",
     "Join",
     "Kind",
     "Layout",
     "MemberNews",
     "Members",
     "Message",
+    "PayloadChecker",
     "PayloadReader",
     "PayloadWriter",
     "Push",

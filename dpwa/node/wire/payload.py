@@ -3,9 +3,11 @@
 :class:`PayloadWriter` rounds the sender's arrays (its *local* layout) into the wire buffer
 (the *wire* layout, see :meth:`~dpwa.node.wire.layout.Layout.on_wire`) chunk by chunk;
 :class:`PayloadReader` takes each received chunk into a receive buffer, widening it back when
-the two layouts differ, and reports whether every value is finite (:class:`FiniteChecker`
-does the check alone). All of them work in fixed-size blocks with fixed-size scratch: nothing
-proportional to the model is allocated, and nothing here touches a socket.
+the two layouts differ, and reports whether every value is valid: floats finite, indices below
+their bound (:mod:`~dpwa.node.wire.checks`; :attr:`PayloadReader.fault` names what failed).
+Under ``wire_dtype: int8`` a float array's wire scales and values are written and read by
+:mod:`~dpwa.node.wire.quantized`. All of them work in fixed-size blocks with fixed-size scratch:
+nothing proportional to the model is allocated per payload, and nothing here touches a socket.
 """
 
 from __future__ import annotations
@@ -16,37 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.node.wire.constants import FINITE_CHECK_BLOCK, PAYLOAD_BLOCK
-from dpwa.node.wire.layout import Layout, code_dtype
+from dpwa.node.wire.checks import FiniteChecker, PayloadChecker, block_fault
+from dpwa.node.wire.constants import PAYLOAD_BLOCK
+from dpwa.node.wire.layout import ROLE_PLAIN, ROLE_SCALES, Layout, code_dtype
+from dpwa.node.wire.quantized import Int8Reader, Int8Writer
 from dpwa.utils.bfloat16 import from_float32
-from dpwa.utils.bfloat16 import isfinite as bf16_isfinite
 
 __all__ = ["FiniteChecker", "PayloadReader", "PayloadWriter"]
-
-
-class FiniteChecker:
-    """Checks that received array bytes hold only finite numbers, with fixed-size scratch buffers."""
-
-    def __init__(self, layout: Layout, block: int = FINITE_CHECK_BLOCK) -> None:
-        self._layout = layout
-        self._block = block
-        self._scratch = np.empty(block, dtype=bool)
-        self._bits = np.empty(block, dtype=np.uint16) if "bf16" in layout.dtypes else None
-
-    def all_finite(self, views: Sequence[np.ndarray], start: int, end: int) -> bool:
-        """True when every element of the arrays lying in bytes [start, end) is finite."""
-        for index, lo, hi in self._layout.segments(start, end):
-            flat = views[index].reshape(-1)
-            for s in range(lo, hi, self._block):
-                e = min(s + self._block, hi)
-                out = self._scratch[: e - s]
-                if self._bits is not None and self._layout.dtypes[index] == "bf16":
-                    bf16_isfinite(flat[s:e], out, scratch=self._bits)
-                else:
-                    np.isfinite(flat[s:e], out=out)
-                if not out.all():
-                    return False
-        return True
 
 
 _F16_TABLE: np.ndarray | None = None
@@ -62,65 +40,84 @@ def _f16_table() -> np.ndarray:
 
 
 class PayloadReader:
-    """Takes a received chunk into a receive buffer: copy (or widen), and check that every value is finite.
+    """Takes a received chunk into a receive buffer: copy (or widen), and check every value.
 
     ``wire`` is the layout the bytes travel in, ``local`` the receive buffer's
-    (same shapes; a float32 array may travel as float16 or bfloat16). Without
-    conversion (``direct``) the transport lets ZeroMQ copy a chunk straight into
-    place and calls :meth:`check`; otherwise :meth:`read` widens each block of
-    :data:`~dpwa.node.wire.constants.PAYLOAD_BLOCK` elements exactly (float16 and
-    bfloat16 are subsets of float32) from ZeroMQ's buffer and checks it while it is
-    in cache: one pass over the received bytes. When the process has already imported torch, float16 and
+    (:meth:`~dpwa.node.wire.layout.Layout.on_wire` of it: a float32 array may travel as float16 or
+    bfloat16, or as int8 scales and values). Without conversion (``direct``) the transport lets
+    ZeroMQ copy a chunk straight into place and calls :meth:`check`; otherwise :meth:`read` widens
+    each block of :data:`~dpwa.node.wire.constants.PAYLOAD_BLOCK` elements exactly (float16 and
+    bfloat16 are subsets of float32), or dequantizes it, from ZeroMQ's buffer and checks it while
+    it is in cache: one pass over the received bytes. When the process has already imported torch, float16 and
     bfloat16 are widened by torch's casts (the same values, 1.2-2.7x faster);
     else by a table look-up (float16) or a shift (bfloat16). Scratch is
-    fixed-size; nothing proportional to the model is allocated.
+    fixed-size; nothing proportional to the model is allocated per payload (int8 scales are kept
+    per receive buffer, :class:`~dpwa.node.wire.quantized.Int8Reader`). A payload's chunks must
+    come in order (the transport takes nothing else).
+
+    Checks: every float finite, every index below its array's bound; when :meth:`check` or
+    :meth:`read` returns False, :attr:`fault` says which failed.
     """
 
     def __init__(self, wire: Layout, local: Layout, block: int = PAYLOAD_BLOCK) -> None:
-        if wire.shapes != local.shapes:
-            raise ValueError("wire and local layouts differ in shapes")
+        self._sources = wire.sources(local)  # ValueError unless wire is local's wire layout
         self.wire = wire
         self.local = local
-        self.direct = wire is local or wire.dtypes == local.dtypes
+        self.direct = wire is local or (wire.dtypes == local.dtypes and wire.bounds == local.bounds)
         """No conversion: the bytes may be received straight into the buffer, then :meth:`check`-ed."""
-        self._checker = FiniteChecker(local, block)
+        self.fault: str | None = None
+        """Why the latest :meth:`check` or :meth:`read` returned False (a rejection reason), else None."""
+        self._checker = PayloadChecker(local, block)
+        self._int8 = Int8Reader(local, self._sources, block) if len(wire.dtypes) != len(local.dtypes) else None
         self._block = block
         self._ok = np.empty(block, dtype=bool)
         self._bits = np.empty(block, dtype=np.uint16)
         self._f32 = np.empty(block, dtype=np.float32)
         self._table = None
-        if any(w == "<f2" != d for w, d in zip(wire.dtypes, local.dtypes)):
+        if any(wire.dtypes[j] == "<f2" != local.dtypes[i] for j, (i, _) in enumerate(self._sources)):
             self._table = _f16_table()
             self._index = np.empty(block, dtype=np.intp)  # np.take would allocate one per call
 
     def check(self, views: Sequence[np.ndarray], start: int, end: int) -> bool:
-        """After bytes [start, end) were received straight into the buffer (``direct``): all finite?
+        """After bytes [start, end) were received straight into the buffer (``direct``): all valid?
 
         ZeroMQ's own copy into the buffer (a large memcpy) plus this check measured a few
         percent faster than :meth:`read`'s block-by-block copy; :meth:`read` is for widening.
         """
-        return self._checker.all_finite(views, start, end)
+        self.fault = self._checker.fault(views, start, end)
+        return self.fault is None
 
     def read(self, src: np.ndarray, start: int, views: Sequence[np.ndarray]) -> bool:
         """Take ``src`` (uint8, the wire bytes from offset ``start``) into ``views`` (arrays of the local layout).
 
-        Returns False at the first block holding a NaN or an infinity (``views`` are then partly written:
-        receive buffers are scratch until a reply is accepted).
+        Returns False at the first block holding a NaN or an infinity, or an index out of range (``views``
+        are then partly written: receive buffers are scratch until a reply is accepted); :attr:`fault` says
+        which.
         """
         end = start + src.size
+        self.fault = None
         for index, lo, hi in self.wire.segments(start, end):
             code = self.wire.dtypes[index]
             dtype = code_dtype(code)
             first = self.wire.offsets[index] + lo * dtype.itemsize - start
             values = src[first : first + (hi - lo) * dtype.itemsize].view(dtype)
-            out = views[index].reshape(-1)[lo:hi]
-            if not self._take(values, out, code, self.local.dtypes[index]):
+            local, role = self._sources[index]
+            if role == ROLE_PLAIN:
+                out = views[local].reshape(-1)[lo:hi]
+                self.fault = self._take(values, out, code, self.local.dtypes[local], self.local.bound(local))
+            elif role == ROLE_SCALES:
+                assert self._int8 is not None
+                self.fault = self._int8.scales(values, views, local, lo)
+            else:
+                assert self._int8 is not None
+                self.fault = self._int8.values(values, views, local, lo)
+            if self.fault is not None:
                 return False
         return True
 
-    def _take(self, src: np.ndarray, dst: np.ndarray, wire: str, local: str) -> bool:
-        """Copy or widen ``src`` (codes ``wire``) into ``dst`` (code ``local``) block by block; False at a
-        block holding a NaN or an infinity."""
+    def _take(self, src: np.ndarray, dst: np.ndarray, wire: str, local: str, bound: int) -> str | None:
+        """Copy or widen ``src`` (codes ``wire``) into ``dst`` (code ``local``, bound ``bound``) block by block;
+        the rejection reason of the first block that fails its check, else None."""
         block = self._block
         torch = _loaded_torch() if local == "<f4" and wire in ("bf16", "<f2") else None  # once per array
         for a in range(0, src.size, block):
@@ -145,13 +142,10 @@ class PayloadReader:
                 np.take(self._table, index, out=d, mode="clip")
             else:
                 np.copyto(d, s)  # numpy's exact widening cast
-            if local == "bf16":
-                bf16_isfinite(d, ok, scratch=self._bits)
-            else:
-                np.isfinite(d, out=ok)
-            if not ok.all():
-                return False
-        return True
+            fault = block_fault(d, local, bound, ok, self._bits)
+            if fault is not None:
+                return fault
+        return None
 
 
 def _loaded_torch() -> Any | None:
@@ -165,6 +159,8 @@ def _loaded_torch() -> Any | None:
 class PayloadWriter:
     """Rounds a snapshot's values (``local`` layout) into its wire buffer (``wire`` layout), chunk by chunk.
 
+    Integer arrays are copied as they are; ``int8``: blockwise quantization
+    (:class:`~dpwa.node.wire.quantized.Int8Writer`, pure numpy, deterministic).
     float32/float64 -> float16 and float64 -> float32 round to nearest even
     (beyond float16's range a value becomes an infinity, which the receiver
     rejects as non-finite); -> bfloat16 rounds to nearest even like torch
@@ -176,21 +172,29 @@ class PayloadWriter:
     """
 
     def __init__(self, local: Layout, wire: Layout, block: int = PAYLOAD_BLOCK) -> None:
-        if wire.shapes != local.shapes:
-            raise ValueError("wire and local layouts differ in shapes")
+        self._sources = wire.sources(local)  # ValueError unless wire is local's wire layout
         self.wire = wire
         self.local = local
         self._block = block
         self._u32 = np.empty(block, dtype=np.uint32)
         self._f32 = np.empty(block, dtype=np.float32)
+        self._int8 = Int8Writer() if len(wire.dtypes) != len(local.dtypes) else None
 
     def write(self, views: Sequence[np.ndarray], wire_views: Sequence[np.ndarray], start: int, end: int) -> None:
-        """Fill the elements of ``wire_views`` lying in wire bytes [start, end) from ``views`` (writable arrays)."""
+        """Fill the elements of ``wire_views`` lying in wire bytes [start, end) from ``views`` (writable arrays).
+
+        Any range, in any order: int8 values recompute the scales of their blocks (the same bits)."""
         torch = _loaded_torch()
         for index, lo, hi in self.wire.segments(start, end):
-            src = views[index].reshape(-1)[lo:hi]
+            local, role = self._sources[index]
+            if role != ROLE_PLAIN:
+                assert self._int8 is not None
+                quantize = self._int8.scales if role == ROLE_SCALES else self._int8.values
+                quantize(views[local].reshape(-1), wire_views[index].reshape(-1), lo, hi)
+                continue
+            src = views[local].reshape(-1)[lo:hi]
             dst = wire_views[index].reshape(-1)[lo:hi]
-            code, own = self.wire.dtypes[index], self.local.dtypes[index]
+            code, own = self.wire.dtypes[index], self.local.dtypes[local]
             if code == own:
                 np.copyto(dst, src)
             elif torch is not None and own == "<f4":

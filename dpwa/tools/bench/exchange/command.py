@@ -30,7 +30,8 @@ __all__ = ["WIRE_DTYPES", "exchange", "parse_count", "run_exchange"]
 
 WIRE_DTYPES = ("float32", *(name for name in dtypes.WIRE_DTYPES if name != "float32"))
 """The wire dtypes measured, in the order the table prints them: float32 first, the full-width baseline the
-16-bit rows are compared with, then the others as :data:`dpwa.utils.dtypes.WIRE_DTYPES` lists them."""
+narrower rows (16-bit, and int8: blockwise quantized) are compared with, then the others as
+:data:`dpwa.utils.dtypes.WIRE_DTYPES` lists them. Each row shows the bytes that travelled (``wire MB``)."""
 _SUFFIXES = {"": 1, "k": 10**3, "K": 10**3, "m": 10**6, "M": 10**6, "g": 10**9, "G": 10**9}
 
 

@@ -22,7 +22,7 @@ __all__ = ["ABSOLUTE", "RATIOS", "TARGETS", "finite_or_none", "render", "table_r
 TARGETS = {
     "fetch_a": 1.15,  # (b) fetch <= 1.15 x (a), float32 wire
     "fm_c_32": 1.1,  # (b) fetch + mix <= 1.1 x (c), float32 wire
-    "fm_c_16": 0.7,  # ... <= 0.7 x (c), 16-bit wire
+    "fm_c_16": 0.7,  # ... <= 0.7 x (c), a narrower wire (16-bit or int8)
     "send_memcpy": 1.2,  # update_send <= 1.2 x memcpy
     "mix_memcpy": 1.5,  # mix <= 1.5 x memcpy
     "block": 0.05,  # update_wait's wait < 5 % of a step longer than the exchange
