@@ -92,7 +92,7 @@ def test_validate_as_a_real_process_on_a_bad_file() -> None:
         " (did you mean 'timeout_ms'?); allowed: nodes, fetch_probability, timeout_ms, interpolation,"
         " divergence_threshold, peers, wire_dtype, security, checkpoint_every, bootstrap, bootstrap_timeout_s,"
         " bootstrap_gap, inbox_slots, inbox_per_sender, base_port, join, join_timeout_s, forget_after_s, max_members,"
-        " constant, clock, loss, gem, pushsum, leader, group, adpsgd, dpsgd"
+        " constant, clock, loss, gem, pushsum, leader, group, adpsgd, dpsgd, gt, choco"
     )
     assert proc.stderr.splitlines() == [expected]
 

@@ -272,7 +272,8 @@ def test_make_rule_from_dataclass_mapping_and_none():
 
 
 def test_make_rule_errors():
-    with pytest.raises(ValueError, match="allowed: adpsgd, clock, constant, dpsgd, gem, group, leader, loss, pushsum"):
+    allowed = "allowed: adpsgd, choco, clock, constant, dpsgd, gem, group, gt, leader, loss, pushsum"
+    with pytest.raises(ValueError, match=allowed):
         make_rule("gem2", None, 0.0)
     with pytest.raises(ValueError, match="does not accept speed; accepted: value"):
         make_rule("constant", BadSettings(), 0.0)

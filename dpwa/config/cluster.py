@@ -310,7 +310,8 @@ class ClusterConfig:
     divergence_threshold: float = setting(0.0, lo=0)
     peers: str = choice("auto", PEER_SCHEDULES)
     #: ``auto``: every array travels in its own dtype; else the dtype that arrays wider than it travel in
-    #: (rounded to nearest even when published, widened exactly when received).
+    #: (rounded to nearest even when published, widened exactly when received); ``int8``: every float array
+    #: travels as blockwise int8 with float32 scales (dpwa/utils/int8.py).
     wire_dtype: str = choice("auto", ("auto", *WIRE_DTYPES), omit_default=True)
     security: SecurityConfig = setting(SecurityConfig(), spec=_Security(), omit_default=True)
     #: Checkpoint every this many steps into <run_dir>/checkpoints/ (0 = never); dpwa/checkpoint.py.
@@ -358,6 +359,12 @@ class ClusterConfig:
                 f"schedule {self.peers!r} does not fit interpolation {self.interpolation!r}; "
                 f"allowed with {self.interpolation}: auto (= {rule.default_schedule}), "
                 f"{', '.join(rule.allowed_schedules)}",
+            )
+        if rule.wire_exact and self.wire_dtype != "auto":
+            raise self.error(
+                "wire_dtype",
+                f"interpolation {self.interpolation!r} needs its snapshots bit for bit ({rule.wire_exact}); "
+                "leave wire_dtype at auto",
             )
         self._check_public_keys()
 

@@ -45,7 +45,7 @@ from dpwa.node.transport import (
     TransportFactory,
 )
 from dpwa.node.wire import Layout
-from dpwa.node.wiring import open_transport
+from dpwa.node.wiring import open_transport, raise_if_dead
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import relative_distance
 from dpwa.rules.schedules import Schedule
@@ -150,6 +150,7 @@ class Node:
         self.state_lock = threading.Lock()
         self.flow = FlowControl(peers, self.rng)
         self.flow_lock = threading.Lock()
+        self.param_layout: Layout | None = None  # the trainer's arrays; `layout` is what a snapshot publishes
         self.layout: Layout | None = None
         self.wire_layout: Layout | None = None
         self.pool: SnapshotPool | None = None
@@ -186,8 +187,9 @@ class Node:
         transfer's buffers; the layouts are set last (until then the RX thread answers "not ready")."""
         held = self.transfer.held_snapshots()  # kept leased by the transfer: unsettled pushes, exchanges
         pool = open_pool(
-            params,
+            self.rule.public_arrays(params),
             self.config.wire_dtype,
+            bounds=self.rule.public_bounds(),
             name=self.name,
             held=held,
             defer=self.exchanging,
@@ -198,38 +200,32 @@ class Node:
         self.wire_layout, self.layout = pool.wire, pool.layout
 
     def check_threads(self) -> None:
-        """Raise RuntimeError, the original exception chained, when the RX or TX thread died of a bug.
-
-        The dead thread is joined first (it is only closing its sockets; at most ``timeouts.thread_join_s``), so
-        once the trainer has seen the death, ``stats()`` reports the thread as ended too.
-        """
-        for role, thread, lost in (("TX", self.transport.tx, "fetch from"), ("RX", self.transport.rx, "serve")):
-            if thread.failure is not None:
-                thread.join(timeout=self.timeouts.thread_join_s)
-                raise RuntimeError(
-                    f"node {self.name}: the {role} thread died of {thread.failure!r}, so the node can no longer "
-                    f"{lost} its peers (traceback in the log); close the connection"
-                ) from thread.failure
+        """RuntimeError when the RX or TX thread died of a bug (:func:`~dpwa.node.wiring.raise_if_dead`)."""
+        raise_if_dead(self.transport, self.name, self.timeouts.thread_join_s)
 
     def take_params(self, params: Sequence[np.ndarray]) -> None:
-        """Set the layout up from the first ``params``, check later ones against it; keep them as the node's."""
-        if self.layout is None:
+        """Set the layouts up from the first ``params``, check later ones against them; keep them as the node's."""
+        if self.param_layout is None:
+            layout = Layout.of(params)
             self.setup_layout(params)
-        elif not self.layout.matches(params):
+            self.param_layout = layout
+        elif not self.param_layout.matches(params):
             raise ValueError("params changed layout (count, dtype or shape) since the first update_send")
         self.params = list(params)
 
     def publish(self, *, tick: bool) -> Snapshot | None:
-        """Publish a snapshot of ``params`` (``tick``: ``clock += 1`` first, as ``update_send`` does) and hand
-        the rule the values published; the snapshot, or None when every buffer was busy."""
+        """Publish a snapshot of the rule's public arrays for ``params`` (``tick``: ``clock += 1`` first, as
+        ``update_send`` does) and hand the rule the values published; the snapshot, or None when every buffer was
+        busy."""
         assert self.pool is not None and self.params is not None
         with self.state_lock:
             if tick:
                 self.state.clock += 1
             clock, loss, extras = self.state.clock, self.state.loss, dict(self.state.extras)
+            public = self.rule.public_arrays(self.params)
         self.front = max(self.front, self.step + 1 if tick else self.step)  # step counts update_send after this
-        snapshot = self.pool.publish(self.params, clock, loss, extras, self.front)
-        published = snapshot.readonly if snapshot is not None else [np.array(a, copy=True) for a in self.params]
+        snapshot = self.pool.publish(public, clock, loss, extras, self.front)
+        published = snapshot.readonly if snapshot is not None else [np.array(a, copy=True) for a in public]
         if snapshot is None:  # rare: peers get the previous snapshot; the rule still needs x as of now (a copy)
             self.stats.add("snapshots_skipped")
             busy = "node %s: every snapshot buffer is busy; peers get the previous one"
@@ -349,7 +345,8 @@ class Node:
         if not others or self.distance_due > 0:
             return None
         self.distance_due = DISTANCE_EVERY
-        return relative_distance(self.params, others[0].arrays)
+        theirs = self.rule.params_of(others[0].arrays)
+        return None if theirs is None else relative_distance(self.params, theirs)
 
     # ------------------------------------------------------------ trainer thread: recovery, checkpoints
 

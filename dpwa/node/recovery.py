@@ -139,7 +139,9 @@ def far_ahead(peers: Sequence[PeerSnapshot], own: NodeState, gap: float) -> Peer
 def copy_peer(own: NodeState, rule: Rule, params: Sequence[np.ndarray], peer: PeerSnapshot) -> None:
     """``x <- x_peer``, ``clock <- peer clock``, and tell the rule its published snapshot no longer stands for
     the parameters (caller holds the state lock)."""
-    for dst, src in zip(params, peer.arrays):
+    theirs = rule.params_of(peer.arrays)
+    assert theirs is not None, "copy_peer of a snapshot that holds no parameters"
+    for dst, src in zip(params, theirs):
         np.copyto(dst, src, casting="no")
     own.clock = float(peer.state.clock)
     rule.on_params_replaced(own)
@@ -167,7 +169,7 @@ class Recovery:
         ahead and return the outcome (factor 1); else None (the caller runs the rule)."""
         self.caught_up = True
         ahead = far_ahead(peers, own, self.gap)
-        if ahead is None:
+        if ahead is None or self.rule.params_of(ahead.arrays) is None:  # a rule that publishes no parameters
             return None
         log.warning(
             "node %s: far behind (clock %g, peer %s at %g, more than bootstrap_gap %g ahead); copying its model",
@@ -214,6 +216,9 @@ class Recovery:
         ahead (:func:`is_ahead`); True when it was."""
         before = own.clock
         self.rule.on_reply_not_mixed(own, peer.state.extras)
+        if self.rule.params_of(peer.arrays) is None:
+            log.info("node %s: rule %s publishes no parameters; nothing to copy", self.name, self.rule.name)
+            return False
         if not is_ahead(peer, own):
             log.info(
                 "node %s: peer %s is not ahead (clock %g, own %g); keeping its own state",

@@ -10,8 +10,10 @@ half-overwritten model and the trainer never waits for one.
 With a ``wire_dtype`` narrower than the parameters, every snapshot also has a
 wire buffer. ``publish`` still makes one plain copy (the trainer's cost stays
 one memcpy, and the rules keep exact views of the published values). The
-rounding into the wire buffer is done chunk by chunk, once per snapshot however
-many peers fetch it, by whichever thread gets to a chunk first:
+rounding into the wire buffer (or, under ``int8``, the blockwise quantization:
+a chunk may hold any part of an array's scales and values) is done chunk by
+chunk, once per snapshot however many peers fetch it, by whichever thread gets
+to a chunk first:
 
 * a converter thread of the pool rounds every newly published snapshot in the
   background, so the rounding overlaps the trainer's step (a peer that fetches
@@ -269,14 +271,15 @@ def open_pool(
     held: int,
     defer: Callable[[], bool],
     max_messages: int,
+    bounds: tuple[int, ...] | None = None,
 ) -> SnapshotPool:
-    """The pool a node publishes ``params`` through: their layout, travelling as ``wire_dtype`` says
-    (:meth:`~dpwa.node.wire.Layout.on_wire`), with room for ``held`` snapshots kept leased beyond the pool's own
-    six (pushes, exchanges).
+    """The pool a node publishes ``params`` through: their layout (``bounds``: of their index arrays), travelling
+    as ``wire_dtype`` says (:meth:`~dpwa.node.wire.Layout.on_wire`), with room for ``held`` snapshots kept
+    leased beyond the pool's own six (pushes, exchanges).
 
     ValueError when one reply of that layout would take more than ``max_messages`` messages (a node's reply
     queue)."""
-    layout = Layout.of(params)
+    layout = Layout.of(params) if bounds is None else Layout.of(params, bounds)
     wire = layout.on_wire(wire_dtype)
     if len(wire.frame_bounds()) + 1 > max_messages:
         raise ValueError(

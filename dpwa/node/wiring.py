@@ -35,7 +35,7 @@ from dpwa.node.transport import (
 from dpwa.node.wire import Layout, MemberNews
 from dpwa.security.curve import NodeSecurity
 
-__all__ = ["TransportLink", "Wired", "curve_security", "open_transport"]
+__all__ = ["TransportLink", "Wired", "curve_security", "open_transport", "raise_if_dead"]
 
 
 class Wired(Protocol):
@@ -124,3 +124,18 @@ def open_transport(node: Wired, factory: TransportFactory, me: NodeSpec, peers: 
         node.timeouts,
         security=curve_security(node.name, node.config),
     )
+
+
+def raise_if_dead(transport: Transport, name: str, join_s: float) -> None:
+    """Raise RuntimeError, the original exception chained, when node ``name``'s RX or TX thread died of a bug.
+
+    The dead thread is joined first (it is only closing its sockets; at most ``join_s``), so once the trainer has
+    seen the death, the node's statistics report the thread as ended too.
+    """
+    for role, thread, lost in (("TX", transport.tx, "fetch from"), ("RX", transport.rx, "serve")):
+        if thread.failure is not None:
+            thread.join(timeout=join_s)
+            raise RuntimeError(
+                f"node {name}: the {role} thread died of {thread.failure!r}, so the node can no longer "
+                f"{lost} its peers (traceback in the log); close the connection"
+            ) from thread.failure

@@ -24,9 +24,11 @@ from typing import Any
 
 from dpwa.rules.adpsgd import AdpsgdRule, AdpsgdSettings
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
+from dpwa.rules.choco import ChocoRule, ChocoSettings
 from dpwa.rules.dpsgd import DpsgdRule, DpsgdSettings
 from dpwa.rules.gem import GemRule, GemSettings
 from dpwa.rules.group import GroupRule, GroupSettings
+from dpwa.rules.gt import GtRule, GtSettings
 from dpwa.rules.leader import LeaderRule, LeaderSettings
 from dpwa.rules.pairwise import (
     ClockRule,
@@ -43,6 +45,8 @@ __all__ = [
     "RULES",
     "AdpsgdRule",
     "AdpsgdSettings",
+    "ChocoRule",
+    "ChocoSettings",
     "ClockRule",
     "ClockSettings",
     "ConstantRule",
@@ -53,6 +57,8 @@ __all__ = [
     "GemSettings",
     "GroupRule",
     "GroupSettings",
+    "GtRule",
+    "GtSettings",
     "LeaderRule",
     "LeaderSettings",
     "LossRule",
@@ -80,6 +86,8 @@ RULES: dict[str, type[Rule]] = {
         GroupRule,
         AdpsgdRule,
         DpsgdRule,
+        GtRule,
+        ChocoRule,
     )
 }
 """Rule name -> rule class, in the order the cluster file's error messages list the rules; each class

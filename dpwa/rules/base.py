@@ -174,6 +174,9 @@ class Rule(ABC):
     mass_key: ClassVar[str | None] = None
     """The extras key of the mass a push carries (push-sum: ``"w_given"``), which the node sums over the pushes
     in flight and in its inbox for its statistics; None: the rule's pushes carry no mass."""
+    wire_exact: ClassVar[str] = ""
+    """Why this rule's snapshots must travel exactly as published (running sums, public copies): the cluster
+    file then refuses a narrowing ``wire_dtype``; empty: any wire dtype will do."""
     overlap: int = 0
     """``push`` rules: how many pushes may still await their ACK when ``update_wait`` returns (OSGP's tau)."""
 
@@ -256,6 +259,23 @@ class Rule(ABC):
         """A valid reply that recovery took instead of :meth:`mix`: copied outright (bootstrap, far-behind
         catch-up) or looked at and not copied.  Keep what it carried that must not be lost (push-sum adds the
         weight it carried).  Default no-op."""
+
+    def public_arrays(self, params: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
+        """Trainer thread, at every publish (and once when the node sets its buffers up): the arrays a snapshot
+        publishes for ``params``, copied into the snapshot right after this returns; by default the parameters
+        themselves. Gradient tracking appends its tracker; CHOCO publishes its compressed difference instead.
+        Their count, dtypes and shapes must stay those of the first call (``pull`` rules only)."""
+        return params
+
+    def public_bounds(self) -> tuple[int, ...] | None:
+        """The exclusive upper bound of every index array (``uint32``) among :meth:`public_arrays`, 0 for the
+        others, which the wire checks every received index against; None: no index arrays (the default)."""
+        return None
+
+    def params_of(self, arrays: Sequence[np.ndarray]) -> Sequence[np.ndarray] | None:
+        """The parameters within a peer's published arrays (a catch-up copies them, the distance is measured on
+        them); None when they do not hold them (CHOCO publishes differences). Default: all of them."""
+        return arrays
 
     def state_metrics(self, own: NodeState) -> dict[str, float]:
         """Figures of the rule's own state (push-sum's weight and mass counters) that the metrics file shows at

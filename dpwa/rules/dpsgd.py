@@ -25,7 +25,10 @@ from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import weighted_sum_
 from dpwa.utils.settings import Settings, choice, setting
 
-__all__ = ["DpsgdRule", "DpsgdSettings", "neighbours"]
+__all__ = ["GRAPHS", "DpsgdRule", "DpsgdSettings", "neighbours"]
+
+GRAPHS = ("ring", "exponential")
+"""The regular graphs of the ``neighbours`` schedule (:func:`neighbours`)."""
 
 
 def neighbours(rank: int, n: int, graph: str) -> list[int]:
@@ -33,8 +36,8 @@ def neighbours(rank: int, n: int, graph: str) -> list[int]:
 
     Unique, ascending, ``rank`` itself excluded; the graph is regular, so uniform weights are doubly stochastic.
     """
-    if graph not in ("ring", "exponential"):
-        raise ValueError(f"unknown graph {graph!r}; allowed: ring, exponential")
+    if graph not in GRAPHS:
+        raise ValueError(f"unknown graph {graph!r}; allowed: {', '.join(GRAPHS)}")
     if n < 2:
         return []
     hops = [1] if graph == "ring" else [2**k for k in range(max(1, math.ceil(math.log2(n))))]
@@ -48,7 +51,7 @@ class DpsgdSettings(Settings):
     """D-PSGD: ``x <- (x + sum of neighbours) / (d + 1)`` on a ``ring`` or ``exponential`` graph; a neighbour
     more than ``max_staleness`` steps behind is left out."""
 
-    graph: str = choice("ring", ("ring", "exponential"))
+    graph: str = choice("ring", GRAPHS)
     max_staleness: float = setting(10.0, lo=0)
 
 

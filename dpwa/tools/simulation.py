@@ -5,7 +5,8 @@ same order and through the same objects (:class:`~dpwa.rules.base.Rule`,
 :class:`~dpwa.rules.schedules.Schedule`, :class:`~dpwa.node.peers.FlowControl`), except
 that replies are handed over in memory:
 
-1. every node: ``clock += 1``, remember the loss, publish a copy of its arrays, ``rule.on_publish``;
+1. every node: ``clock += 1``, remember the loss, publish a copy of the rule's public arrays for its arrays
+   (``rule.public_arrays``: the arrays themselves, or what the rule publishes instead), ``rule.on_publish``;
 2. optionally a local training step changes a node's arrays (between send and wait);
 3. every node picks its peers (schedule, else flow control; down peers filtered);
 4. every fetch is served from the peer's published copy: the request's ``rule.request_extras``
@@ -157,11 +158,11 @@ class Simulation:
         return outcomes
 
     def _publish(self, node: SimNode, loss: float) -> None:
-        """Step 1 for one node: ``clock += 1``, remember ``loss``, publish a read-only copy of its arrays and
-        its state, ``rule.on_publish``."""
+        """Step 1 for one node: ``clock += 1``, remember ``loss``, publish a read-only copy of the rule's public
+        arrays and its state, ``rule.on_publish``."""
         node.state.clock += 1
         node.state.loss = loss
-        node.published = [np.array(a, copy=True) for a in node.arrays]
+        node.published = [np.array(a, copy=True) for a in node.rule.public_arrays(node.arrays)]
         for a in node.published:
             a.flags.writeable = False
         node.published_state = NodeState(node.name, node.state.clock, loss, dict(node.state.extras))

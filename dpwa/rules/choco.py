@@ -1,0 +1,332 @@
+"""CHOCO-SGD -- compressed gossip with error feedback (Koloskova, Stich & Jaggi 2019; Koloskova et al. 2020).
+
+Every node ``i`` keeps a public copy ``x_hat_i`` of its parameters that all its neighbours know exactly, and
+a copy ``x_hat_j`` of each neighbour's. Per step it sends only the compressed difference ``q_i =
+Q(x_i - x_hat_i)`` (:mod:`dpwa.rules.compress`: top-k, random-k or int8), everybody who receives it applies
+``x_hat_i += q_i``, and the node moves toward its neighbours' public copies:
+
+    q_i     = Q(x_i - x_hat_i)                                   at update_send (published)
+    x_hat_j = x_hat_j + q_j        for j = i and every neighbour whose q_j arrived
+    x_i     = x_i + gamma * sum_{j in N(i)} w (x_hat_j - x_hat_i),   w = 1/(d+1)   at update_wait
+
+``x_i`` is the trainer's parameters, so the local optimizer step updates ``x`` and the compressed
+difference picks it up at the next ``update_send``: the order of the reference code's ``ParallelCHOCO``, in
+which the next gradient is computed while the compressed message travels. Whatever ``Q`` drops stays in
+``x_i - x_hat_i`` and is sent later (error feedback), so CHOCO converges with arbitrarily strong compression.
+
+On the wire. A sparse message carries the indices (uint32, ascending, each checked below its array's
+size by the wire) and the NEW public values there, ``x_hat_i[idx] + q_i[idx]``, which every receiver assigns:
+the same copy as adding ``q``, and idempotent, so a message fetched twice changes nothing. An int8 message
+carries ``q`` itself (one float32 scale per block, then the int8 values), which receivers add; a reply that
+repeats the previous one is skipped. Asynchrony loses messages (a neighbour published twice between two
+fetches), and a lost one would leave the copy wrong for good; so every message also carries one of
+``resync`` windows of ``x_hat_i`` after the update (window ``w`` of each array: elements ``[w*m, (w+1)*m)``,
+``m = ceil(n / resync)``), which the receiver writes over its copy, counting the elements that differed
+(``choco_drift``, 0 when no message was lost). Every copy is exact again after ``resync`` received messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.compress import Compressor, CompressorSpec, parse_compressor, random_k, top_k
+from dpwa.rules.dpsgd import GRAPHS, neighbours
+from dpwa.rules.mixing import compute_dtype
+from dpwa.rules.state import load_model_arrays, save_model_arrays
+from dpwa.utils.int8 import dequantize_int8_, int8_scales, quantize_int8_
+from dpwa.utils.settings import Settings, choice, setting
+
+__all__ = ["HAT_KEY", "WINDOW_KEY", "ChocoRule", "ChocoSettings", "auto_gamma"]
+
+HAT_KEY = "choco_hat"
+"""Checkpoint arrays: the node's own public copy ``choco_hat/<i>``; a neighbour's ``choco_hat:<name>/<i>``."""
+WINDOW_KEY = "choco_window"
+"""The extras key of the resync window a snapshot carries."""
+
+
+def auto_gamma(compressor: Compressor) -> float:
+    """The consensus step ``gamma: 0`` stands for: ``int8`` 0.5, ``topk:F`` ``min(0.5, 2F)``, ``randk:F``
+    ``min(0.5, F/2)``. Measured in the simulator (6 nodes on a ring and on the exponential graph, consensus from
+    random starts): top-1 % converges at 0.02 and diverges at 0.05; random-1 % needs 0.005; int8 converges
+    at every value up to 1. CHOCO's theory asks for ``gamma`` of order ``delta^2`` (``delta`` the share kept)."""
+    if compressor.kind == "topk":
+        return min(0.5, 2.0 * compressor.fraction)
+    if compressor.kind == "randk":
+        return min(0.5, compressor.fraction / 2.0)
+    return 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class ChocoSettings(Settings):
+    """CHOCO-SGD: publish ``Q(x - x_hat)``, ``x_hat_j += q_j``, ``x <- x + gamma * sum_j w (x_hat_j - x_hat)``
+    on the ``ring``, ``exponential`` or ``directed-ring`` graph; ``resync`` windows of ``x_hat`` ride along."""
+
+    compressor: str = setting("topk:0.01", spec=CompressorSpec())
+    gamma: float = setting(0.0, lo=0, hi=1)
+    graph: str = choice("ring", GRAPHS)
+    resync: int = setting(100, lo=0, integer=True)
+    max_staleness: float = setting(10.0, lo=0)
+
+
+@dataclasses.dataclass
+class _Copy:
+    """A neighbour's public copy as this node knows it, and the clock of the last message applied to it."""
+
+    hat: list[np.ndarray]
+    clock: float
+
+
+class ChocoRule(Rule):
+    """``x <- x + gamma * sum_{j in N(i)} w (x_hat_j - x_hat_i)``, ``w = 1/(d+1)``, the copies kept by compressed
+    messages (module doc-string). A neighbour whose last message is more than ``max_staleness`` steps older than
+    this node is left out. Divergence damping scales ``gamma`` by ``loss/t``. Metrics: ``neighbours_mixed``,
+    ``choco_drift`` (copy elements a resync window corrected, in all), ``choco_dropped`` (messages with indices
+    not ascending), ``compress_error`` (``||x - x_hat|| / ||x||`` after the update).
+    """
+
+    name = "choco"
+    settings_class = ChocoSettings
+    allowed_schedules = ("neighbours",)
+    default_schedule = "neighbours"
+    wire_exact = "receivers keep exact copies of its public copy"
+
+    def __init__(
+        self,
+        compressor: str = "topk:0.01",
+        gamma: float = 0.0,
+        graph: str = "ring",
+        resync: int = 100,
+        max_staleness: float = 10.0,
+        divergence_threshold: float = 0.0,
+    ) -> None:
+        super().__init__(divergence_threshold)
+        try:
+            self.compressor: Compressor = parse_compressor(compressor)
+        except ValueError as err:
+            raise ValueError(f"choco compressor {err}") from None
+        if not 0.0 <= float(gamma) <= 1.0:
+            raise ValueError(f"choco gamma must lie in [0, 1] (0: automatic), got {gamma!r}")
+        self.gamma = float(gamma) or auto_gamma(self.compressor)
+        neighbours(0, 2, graph)  # validates the name
+        if int(resync) != resync or resync < 0:
+            raise ValueError(f"choco resync must be an integer >= 0, got {resync!r}")
+        self.graph, self.resync, self.max_staleness = graph, int(resync), float(max_staleness)
+        self.drift = 0
+        self.dropped = 0
+        self._rng = np.random.default_rng(0)  # random-k's draws; seeded from the node's name when it starts
+        self._neighbours: tuple[str, ...] = ()
+        self._degree = 0
+        self._window = 0
+        self._hat: list[np.ndarray] | None = None
+        self._scratch: list[np.ndarray] = []
+        self._message: list[np.ndarray] = []
+        self._copies: dict[str, _Copy] = {}
+
+    def _params(self) -> dict[str, Any]:
+        return {
+            "compressor": str(self.compressor),
+            "gamma": self.gamma,
+            "graph": self.graph,
+            "resync": self.resync,
+            "max_staleness": self.max_staleness,
+            "divergence_threshold": self.divergence_threshold,
+        }
+
+    # ------------------------------------------------------------ membership
+
+    def initial_extras(self, me: str, names: Sequence[str]) -> dict[str, Any]:
+        """Random-k draws from a generator seeded by the node's name (reproducible, different per node)."""
+        self._rng = np.random.default_rng(zlib.crc32(me.encode()))
+        self.on_members(me, names, float(len(names)))
+        return {WINDOW_KEY: 0}
+
+    def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
+        """My neighbours on the graph of the current members; copies of nodes no longer members are dropped."""
+        members = list(names)
+        self._neighbours = (
+            tuple(members[j] for j in neighbours(members.index(me), len(members), self.graph)) if me in members else ()
+        )
+        self._degree = len(self._neighbours)
+        for gone in set(self._copies) - set(members):
+            del self._copies[gone]
+
+    # ------------------------------------------------------------ the message
+
+    def _allocate(self, params: Sequence[np.ndarray]) -> None:
+        """Own public copy (zeros, as in the paper), one scratch per array, the message buffers."""
+        if self._hat is not None and len(self._hat) == len(params):
+            return
+        self._hat = [np.zeros(p.shape, compute_dtype(p.dtype)) for p in params]
+        self._scratch = [np.zeros(p.size, compute_dtype(p.dtype)) for p in params]
+        message: list[np.ndarray] = []
+        for p in params:
+            dtype = compute_dtype(p.dtype)
+            if self.compressor.sparse:
+                k = self.compressor.kept(p.size)
+                message += [np.zeros(k, np.uint32), np.zeros(k, dtype)]
+            else:
+                message += [np.zeros(int8_scales(p.size), np.float32), np.zeros(p.size, np.int8)]
+        if self.resync:
+            message += [np.zeros(self._window_size(p.size), compute_dtype(p.dtype)) for p in params]
+        self._message = message
+
+    def _window_size(self, n: int) -> int:
+        return math.ceil(n / self.resync) if self.resync else 0
+
+    def _window_slice(self, n: int, window: int) -> slice:
+        m = self._window_size(n)
+        return slice(min(n, window * m), min(n, (window + 1) * m))
+
+    def public_arrays(self, params: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """``Q(x - x_hat)`` per array (indices + new values, or scales + int8), then this publish's window of
+        ``x_hat`` after the update: computed into the rule's buffers, ``x_hat`` itself unchanged until
+        :meth:`on_publish`."""
+        self._allocate(params)
+        assert self._hat is not None
+        count = len(params)
+        for i, (x, hat, new) in enumerate(zip(params, self._hat, self._scratch)):
+            flat_hat = hat.reshape(-1)
+            np.subtract(x.reshape(-1), flat_hat, out=new, dtype=new.dtype)  # d = x - x_hat
+            first, second = self._message[2 * i], self._message[2 * i + 1]
+            if self.compressor.sparse:
+                if self.compressor.kind == "topk":
+                    top_k(new, first.size, first)
+                else:
+                    random_k(self._rng, new.size, first.size, first)
+                np.copyto(second, x.reshape(-1)[first], casting="unsafe")  # x_hat_new[idx] = x[idx]
+                new[...] = flat_hat
+                new[first] = second
+            else:
+                quantize_int8_(new, second, first)
+                dequantize_int8_(second, first, new)
+                new += flat_hat
+            if self.resync:
+                window = self._message[2 * count + i]
+                part = new[self._window_slice(new.size, self._window)]
+                window[: part.size] = part
+                window[part.size :] = 0
+        return self._message
+
+    def public_bounds(self) -> tuple[int, ...] | None:
+        """Each index array is bounded by its parameter array's size."""
+        if not self.compressor.sparse or self._hat is None:
+            return None
+        bounds = [b for h in self._hat for b in (h.size, 0)]
+        return tuple(bounds + [0] * (len(self._message) - len(bounds)))
+
+    def params_of(self, arrays: Sequence[np.ndarray]) -> None:
+        """A CHOCO snapshot holds differences, not parameters: nothing to copy or measure."""
+        return None
+
+    def _apply(self, hat: Sequence[np.ndarray], message: Sequence[np.ndarray], scratch: Sequence[np.ndarray]) -> None:
+        """``x_hat += q`` from a message (assign the new values at the indices, or add the dequantized int8)."""
+        for i, h in enumerate(hat):
+            first, second = message[2 * i], message[2 * i + 1]
+            flat = h.reshape(-1)
+            if self.compressor.sparse:
+                flat[np.asarray(first, dtype=np.intp)] = second
+            else:
+                dequantize_int8_(second, first, scratch[i])
+                flat += scratch[i]
+
+    def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
+        """The message went out: ``x_hat_i += q_i`` from the published values, and the next window."""
+        assert self._hat is not None
+        self._apply(self._hat, published, self._scratch)
+        if self.resync:
+            self._window = (self._window + 1) % self.resync
+            own.extras[WINDOW_KEY] = self._window
+
+    # ------------------------------------------------------------ receiving and mixing
+
+    def _valid(self, message: Sequence[np.ndarray]) -> bool:
+        """A sparse message's indices ascend strictly (the sender sorts them; repeats would make the copies
+        depend on the order of assignment). The wire already checked sizes, index range and finiteness."""
+        if not self.compressor.sparse:
+            return True
+        return all(bool(np.all(message[2 * i][1:] > message[2 * i][:-1])) for i in range(len(message) // 2))
+
+    def _receive(self, peer: PeerSnapshot, scratch: Sequence[np.ndarray]) -> None:
+        """Apply one neighbour's message to my copy of its public copy, then its resync window."""
+        assert self._hat is not None
+        count = len(self._hat)
+        message = peer.arrays
+        if len(message) != len(self._message) or not self._valid(message[: 2 * count]):
+            self.dropped += 1
+            return
+        copy = self._copies.get(peer.state.name)
+        if copy is None:
+            copy = self._copies[peer.state.name] = _Copy([np.zeros_like(h) for h in self._hat], peer.state.clock)
+        self._apply(copy.hat, message[: 2 * count], scratch)
+        copy.clock = peer.state.clock
+        window = peer.state.extras.get(WINDOW_KEY)
+        if not self.resync or not isinstance(window, int) or isinstance(window, bool) or not 0 <= window < self.resync:
+            return
+        for i, h in enumerate(copy.hat):
+            flat = h.reshape(-1)
+            part = self._window_slice(flat.size, window)
+            sent = message[2 * count + i][: part.stop - part.start]
+            self.drift += int(np.count_nonzero(flat[part] != sent))
+            flat[part] = sent
+
+    def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
+        """Apply what arrived to the copies, then ``x += gamma * w * sum_j (x_hat_j - x_hat_i)`` over the
+        neighbours whose copies are fresh (``max_staleness``)."""
+        self._allocate(arrays)
+        assert self._hat is not None
+        for peer in peers:
+            if peer.state.name != own.name and not peer.repeat:
+                self._receive(peer, self._scratch)
+        fresh = [
+            name
+            for name in self._neighbours
+            if name in self._copies and own.clock - self._copies[name].clock <= self.max_staleness
+        ]
+        step = self.diverge(self.gamma, own.loss) / float(self._degree + 1) if fresh else 0.0
+        if step > 0.0:
+            for i, (x, hat) in enumerate(zip(arrays, self._hat)):
+                pull = np.zeros(hat.shape, hat.dtype)
+                for name in fresh:
+                    pull += self._copies[name].hat[i] - hat
+                pull *= step
+                pull += x
+                x[...] = pull
+        metrics = {**self.state_metrics(own), "neighbours_mixed": float(len(fresh))}
+        return MixOutcome(step * len(fresh), tuple(fresh), metrics)
+
+    def state_metrics(self, own: NodeState) -> dict[str, float]:
+        """``choco_drift`` and ``choco_dropped`` (counts since the start)."""
+        return {"choco_drift": float(self.drift), "choco_dropped": float(self.dropped)}
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The own public copy ``choco_hat/<i>`` and every neighbour's ``choco_hat:<name>/<i>``."""
+        out = save_model_arrays(HAT_KEY, self._hat)
+        for name, copy in self._copies.items():
+            out.update(save_model_arrays(f"{HAT_KEY}:{name}", copy.hat))
+        return out
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], params: Sequence[np.ndarray]) -> bool:
+        """Take back the public copies when they fit ``params`` (True); False, nothing changed, when not."""
+        own = load_model_arrays(HAT_KEY, arrays, params, compute_dtype)
+        if own is None:
+            return True
+        if own is False:
+            return False
+        copies: dict[str, _Copy] = {}
+        for name in {key.split("/")[0][len(HAT_KEY) + 1 :] for key in arrays if key.startswith(HAT_KEY + ":")}:
+            hat = load_model_arrays(f"{HAT_KEY}:{name}", arrays, params, compute_dtype)
+            if not isinstance(hat, list):
+                return False
+            copies[name] = _Copy(hat, -math.inf)
+        self._allocate(params)
+        self._hat, self._copies = own, copies
+        return True
