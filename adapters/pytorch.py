@@ -86,7 +86,19 @@ _EXCHANGE_DEFAULTS: dict[str, Any] = {
     "fetch_ms": 0.0,
     "clock_gap": None,
 }
-_RESERVED = ("time", "node", "step", "clock", "loss", "mixes", "failed", "bytes_in", "bytes_out", "event")
+_RESERVED = (
+    "time",
+    "node",
+    "step",
+    "clock",
+    "loss",
+    "mixes",
+    "failed",
+    "bytes_in",
+    "bytes_out",
+    "bytes_sent",
+    "event",
+)
 
 
 def _scalar(value: Any, what: str = "loss") -> float:
@@ -279,6 +291,7 @@ class DpwaPyTorchAdapter:
         self._arrays = [e.array for e in self._entries]
         self._staged = [e for e in self._entries if e.staged]
         self._step = 0
+        self._bytes_out = 0  # the node's bytes_out at the previous record: bytes_sent is the difference
         self._closed = False
         try:
             self._conn = DpwaConnection(name, config, seed=seed, params=self._arrays)
@@ -450,6 +463,8 @@ class DpwaPyTorchAdapter:
         record["failed"] = int(stats["fetches_failed"])  # not the declined refusals (not ready, busy, left)
         record["bytes_in"] = int(stats["bytes_in"])
         record["bytes_out"] = int(stats["bytes_out"])
+        record["bytes_sent"] = record["bytes_out"] - self._bytes_out  # since the previous record: bytes per step
+        self._bytes_out = record["bytes_out"]
         for key, value in exchange.items():  # the rule's own metrics
             if key not in record and key not in _RESERVED:
                 record[key] = float(value) if isinstance(value, (int, float)) else value

@@ -48,6 +48,7 @@ EXCHANGE_KEYS = {
     "failed": int,
     "bytes_in": int,
     "bytes_out": int,
+    "bytes_sent": int,
 }
 
 
@@ -433,6 +434,7 @@ def test_metrics_file_follows_docs_metrics_md(adapters, tmp_path: Path):
         assert record["mixes"] == i and record["failed"] == 0 and record["bytes_in"] >= i * record["bytes"]
         assert isinstance(record["raw_factor"], float)  # a rule metric
         assert "event" not in record
+    assert sum(r["bytes_sent"] for r in exchanges) == exchanges[-1]["bytes_out"]  # per step, adding up
     assert [r["time"] for r in records] == sorted(r["time"] for r in records)
     assert report == {"time": report["time"], "node": "w1", "event": "report", "accuracy": 0.875, "final_loss": 0.125,
                       "phase": "final"}  # fmt: skip
@@ -451,7 +453,7 @@ def test_metrics_record_without_a_fetch(solo: Path, tmp_path: Path):
     for r in (r1, r2):
         assert set(EXCHANGE_KEYS) <= set(r)
         assert r["factor"] == 0.0 and r["peer"] is None and r["status"] is None and r["bytes"] == 0
-        assert r["clock_gap"] is None and r["mixes"] == 0 and r["clock"] == 1.0
+        assert r["clock_gap"] is None and r["mixes"] == 0 and r["clock"] == 1.0 and r["bytes_sent"] == 0
     assert rep["event"] == "report"
 
 
