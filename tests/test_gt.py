@@ -12,6 +12,7 @@ on the exponential graph (largest distance of a node to the minimizer, absolute)
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,92 @@ def test_the_tracker_travels_with_the_model_over_the_network(tmp_path: Path) -> 
     finally:
         a.close()
         b.close()
+
+
+def take_step(steps: dict[str, np.ndarray], node: Any) -> None:
+    """The local step ``steps[node]`` (the simulator's ``train``)."""
+    node.arrays[0] += steps[node.name]
+
+
+def ring_sim(rng: np.random.Generator, names: list[str]) -> Simulation:
+    return Simulation(
+        [[rng.normal(size=4)] for _ in names],
+        lambda: GtRule(graph="ring"),
+        lambda: make_schedule("neighbours", DpsgdSettings(graph="ring")),
+    )
+
+
+def sum_error(sim: Simulation, names: list[str], steps: dict[str, np.ndarray]) -> float:
+    """``|sum_i z_i + offers not collected yet - sum_i u_i|`` (largest element), on a ring of ``names``."""
+    rules = {n: sim[n].rule.state_arrays() for n in names}
+    trackers = sum(r["gt_z/0"] for r in rules.values())
+    in_flight = sum(
+        rules[j]["gt_rho/0"] - rules[i].get(f"gt_rho:{j}/0", 0.0)
+        for k, i in enumerate(names)
+        for j in (names[(k - 1) % len(names)], names[(k + 1) % len(names)])
+    )
+    return float(np.abs(trackers + in_flight - sum(steps.values())).max())
+
+
+@pytest.mark.parametrize("rounds_before", [5, 20])
+def test_a_cluster_resumed_from_its_checkpoints_keeps_the_trackers_sum(rounds_before: int) -> None:
+    """Every node's gossip state through the checkpoint path (``export_state`` / ``restore_state``: extras come
+    back as floats), into new rules: the running sums go on where they stopped, nothing collected twice or lost."""
+    from dpwa.node import recovery
+
+    rng = np.random.default_rng(3)
+    names = [f"w{i + 1}" for i in range(5)]
+    sim = ring_sim(rng, names)
+    steps: dict[str, np.ndarray] = {}
+
+    def rounds(sim: Simulation, k: int) -> None:
+        nonlocal steps
+        for _ in range(k):
+            steps = {n: rng.normal(size=4) for n in names}
+            sim.run_round(1.0, train=partial(take_step, steps))
+            assert sum_error(sim, names, steps) < 1e-12
+
+    rounds(sim, rounds_before)
+    saved = {n: recovery.export_state(sim[n].state, sim[n].step, sim[n].rule) for n in names}
+    resumed = ring_sim(rng, names)
+    for n in names:
+        node = resumed[n]
+        np.copyto(node.arrays[0], sim[n].arrays[0])
+        node.step = recovery.restore_state(node.state, node.rule, saved[n], node.arrays)
+    assert isinstance(resumed["w1"].state.extras["gt_epoch"], float)  # as a checkpoint gives it back
+    rounds(resumed, 30)
+
+
+def test_a_neighbours_first_message_counts_from_zero_however_late() -> None:
+    """w1 hears nothing from w2 for 5 rounds (flow control then backs off): the first message that arrives
+    still brings everything w2 offered since its sums started."""
+    rng = np.random.default_rng(4)
+    names = [f"w{i + 1}" for i in range(5)]
+    sim = ring_sim(rng, names)
+    steps: dict[str, np.ndarray] = {}
+    for _ in range(40):
+        steps = {n: rng.normal(size=4) for n in names}
+        sim.run_round(
+            1.0,
+            train=partial(take_step, steps),
+            lose=lambda a, b: "timeout" if sim.rounds < 5 and (a, b) == ("w1", "w2") else None,
+        )
+        assert sum_error(sim, names, steps) < 1e-12
+    assert "w2" in sim["w1"].rule._last  # heard from at last
+
+
+def test_bfloat16_parameters_are_computed_in_float32() -> None:
+    from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
+
+    def bf16(values: list[float]) -> np.ndarray:
+        out = np.zeros(len(values), BFLOAT16)
+        from_float32(np.array(values, np.float32), out)
+        return out
+
+    rule = GtRule(graph="ring")
+    own = NodeState("w1", clock=1.0, extras=rule.initial_extras("w1", ["w1", "w2"]))
+    x = [bf16([1.0, 3.0])]
+    rule.on_publish(own, [np.array(a, copy=True) for a in rule.public_arrays(x)])
+    peer = PeerSnapshot(NodeState("w2", clock=1.0, extras={"gt_epoch": 1}), [bf16([-1.0, 1.0]), np.zeros(2)])
+    rule.mix(own, x, [peer])
+    np.testing.assert_array_equal(to_float32(x[0], np.empty(2, np.float32)), [0.0, 2.0])

@@ -22,13 +22,17 @@ repeats the previous one is skipped. Asynchrony loses messages (a neighbour publ
 fetches), and a lost one would leave the copy wrong for good; so every message also carries one of
 ``resync`` windows of ``x_hat_i`` after the update (window ``w`` of each array: elements ``[w*m, (w+1)*m)``,
 ``m = ceil(n / resync)``), which the receiver writes over its copy, counting the elements that differed
-(``choco_drift``, 0 when no message was lost). Every copy is exact again after ``resync`` received messages.
+(``choco_drift``, 0 when no message was lost). The windows go round in cycles, each in its own order, so a
+spoiled copy is exact again after at most ``2 * resync - 1`` messages received in a row. Every message names
+its sender's epoch (its public copy's start from zero) and its number there: a message fetched twice is
+skipped, a new epoch restarts the copy at zero.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,7 +43,7 @@ from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.compress import Compressor, CompressorSpec, parse_compressor, random_k, top_k
 from dpwa.rules.dpsgd import GRAPHS, neighbours
 from dpwa.rules.mixing import compute_dtype
-from dpwa.rules.state import load_model_arrays, save_model_arrays
+from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, widened
 from dpwa.utils.int8 import dequantize_int8_, int8_scales, quantize_int8_
 from dpwa.utils.settings import Settings, choice, setting
 
@@ -49,6 +53,10 @@ HAT_KEY = "choco_hat"
 """Checkpoint arrays: the node's own public copy ``choco_hat/<i>``; a neighbour's ``choco_hat:<name>/<i>``."""
 WINDOW_KEY = "choco_window"
 """The extras key of the resync window a snapshot carries."""
+EPOCH_KEY = "choco_epoch"
+"""The extras key of the number that names the sender's public copy since it last started from zero."""
+COUNT_KEY = "choco_n"
+"""The extras key of the number of messages the sender published before this one, in its epoch."""
 
 
 def auto_gamma(compressor: Compressor) -> float:
@@ -66,7 +74,7 @@ def auto_gamma(compressor: Compressor) -> float:
 @dataclasses.dataclass(frozen=True)
 class ChocoSettings(Settings):
     """CHOCO-SGD: publish ``Q(x - x_hat)``, ``x_hat_j += q_j``, ``x <- x + gamma * sum_j w (x_hat_j - x_hat)``
-    on the ``ring``, ``exponential`` or ``directed-ring`` graph; ``resync`` windows of ``x_hat`` ride along."""
+    on the ``ring`` or ``exponential`` graph; ``resync`` windows of ``x_hat`` ride along."""
 
     compressor: str = setting("topk:0.01", spec=CompressorSpec())
     gamma: float = setting(0.0, lo=0, hi=1)
@@ -77,18 +85,23 @@ class ChocoSettings(Settings):
 
 @dataclasses.dataclass
 class _Copy:
-    """A neighbour's public copy as this node knows it, and the clock of the last message applied to it."""
+    """A neighbour's public copy as this node knows it: the epoch and number of the last message applied, its
+    clock, and the windows still to receive before it may be mixed (empty: usable)."""
 
     hat: list[np.ndarray]
     clock: float
+    epoch: int
+    last: int = -1
+    missing: set[int] = dataclasses.field(default_factory=set)
 
 
 class ChocoRule(Rule):
     """``x <- x + gamma * sum_{j in N(i)} w (x_hat_j - x_hat_i)``, ``w = 1/(d+1)``, the copies kept by compressed
-    messages (module doc-string). A neighbour whose last message is more than ``max_staleness`` steps older than
-    this node is left out. Divergence damping scales ``gamma`` by ``loss/t``. Metrics: ``neighbours_mixed``,
+    messages (module doc-string). The clock is averaged with the neighbours heard from, with the same weights (as
+    D-PSGD's); a neighbour whose last message is more than ``max_staleness`` steps older than this node is left
+    out. Divergence damping scales ``gamma`` by ``loss/t``. Metrics: ``neighbours_mixed``,
     ``choco_drift`` (copy elements a resync window corrected, in all), ``choco_dropped`` (messages with indices
-    not ascending), ``compress_error`` (``||x - x_hat|| / ||x||`` after the update).
+    not ascending, or int8 ones that would overflow a copy), ``choco_gaps`` (neighbours' messages never received).
     """
 
     name = "choco"
@@ -123,7 +136,10 @@ class ChocoRule(Rule):
         self._rng = np.random.default_rng(0)  # random-k's draws; seeded from the node's name when it starts
         self._neighbours: tuple[str, ...] = ()
         self._degree = 0
-        self._window = 0
+        self._epoch = secrets.randbits(31)
+        self._count = 0
+        self._cycle: tuple[int, np.ndarray] | None = None
+        self.gaps = 0
         self._hat: list[np.ndarray] | None = None
         self._scratch: list[np.ndarray] = []
         self._message: list[np.ndarray] = []
@@ -145,7 +161,21 @@ class ChocoRule(Rule):
         """Random-k draws from a generator seeded by the node's name (reproducible, different per node)."""
         self._rng = np.random.default_rng(zlib.crc32(me.encode()))
         self.on_members(me, names, float(len(names)))
-        return {WINDOW_KEY: 0}
+        return self._extras()
+
+    def _extras(self) -> dict[str, Any]:
+        return {EPOCH_KEY: self._epoch, COUNT_KEY: self._count, WINDOW_KEY: self._window_at(self._count)}
+
+    def _window_at(self, count: int) -> int:
+        """The window message ``count`` carries: windows go round in cycles of ``resync`` messages, each cycle
+        in its own order (a permutation drawn from the epoch and the cycle), so that no regular pattern of lost
+        messages keeps missing the same windows; every window comes once a cycle."""
+        if not self.resync:
+            return 0
+        cycle = count // self.resync
+        if self._cycle is None or self._cycle[0] != cycle:
+            self._cycle = (cycle, np.random.default_rng([self._epoch, cycle]).permutation(self.resync))
+        return int(self._cycle[1][count % self.resync])
 
     def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
         """My neighbours on the graph of the current members; copies of nodes no longer members are dropped."""
@@ -191,8 +221,10 @@ class ChocoRule(Rule):
         self._allocate(params)
         assert self._hat is not None
         count = len(params)
-        for i, (x, hat, new) in enumerate(zip(params, self._hat, self._scratch)):
+        window_index = self._window_at(self._count)
+        for i, (param, hat, new) in enumerate(zip(params, self._hat, self._scratch)):
             flat_hat = hat.reshape(-1)
+            x = widened(param)
             np.subtract(x.reshape(-1), flat_hat, out=new, dtype=new.dtype)  # d = x - x_hat
             first, second = self._message[2 * i], self._message[2 * i + 1]
             if self.compressor.sparse:
@@ -209,7 +241,7 @@ class ChocoRule(Rule):
                 new += flat_hat
             if self.resync:
                 window = self._message[2 * count + i]
-                part = new[self._window_slice(new.size, self._window)]
+                part = new[self._window_slice(new.size, window_index)]
                 window[: part.size] = part
                 window[part.size :] = 0
         return self._message
@@ -237,12 +269,11 @@ class ChocoRule(Rule):
                 flat += scratch[i]
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
-        """The message went out: ``x_hat_i += q_i`` from the published values, and the next window."""
+        """The message went out: ``x_hat_i += q_i`` from the published values; the next one's number and window."""
         assert self._hat is not None
         self._apply(self._hat, published, self._scratch)
-        if self.resync:
-            self._window = (self._window + 1) % self.resync
-            own.extras[WINDOW_KEY] = self._window
+        self._count += 1
+        own.extras.update(self._extras())
 
     # ------------------------------------------------------------ receiving and mixing
 
@@ -253,41 +284,89 @@ class ChocoRule(Rule):
             return True
         return all(bool(np.all(message[2 * i][1:] > message[2 * i][:-1])) for i in range(len(message) // 2))
 
+    def _copy_for(self, name: str, epoch: int, count: int, clock: float) -> _Copy:
+        """My copy of ``name``'s public copy for its message ``count`` of ``epoch``: a new epoch (a first message,
+        a restart) starts a copy at zero, as the sender's did; one whose first message is more than
+        ``max_staleness`` messages into the epoch (this node joined or restarted late) is not mixed until every
+        window has arrived."""
+        copy = self._copies.get(name)
+        if copy is None or copy.epoch != epoch:
+            assert self._hat is not None
+            copy = _Copy([np.zeros_like(h) for h in self._hat], clock, epoch)
+            if count > self.max_staleness:
+                copy.missing = set(range(self.resync)) if self.resync else {-1}
+            self._copies[name] = copy
+        return copy
+
     def _receive(self, peer: PeerSnapshot, scratch: Sequence[np.ndarray]) -> None:
-        """Apply one neighbour's message to my copy of its public copy, then its resync window."""
+        """Apply one neighbour's message to my copy of its public copy, then its resync window. A message that
+        is malformed, or would make the copy non-finite (a hostile int8 scale), is dropped whole."""
         assert self._hat is not None
         count = len(self._hat)
-        message = peer.arrays
-        if len(message) != len(self._message) or not self._valid(message[: 2 * count]):
+        message, extras = peer.arrays, peer.state.extras
+        epoch, number = _as_int(extras.get(EPOCH_KEY)), _as_int(extras.get(COUNT_KEY))
+        if len(message) != len(self._message) or not self._valid(message[: 2 * count]) or None in (epoch, number):
             self.dropped += 1
             return
-        copy = self._copies.get(peer.state.name)
-        if copy is None:
-            copy = self._copies[peer.state.name] = _Copy([np.zeros_like(h) for h in self._hat], peer.state.clock)
-        self._apply(copy.hat, message[: 2 * count], scratch)
-        copy.clock = peer.state.clock
-        window = peer.state.extras.get(WINDOW_KEY)
-        if not self.resync or not isinstance(window, int) or isinstance(window, bool) or not 0 <= window < self.resync:
+        assert epoch is not None and number is not None
+        copy = self._copy_for(peer.state.name, epoch, number, peer.state.clock)
+        if number <= copy.last:  # a message already applied (fetched twice)
+            return
+        if not self._apply_checked(copy.hat, message[: 2 * count], scratch):
+            self.dropped += 1
+            return
+        if copy.last >= 0:
+            self.gaps += number - copy.last - 1
+        copy.last, copy.clock = number, peer.state.clock
+        window = _as_int(extras.get(WINDOW_KEY))
+        if not self.resync or window is None or not 0 <= window < self.resync:
             return
         for i, h in enumerate(copy.hat):
             flat = h.reshape(-1)
             part = self._window_slice(flat.size, window)
             sent = message[2 * count + i][: part.stop - part.start]
-            self.drift += int(np.count_nonzero(flat[part] != sent))
+            if not copy.missing:
+                self.drift += int(np.count_nonzero(flat[part] != sent))
             flat[part] = sent
+        copy.missing.discard(window)
+
+    def _apply_checked(
+        self, hat: Sequence[np.ndarray], message: Sequence[np.ndarray], scratch: Sequence[np.ndarray]
+    ) -> bool:
+        """:meth:`_apply` to a received message; False, ``hat`` untouched, when it would leave a non-finite
+        value (sparse values are finite already: the wire checked them)."""
+        if self.compressor.sparse:
+            self._apply(hat, message, scratch)
+            return True
+        for i, h in enumerate(hat):
+            with np.errstate(over="ignore", invalid="ignore"):
+                dequantize_int8_(message[2 * i + 1], message[2 * i], scratch[i])
+                scratch[i] += h.reshape(-1)
+            if not np.isfinite(scratch[i]).all():
+                return False
+        for i, h in enumerate(hat):
+            h.reshape(-1)[...] = scratch[i]
+        return True
 
     def mix(self, own: NodeState, arrays: list[np.ndarray], peers: Sequence[PeerSnapshot]) -> MixOutcome:
         """Apply what arrived to the copies, then ``x += gamma * w * sum_j (x_hat_j - x_hat_i)`` over the
         neighbours whose copies are fresh (``max_staleness``)."""
         self._allocate(arrays)
         assert self._hat is not None
-        for peer in peers:
-            if peer.state.name != own.name and not peer.repeat:
+        heard = [p for p in peers if p.state.name != own.name and p.state.name in self._neighbours]
+        for peer in heard:
+            if not peer.repeat:
                 self._receive(peer, self._scratch)
+        clocks = [p.state.clock for p in heard if math.isfinite(p.state.clock)]
+        if clocks:  # the clock is averaged as D-PSGD's, so that staleness compares nodes' progress fairly
+            w = 1.0 / float(self._degree + 1)
+            own.clock = math.fsum([w * c for c in clocks] + [(1.0 - w * len(clocks)) * own.clock])
         fresh = [
             name
             for name in self._neighbours
-            if name in self._copies and own.clock - self._copies[name].clock <= self.max_staleness
+            if name in self._copies
+            and not self._copies[name].missing
+            and own.clock - self._copies[name].clock <= self.max_staleness
         ]
         step = self.diverge(self.gamma, own.loss) / float(self._degree + 1) if fresh else 0.0
         if step > 0.0:
@@ -296,37 +375,61 @@ class ChocoRule(Rule):
                 for name in fresh:
                     pull += self._copies[name].hat[i] - hat
                 pull *= step
-                pull += x
-                x[...] = pull
+                pull += widened(x)
+                store_(pull, x)
         metrics = {**self.state_metrics(own), "neighbours_mixed": float(len(fresh))}
         return MixOutcome(step * len(fresh), tuple(fresh), metrics)
 
     def state_metrics(self, own: NodeState) -> dict[str, float]:
-        """``choco_drift`` and ``choco_dropped`` (counts since the start)."""
-        return {"choco_drift": float(self.drift), "choco_dropped": float(self.dropped)}
+        """``choco_drift``, ``choco_dropped`` and ``choco_gaps`` (messages of neighbours never received), counts
+        since the start."""
+        return {"choco_drift": float(self.drift), "choco_dropped": float(self.dropped), "choco_gaps": float(self.gaps)}
 
     # ------------------------------------------------------------ checkpoints
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The own public copy ``choco_hat/<i>`` and every neighbour's ``choco_hat:<name>/<i>``."""
+        """The own public copy ``choco_hat/<i>`` with its epoch and message count, and every neighbour's copy
+        ``choco_hat:<name>/<i>`` with the epoch and number of the last message applied to it."""
+        if self._hat is None:
+            return {}
         out = save_model_arrays(HAT_KEY, self._hat)
+        out[EPOCH_KEY] = np.array([self._epoch, self._count], np.int64)
         for name, copy in self._copies.items():
             out.update(save_model_arrays(f"{HAT_KEY}:{name}", copy.hat))
+            out[f"{EPOCH_KEY}:{name}"] = np.array([copy.epoch, copy.last], np.int64)
         return out
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray], params: Sequence[np.ndarray]) -> bool:
-        """Take back the public copies when they fit ``params`` (True); False, nothing changed, when not."""
+        """Take back the public copies when they fit ``params`` (True): a cluster resumed from its checkpoints
+        goes on with the same copies on both ends; False, nothing changed, when they do not fit."""
         own = load_model_arrays(HAT_KEY, arrays, params, compute_dtype)
         if own is None:
             return True
-        if own is False:
+        marks = arrays.get(EPOCH_KEY)
+        if own is False or marks is None or np.shape(marks) != (2,):
             return False
         copies: dict[str, _Copy] = {}
-        for name in {key.split("/")[0][len(HAT_KEY) + 1 :] for key in arrays if key.startswith(HAT_KEY + ":")}:
-            hat = load_model_arrays(f"{HAT_KEY}:{name}", arrays, params, compute_dtype)
-            if not isinstance(hat, list):
-                return False
-            copies[name] = _Copy(hat, -math.inf)
+        for key in arrays:
+            if key.startswith(EPOCH_KEY + ":"):
+                name = key[len(EPOCH_KEY) + 1 :]
+                hat = load_model_arrays(f"{HAT_KEY}:{name}", arrays, params, compute_dtype)
+                if not isinstance(hat, list) or np.shape(arrays[key]) != (2,):
+                    return False
+                epoch, last = (int(v) for v in arrays[key])
+                copies[name] = _Copy(hat, -math.inf, epoch, last)
         self._allocate(params)
         self._hat, self._copies = own, copies
+        self._epoch, self._count = (int(v) for v in marks)
+        self._cycle = None
         return True
+
+
+def _as_int(value: object) -> int | None:
+    """An int from an int or a whole float (extras a checkpoint gave back); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None

@@ -42,7 +42,7 @@ import numpy as np
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.dpsgd import GRAPHS, neighbours
 from dpwa.rules.mixing import compute_dtype
-from dpwa.rules.state import load_model_arrays, save_model_arrays
+from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, widened
 from dpwa.utils.settings import Settings, choice, setting
 
 __all__ = ["TRACKER_KEY", "GtRule", "GtSettings"]
@@ -91,7 +91,8 @@ class GtRule(Rule):
         self.max_staleness = s
         self.left_out = 0
         self._degree = 0
-        self._epoch = 0
+        self._neighbours: tuple[str, ...] = ()
+        self._epoch = secrets.randbits(31)
         self._z: list[np.ndarray] | None = None
         self._u: list[np.ndarray] | None = None
         self._rho: list[np.ndarray] = []
@@ -107,16 +108,24 @@ class GtRule(Rule):
         }
 
     def initial_extras(self, me: str, names: Sequence[str]) -> dict[str, Any]:
-        """``gt_epoch``: a number drawn when the rule starts; a receiver that sees it change (the node restarted
-        without its running sums) starts counting that node's sums afresh."""
+        """``gt_epoch``: the number that names this node's running sums since they last started from zero."""
         self.on_members(me, names, float(len(names)))
-        self._epoch = secrets.randbits(31)
         return {EPOCH_KEY: self._epoch}
 
     def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
-        """My degree on the graph of the current members; the sums of nodes no longer members are dropped."""
-        self._degree = len(neighbours(list(names).index(me), len(names), self.graph)) if me in names else 0
-        for gone in set(self._last) - set(names):
+        """My neighbours on the graph of the current members. When they change, the running sums start over
+        from zero under a new epoch (what was offered and not collected yet is lost: a join or a leave costs a
+        little of the tracker's sum), and the sums of nodes no longer neighbours are forgotten."""
+        members = list(names)
+        mine = (
+            tuple(members[j] for j in neighbours(members.index(me), len(members), self.graph)) if me in members else ()
+        )
+        if mine != self._neighbours and self._z is not None:
+            self._epoch = secrets.randbits(31)
+            for rho in self._rho:
+                rho[...] = 0.0
+        self._neighbours, self._degree = mine, len(mine)
+        for gone in set(self._last) - set(mine):
             del self._last[gone]
 
     def _allocate(self, params: Sequence[np.ndarray]) -> None:
@@ -148,6 +157,7 @@ class GtRule(Rule):
         """The offer went out: ``z <- z - d (rho_new - rho)`` and ``rho <- rho_new`` (taking out exactly what the
         sum grew by); remember ``x_sent`` (read-only views, valid until the next ``update_send``)."""
         assert self._z is not None
+        own.extras[EPOCH_KEY] = self._epoch  # the next snapshot's (a checkpoint restore may have set a float)
         n = len(published) // 2
         for z, rho, new in zip(self._z, self._rho, published[n:]):
             given = np.subtract(new, rho)
@@ -161,44 +171,56 @@ class GtRule(Rule):
         self._sent = None
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """``gt_z/<i>``, ``gt_u/<i>``, ``gt_rho/<i>`` (``{}`` before the first publish) and each neighbour's last
-        running sum ``gt_rho:<name>/<i>``."""
+        """``gt_z/<i>``, ``gt_u/<i>``, ``gt_rho/<i>`` and ``gt_epoch`` (``{}`` before the first publish), and each
+        neighbour's last running sum ``gt_rho:<name>/<i>`` with its epoch ``gt_epoch:<name>``."""
+        if self._z is None:
+            return {}
         out = {**save_model_arrays(TRACKER_KEY, self._z), **save_model_arrays(STEP_KEY, self._u)}
-        if self._z is not None:
-            out.update(save_model_arrays(SUM_KEY, self._rho))
-        for name, (_, last) in self._last.items():
+        out.update(save_model_arrays(SUM_KEY, self._rho))
+        out[EPOCH_KEY] = np.array(self._epoch, np.int64)
+        for name, (epoch, last) in self._last.items():
             out.update(save_model_arrays(f"{SUM_KEY}:{name}", last))
+            out[f"{EPOCH_KEY}:{name}"] = np.array(epoch, np.int64)
         return out
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray], params: Sequence[np.ndarray]) -> bool:
-        """Take back the tracker, the step and the running sums when they fit ``params`` (True); False, nothing
-        changed, when not. The neighbours' sums come back under their current epoch unknown: the first message of
-        each then counts from the sum it carries (what was in flight while this node was down is lost)."""
+        """Take back the tracker, the step, the running sums and their epochs when they fit ``params`` (True), so
+        that a cluster resumed from its checkpoints goes on collecting where it stopped; False, nothing changed,
+        when they do not fit."""
         z = load_model_arrays(TRACKER_KEY, arrays, params, compute_dtype)
         u = load_model_arrays(STEP_KEY, arrays, params, compute_dtype)
         rho = load_model_arrays(SUM_KEY, arrays, params, lambda _: np.dtype(np.float64))
         if z is None and u is None and rho is None:
             return True
-        if not (isinstance(z, list) and isinstance(u, list) and isinstance(rho, list)):
+        epoch = _as_epoch(arrays.get(EPOCH_KEY))
+        if not (isinstance(z, list) and isinstance(u, list) and isinstance(rho, list)) or epoch is None:
             return False
+        last: dict[str, tuple[int, list[np.ndarray]]] = {}
+        for key in arrays:
+            if key.startswith(EPOCH_KEY + ":"):
+                name = key[len(EPOCH_KEY) + 1 :]
+                sums = load_model_arrays(f"{SUM_KEY}:{name}", arrays, params, lambda _: np.dtype(np.float64))
+                their = _as_epoch(arrays[key])
+                if not isinstance(sums, list) or their is None:
+                    return False
+                last[name] = (their, sums)
         self._allocate(params)
-        self._z, self._u, self._rho = z, u, rho
+        self._z, self._u, self._rho, self._epoch = z, u, rho, epoch
+        self._last = {name: entry for name, entry in last.items() if name in self._neighbours or not self._neighbours}
         return True
 
     def _collect(self, peer: PeerSnapshot, n: int) -> list[np.ndarray] | None:
-        """What ``peer``'s running sums grew by since the last message of it this node took; remembers the sums.
-
-        A first message counts from zero when the peer is starting (its clock at most ``max_staleness + 1``: the
-        nodes started together); None (nothing collected) for the first message of a peer that started long
-        before (a join, a restart: what it offered before is lost) or of a new epoch (the peer restarted)."""
-        epoch = peer.state.extras.get(EPOCH_KEY)
-        sums = [np.asarray(a, dtype=np.float64) for a in peer.arrays[n:]]
-        known = self._last.get(peer.state.name)
-        self._last[peer.state.name] = (epoch if isinstance(epoch, int) else -1, [np.array(a) for a in sums])
-        if known is None and peer.state.clock <= self.max_staleness + 1.0:
-            return sums  # the first message of a node that is just starting, as this one: counted from zero
-        if known is None or known[0] != epoch:
+        """What neighbour ``peer``'s running sums grew by since the last message of it this node took (from zero
+        for an epoch not seen before: every epoch's sums start at zero); remembers the sums. None: not a
+        neighbour, or no epoch."""
+        epoch = _as_epoch(peer.state.extras.get(EPOCH_KEY))
+        if epoch is None or peer.state.name not in self._neighbours:
             return None
+        sums = [np.array(a, dtype=np.float64) for a in peer.arrays[n:]]
+        known = self._last.get(peer.state.name)
+        self._last[peer.state.name] = (epoch, sums)
+        if known is None or known[0] != epoch:
+            return sums
         return [new - old for new, old in zip(sums, known[1])]
 
     def _fresh(self, own: NodeState, peers: Sequence[PeerSnapshot]) -> list[PeerSnapshot]:
@@ -227,20 +249,33 @@ class GtRule(Rule):
             return MixOutcome(0.0, (), metrics)
         for i, x in enumerate(arrays):
             z, u_prev = self._z[i], self._u[i]
-            u = np.subtract(x, sent[i], dtype=z.dtype)  # this round's local step
+            own_x = widened(sent[i])
+            u = np.subtract(widened(x), own_x, dtype=z.dtype)  # this round's local step
             z += u
             z -= u_prev
             u_prev[...] = u
-            own_x = np.asarray(sent[i], dtype=z.dtype)
             mixed = np.zeros_like(z)
             for p in fresh:  # the neighbours' differences to x_sent, summed, then x_sent and z
-                mixed += w * (np.asarray(p.arrays[i], dtype=z.dtype) - own_x)
+                mixed += w * (widened(p.arrays[i]) - own_x)
             mixed += own_x
             mixed += z
-            x[...] = mixed
+            store_(mixed, x)
         self._sent = None
         if fresh:
             k = len(fresh)
             own.clock = math.fsum([w * p.state.clock for p in fresh] + [(1.0 - w * k) * own.clock])
         metrics["tracker_norm"] = math.sqrt(math.fsum(float(np.vdot(z, z)) for z in self._z))
         return MixOutcome(w * len(fresh), tuple(p.state.name for p in fresh), metrics, moved=True)
+
+
+def _as_epoch(value: object) -> int | None:
+    """An epoch as an int: an int, or a whole float (a checkpoint's extras, a 0-d array); None otherwise."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None

@@ -11,7 +11,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["load_model_arrays", "save_model_arrays"]
+from dpwa.rules.mixing import is_half, narrow, widen
+
+__all__ = ["load_model_arrays", "save_model_arrays", "store_", "widened"]
 
 
 def save_model_arrays(prefix: str, arrays: Sequence[np.ndarray] | None) -> dict[str, np.ndarray]:
@@ -39,3 +41,20 @@ def load_model_arrays(
     ):
         return False
     return [np.array(a, copy=True) for a in found if a is not None]
+
+
+def widened(a: np.ndarray) -> np.ndarray:
+    """``a`` in its compute dtype (:func:`~dpwa.rules.mixing.compute_dtype`), exactly: a float32 copy of a float16
+    or bfloat16 array (bfloat16 arrays are uint16 bits underneath, never computed with directly), ``a`` itself
+    otherwise."""
+    if not is_half(a.dtype):
+        return a
+    return widen(a, np.empty(a.shape, np.float32))
+
+
+def store_(src: np.ndarray, dst: np.ndarray) -> None:
+    """``dst <- src`` (compute dtype), rounded once to nearest even into a float16 or bfloat16 ``dst``."""
+    if is_half(dst.dtype):
+        narrow(np.ascontiguousarray(src, dtype=np.float32), dst, np.empty(dst.shape, np.float32))
+    else:
+        np.copyto(dst, src, casting="same_kind")
