@@ -68,6 +68,25 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "WAGMA, pairs, sync every 11",
         {"interpolation": "group", "group": {"group_size": 2, "sync_every": 11, "max_staleness": 10.0}},
     ),
+    "gt": ("gradient tracking (DIGing), ring", {"interpolation": "gt"}),
+    "choco-topk": (
+        "CHOCO-SGD, top-1 %, ring",
+        {"interpolation": "choco", "choco": {"compressor": "topk:0.01"}},
+    ),
+    "choco-int8": ("CHOCO-SGD, int8, ring", {"interpolation": "choco", "choco": {"compressor": "int8"}}),
+    "constant-int8": ("f = 0.5, wire_dtype int8", {"interpolation": "constant", "wire_dtype": "int8"}),
+    "constant-outer8": (
+        "f = 0.5 under the outer optimizer (SlowMo), every 8 steps",
+        {"interpolation": "constant", "outer": {"every": 8, "lr": 1.0, "momentum": 0.5, "nesterov": False}},
+    ),
+    "constant-diloco8": (
+        "f = 0.5 under the outer optimizer (DiLoCo: lr 0.7, Nesterov momentum 0.9), every 8 steps",
+        {"interpolation": "constant", "outer": {"every": 8, "lr": 0.7, "momentum": 0.9, "nesterov": True}},
+    ),
+    "constant-local8": (
+        "f = 0.5 every 8 steps, no outer momentum (lr 1, momentum 0: periodic gossip)",
+        {"interpolation": "constant", "outer": {"every": 8, "lr": 1.0, "momentum": 0.0}},
+    ),
 }
 DEFAULT_RULES = (
     "constant",
@@ -81,6 +100,13 @@ DEFAULT_RULES = (
     "group",
     "adpsgd",
     "dpsgd",
+    "gt",
+    "choco-topk",
+    "choco-int8",
+    "constant-int8",
+    "constant-outer8",
+    "constant-local8",
+    "constant-diloco8",
     "none",
 )
 SMOOTH = 100  # steps in the moving average of the loss curves
@@ -236,6 +262,7 @@ def summarize(label: str, run_dir: Path, nodes: Sequence[str], code: int | None,
         "mixes": sum(int(r.get("mixes", 0)) for r in last.values()),
         "moves": sum(1 for recs in exchanges.values() for r in recs if (r.get("factor") or 0.0) > 0.0),
         "bytes_in": sum(int(r.get("bytes_in", 0)) for r in last.values()),
+        "bytes_per_step": _mean([int(r.get("bytes_out", 0)) / max(1, int(r.get("step", 0))) for r in last.values()]),
         "train_seconds": _mean([r.get("seconds") for r in reports.values()]),
         "wall_seconds": wall,
         # mean loss over the nodes per step (NaN where no node has a record), for the plot
@@ -254,9 +281,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     """The Markdown comparison table."""
     head = (
         "| rule | final loss | averaged-model acc. | baseline acc. | mean node acc. | spread | weights | mixes "
-        "| moves | MB in | train s | wall s |"
+        "| moves | MB in | kB sent/step | train s | wall s |"
     )
-    lines = [head, "|---|" + "---:|" * 11]
+    lines = [head, "|---|" + "---:|" * 12]
     for r in rows:
         rule = r["rule"] if r["ok"] else f"{r['rule']} (exit {r['exit']})"
         cells = [
@@ -270,6 +297,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             str(r["mixes"]),
             str(r["moves"]),
             _f(r["bytes_in"] / 1e6, 1),
+            _f((r.get("bytes_per_step") or math.nan) / 1e3, 1),
             _f(r["train_seconds"], 1),
             _f(r["wall_seconds"], 1),
         ]
@@ -285,7 +313,8 @@ Columns: *final loss* -- mean over the nodes of the training loss of their last 
 `|x_i - x_mean| / |x_mean|` over all parameters of the final models; *weights* -- the lowest and highest
 push-sum weight any node had after a step (push-sum only); *mixes* -- exchanges that got a
 reply, *moves* -- exchanges whose factor was > 0, *MB in* -- bytes received (each summed over the
-nodes); *train s* -- a node's training loop (mean over nodes), *wall s* -- the whole `dpwa run`
+nodes); *kB sent/step* -- the bytes a node sent (replies served, pushes) per step, mean over the nodes;
+*train s* -- a node's training loop (mean over nodes), *wall s* -- the whole `dpwa run`
 (process start-up, training, lingering for peers, the baseline's training and the evaluation)."""
 
 

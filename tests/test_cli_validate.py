@@ -90,7 +90,7 @@ def test_validate_as_a_real_process_on_a_bad_file() -> None:
     expected = (
         "error: tests/data/configs/bad/unknown_top_level_key.yaml:8: timeout: unknown key"
         " (did you mean 'timeout_ms'?); allowed: nodes, fetch_probability, timeout_ms, interpolation,"
-        " divergence_threshold, peers, wire_dtype, security, checkpoint_every, bootstrap, bootstrap_timeout_s,"
+        " divergence_threshold, peers, wire_dtype, outer, security, checkpoint_every, bootstrap, bootstrap_timeout_s,"
         " bootstrap_gap, inbox_slots, inbox_per_sender, base_port, join, join_timeout_s, forget_after_s, max_members,"
         " constant, clock, loss, gem, pushsum, leader, group, adpsgd, dpsgd, gt, choco"
     )

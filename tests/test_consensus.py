@@ -32,6 +32,7 @@ import pytest
 from dpwa.rules import make_rule
 from dpwa.rules.choco import ChocoSettings
 from dpwa.rules.group import GroupSettings
+from dpwa.rules.outer import OuterSettings, outer_rule, outer_schedule
 from dpwa.rules.schedules import make_schedule
 from dpwa.tools.simulation import Simulation
 
@@ -65,10 +66,17 @@ NOT_AVERAGING = [("loss", "random", None), ("leader", "leader", None), ("gem", "
 
 
 def consensus_error(
-    rule: str, schedule: str, settings: Any, seed: int, loss_rate: float = 0.0, rounds: int = ROUNDS
+    rule: str,
+    schedule: str,
+    settings: Any,
+    seed: int,
+    loss_rate: float = 0.0,
+    rounds: int = ROUNDS,
+    outer: OuterSettings | None = None,
 ) -> tuple[float, float, float]:
     """(largest node distance to the mean of the centres, largest node distance to the nodes' mean, distance of
-    the nodes' mean to the mean of the centres), relative to the centres' mean distance to their mean."""
+    the nodes' mean to the mean of the centres), relative to the centres' mean distance to their mean; ``outer``:
+    the rule and schedule under that outer optimizer (tests/test_outer.py)."""
     rng = np.random.default_rng(seed)
     centres = rng.normal(scale=3.0, size=(NODES, DIM))
     start = rng.normal(size=DIM)
@@ -76,8 +84,8 @@ def consensus_error(
     index = {name: i for i, name in enumerate(names)}
     sim = Simulation(
         [[start.copy()] for _ in names],
-        lambda: make_rule(rule, settings, 0.0),
-        lambda: make_schedule(schedule, settings),
+        lambda: outer_rule(make_rule(rule, settings, 0.0), outer),
+        lambda: outer_schedule(make_schedule(schedule, settings), outer),
         seed=seed,
     )
     dropped = np.random.default_rng(seed + 1000)

@@ -17,6 +17,7 @@ import yaml
 
 from dpwa.config import ClusterConfig, load_config
 from dpwa.rules import RULES, make_rule
+from dpwa.rules.outer import OuterRule, OuterSchedule, outer_rule, outer_schedule
 from dpwa.rules.schedules import SCHEDULES, GroupsSchedule, make_schedule
 from dpwa.security.keys import generate_keys
 from dpwa.tools.simulation import SimNode, Simulation
@@ -91,7 +92,8 @@ def test_the_group_sample_rotates_pairs_and_syncs() -> None:
 
 
 def _simulate(rule: str, rounds: int, mix: bool) -> float:
-    """Spread of 4 simulated nodes after ``rounds`` rounds of the sample's rule and schedule.
+    """Spread of 4 simulated nodes after ``rounds`` rounds of the sample's rule and schedule (under its outer
+    optimizer, if it has one).
 
     Every node takes a gradient step on its own quadratic ``|x - c_i|^2 / 2`` (different centres, so
     without mixing the nodes drift apart); ``mix=False`` serves nobody (fetches fail as timeouts).
@@ -102,8 +104,8 @@ def _simulate(rule: str, rounds: int, mix: bool) -> float:
     centres = {f"w{i + 1}": rng.normal(size=64).astype(np.float32) for i in range(4)}
     sim = Simulation(
         [[start] for _ in range(4)],
-        lambda: make_rule(config.interpolation, config.settings, config.divergence_threshold),
-        lambda: make_schedule(config.schedule, config.settings),
+        lambda: outer_rule(make_rule(config.interpolation, config.settings, config.divergence_threshold), config.outer),
+        lambda: outer_schedule(make_schedule(config.schedule, config.settings), config.outer),
         names=[node.name for node in config.nodes],
     )
 
@@ -125,3 +127,19 @@ def _simulate(rule: str, rounds: int, mix: bool) -> float:
 def test_a_rule_sample_mixes_in_the_simulator(rule: str) -> None:
     alone, gossip = _simulate(rule, 60, mix=False), _simulate(rule, 60, mix=True)
     assert gossip < 0.5 * alone, (rule, gossip, alone)
+
+
+def test_the_outer_sample_runs_its_rule_under_the_outer_optimizer() -> None:
+    """samples/outer.yaml: a rule sample's shape (the localhost nodes, the rule's default schedule) with ``outer``;
+    the node wraps rule and schedule, and the simulated nodes come together though they exchange every 8th step."""
+    config = load_config(SAMPLES / "outer.yaml")
+    localhost = load_config(SAMPLES / "localhost.yaml")
+    assert config.nodes == localhost.nodes and config.schedule == RULES[config.interpolation].default_schedule
+    assert config.outer is not None and config.outer.every > 1
+    raw = yaml.safe_load((SAMPLES / "outer.yaml").read_text(encoding="utf-8"))
+    assert raw["outer"] == dataclasses.asdict(config.outer), "the sample spells out every outer setting"
+    rule = outer_rule(make_rule(config.interpolation, config.settings, 0.0), config.outer)
+    assert isinstance(rule, OuterRule) and rule.every == config.outer.every
+    assert isinstance(outer_schedule(make_schedule(config.schedule, config.settings), config.outer), OuterSchedule)
+    alone, gossip = _simulate("outer", 64, mix=False), _simulate("outer", 64, mix=True)
+    assert gossip < 0.5 * alone, (gossip, alone)

@@ -52,6 +52,9 @@ def summary(config: ClusterConfig) -> str:
     params = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)
     rule = f"{config.interpolation} ({params})" if params else config.interpolation
     plural = "" if len(config.nodes) == 1 else "s"
+    if config.outer is not None:
+        o = config.outer
+        rule += f", outer (every={o.every}, lr={o.lr:g}, momentum={o.momentum:g}, nesterov={o.nesterov})"
     return (
         f"{len(config.nodes)} node{plural}, interpolation {rule}, "
         f"fetch_probability {config.fetch_probability:g}, timeout_ms {config.timeout_ms:g}, "

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from dpwa.rules import RULES
+from dpwa.rules import RULES, OuterSettings, momentum_hazard
 from dpwa.rules.schedules import SCHEDULES
 from dpwa.security.keyfiles import KeyFileError, name_problem, public_path, read_key_file, secret_path
 from dpwa.utils.dtypes import WIRE_DTYPES
@@ -248,6 +248,34 @@ class _Security(Spec):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Outer(Spec):
+    """The ``outer`` map (:class:`~dpwa.rules.outer.OuterSettings`; ``{}`` for its defaults), or null: no outer
+    optimizer."""
+
+    def read(self, doc: FileReader, node: yaml.Node, key: str) -> object:
+        allowed = [f.name for f in dataclasses.fields(OuterSettings)]
+        if not isinstance(node, yaml.MappingNode):
+            value = doc.value(node, key)
+            if value is None:
+                return None
+            shape = "a map like {every: 8, lr: 0.7, momentum: 0.9, nesterov: true} ({} for the defaults), or null"
+            raise doc.error(key, f"must be {shape}, got {show_value(value)}", node)
+        given: dict[str, object] = {}
+        for field, value_node in doc.mapping(node, key):
+            if field not in allowed:
+                raise doc.error(f"{key}.{field}", f"unknown outer setting{suggest(field, allowed)}")
+            given[field] = doc.value(value_node, f"{key}.{field}")
+        return doc.build(OuterSettings, given, key)
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if value is not None and not isinstance(value, OuterSettings):
+            yield "", f"must be an OuterSettings or None, got {show_value(value)}"
+
+    def dump(self, value: object) -> object:
+        return None if value is None else dataclasses.asdict(value)  # type: ignore[call-overload]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Nodes(Spec):
     """A sequence of NodeSpec with unique names and unique host:port pairs; empty: the nodes come from an
     engine (``dpwa run -n N``, SLURM, torchrun), see :meth:`ClusterConfig.with_nodes`."""
@@ -313,6 +341,9 @@ class ClusterConfig:
     #: (rounded to nearest even when published, widened exactly when received); ``int8``: every float array
     #: travels as blockwise int8 with float32 scales (dpwa/utils/int8.py).
     wire_dtype: str = choice("auto", ("auto", *WIRE_DTYPES), omit_default=True)
+    #: The outer optimizer (SlowMo, DiLoCo; dpwa/rules/outer.py): exchange every ``every``-th step only, and there
+    #: step the mixed model's motion since the last such step with Nesterov momentum; None: every step mixes.
+    outer: OuterSettings | None = setting(None, spec=_Outer(), omit_default=True)
     security: SecurityConfig = setting(SecurityConfig(), spec=_Security(), omit_default=True)
     #: Checkpoint every this many steps into <run_dir>/checkpoints/ (0 = never); dpwa/checkpoint.py.
     checkpoint_every: int = setting(0, lo=0, integer=True, omit_default=True)
@@ -366,6 +397,10 @@ class ClusterConfig:
                 f"interpolation {self.interpolation!r} needs its snapshots bit for bit ({rule.wire_exact}); "
                 "leave wire_dtype at auto",
             )
+        hazard = momentum_hazard(self.interpolation, self.schedule) if self.outer and self.outer.momentum else ""
+        if hazard:
+            way_out = "" if self.interpolation == "adpsgd" else " or another schedule than ring"
+            raise self.error("outer.momentum", f"{hazard} (docs/rules.md); use momentum: 0{way_out}")
         self._check_public_keys()
 
     def _every_rules_settings(self) -> dict[str, object]:

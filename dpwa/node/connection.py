@@ -25,6 +25,7 @@ from dpwa.node.core import Node
 from dpwa.node.membership import MemberEvent
 from dpwa.node.transport import Transport, TransportFactory
 from dpwa.rules import Rule, make_rule
+from dpwa.rules.outer import with_outer
 from dpwa.rules.schedules import make_schedule
 
 __all__ = ["DpwaConnection"]
@@ -37,7 +38,8 @@ class DpwaConnection:
 
     ``DpwaConnection(name, config)`` where ``config`` is a cluster file path or a
     loaded :class:`~dpwa.config.ClusterConfig`. ``seed`` makes peer choice and
-    fetch coin-flips reproducible; ``rule`` overrides the configured rule. ``params``, the arrays later
+    fetch coin-flips reproducible; ``rule`` overrides the configured rule (the cluster file's ``outer`` still applies
+    to it; an :class:`~dpwa.rules.outer.OuterRule` brings its own). ``params``, the arrays later
     passed to :meth:`update_send`, sets the node's buffers up before it answers anyone, so that a push
     arriving before the first ``update_send`` is taken instead of refused "not ready" (push-sum's first
     rounds then stay synchronous).
@@ -60,7 +62,7 @@ class DpwaConnection:
         cfg.node(name)  # a clear ConfigError before anything starts
         if rule is None:
             rule = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
-        schedule = make_schedule(cfg.schedule, cfg.settings)
+        rule, schedule = with_outer(rule, make_schedule(cfg.schedule, cfg.settings), cfg.outer)
         self._node = Node(name, cfg, rule, schedule, seed, params, transport)
         self._finalizer = weakref.finalize(self, Node.close, self._node)
 

@@ -7,7 +7,8 @@ they change state, and owns the sockets (it passes a ``fetch`` callable in).
 
 * :func:`export_state` / :func:`restore_state`: the node's :class:`~dpwa.checkpoint.DpwaState`
   (clock, step, loss, the rule's scalar extras such as push-sum's weight, and the rule's arrays
-  through :meth:`~dpwa.rules.base.Rule.state_arrays`, e.g. GEM's momentum proxy).
+  through :meth:`~dpwa.rules.base.Rule.state_arrays`, e.g. GEM's momentum proxy). An outer optimizer's
+  step count (:class:`~dpwa.rules.outer.OuterRule`) follows the step restored, and counts a catch-up's step.
 * :func:`ask_peers` -- bootstrap, before the first local step: ask one peer at a time (each
   attempt bounded by the caller's ``fetch``) until one answers or ``timeout_s`` passes; the node
   then copies that peer outright if :func:`is_ahead`.
@@ -32,6 +33,7 @@ import numpy as np
 
 from dpwa.checkpoint import CheckpointError, DpwaState, scalar_extras
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.outer import OuterRule
 
 __all__ = [
     "RETRY_PAUSE_S",
@@ -91,6 +93,8 @@ def restore_state(own: NodeState, rule: Rule, saved: DpwaState, params: Sequence
             )
     own.clock = float(saved.clock)
     own.loss = float(saved.loss)
+    if isinstance(rule, OuterRule):  # its boundaries are the schedule's, which reads the node's step
+        rule.follow(int(saved.step))
     log.info("node %s: restored clock %g, step %d", own.name, saved.clock, saved.step)
     return int(saved.step)
 
@@ -182,6 +186,8 @@ class Recovery:
         for peer in peers:
             self.rule.on_reply_not_mixed(own, peer.state.extras)
         self.copy(own, params, ahead)
+        if isinstance(self.rule, OuterRule):  # the copy took the place of this step's mix: the step still counts
+            self.rule.step_without_mix()
         return MixOutcome(1.0, (ahead.state.name,), {**self.rule.state_metrics(own), "bootstrap": 1.0})
 
     def bootstrap(

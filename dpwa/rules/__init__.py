@@ -10,6 +10,9 @@ reads to know the rules: their names (the ``interpolation`` key), their settings
 keys and their schedules (the ``peers`` key). Adding a rule is one module with
 its settings and rule class, and one entry in :data:`RULES`.
 
+Any rule can run under the outer optimizer of :mod:`dpwa.rules.outer` (SlowMo, DiLoCo), which wraps the rule
+and its schedule: it is not a rule of :data:`RULES` but the cluster file's ``outer`` key.
+
 Rules never import ``dpwa.config``: :func:`make_rule` takes the rule's settings
 as any dataclass instance (or a mapping, or None) and passes its fields as
 constructor keyword arguments.
@@ -30,6 +33,7 @@ from dpwa.rules.gem import GemRule, GemSettings
 from dpwa.rules.group import GroupRule, GroupSettings
 from dpwa.rules.gt import GtRule, GtSettings
 from dpwa.rules.leader import LeaderRule, LeaderSettings
+from dpwa.rules.outer import OuterRule, OuterSchedule, OuterSettings, momentum_hazard
 from dpwa.rules.pairwise import (
     ClockRule,
     ClockSettings,
@@ -65,6 +69,9 @@ __all__ = [
     "LossSettings",
     "MixOutcome",
     "NodeState",
+    "OuterRule",
+    "OuterSchedule",
+    "OuterSettings",
     "PairwiseRule",
     "PeerSnapshot",
     "PushSumRule",
@@ -72,6 +79,7 @@ __all__ = [
     "Rule",
     "Transfer",
     "make_rule",
+    "momentum_hazard",
 ]
 
 RULES: dict[str, type[Rule]] = {

@@ -64,6 +64,9 @@ class Schedule(ABC):
     name: ClassVar[str]
     fanout: int = 1
     """How many peers flow control picks when :meth:`targets` returns None."""
+    period: int = 1
+    """How many steps apart this schedule's rounds are: 1, except under an outer optimizer, which exchanges every
+    ``every``-th step (:class:`dpwa.rules.outer.OuterSchedule`); push rules scale the rounds they wait for by it."""
 
     def max_fanout(self, n_nodes: int) -> int:
         """The most peers one round can fetch (receive buffers are allocated for that many)."""

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules import RULES, make_rule
+from dpwa.rules.outer import outer_rule, outer_schedule, outer_settings
 from dpwa.rules.schedules import make_schedule
 from dpwa.tools.mixture import DataSpec, MixtureData, gaussian_mixture
 from dpwa.tools.simulation import SimNode, Simulation
@@ -79,15 +80,19 @@ def simulate_training(
     schedule: str | None = None,
     settings: Any = None,
     data: MixtureData | None = None,
+    outer: Any = None,
 ) -> SimTrainResult:
     """``rounds`` synchronous rounds of ``nodes`` nodes training with ``rule`` (its ``settings``: a dataclass,
-    a mapping or None) on ``partition``; ``schedule`` defaults to the rule's own. ``rule="none"``: no gossip."""
+    a mapping or None) on ``partition``; ``schedule`` defaults to the rule's own. ``rule="none"``: no gossip.
+    ``outer``: the rule and schedule under that outer optimizer (an OuterSettings or a mapping of its fields)."""
     data = data if data is not None else gaussian_mixture(seed, DataSpec())
     classes = int(data.y_train.max()) + 1
     shards = partition_indices(data.y_train, nodes, partition, seed, classes)
     names = [f"w{i + 1}" for i in range(nodes)]
     gossip = rule != "none"
-    sim = _simulation(rule if gossip else "constant", names, data.x_train.shape[1], classes, settings, schedule, seed)
+    sim = _simulation(
+        rule if gossip else "constant", names, data.x_train.shape[1], classes, settings, schedule, seed, outer
+    )
     batches = _Batches(names, shards, batch_size, seed)
     losses: dict[str, float] = dict.fromkeys(names, math.log(classes))
 
@@ -110,15 +115,23 @@ def simulate_training(
 
 
 def _simulation(
-    rule: str, names: list[str], features: int, classes: int, settings: Any, schedule: str | None, seed: int
+    rule: str,
+    names: list[str],
+    features: int,
+    classes: int,
+    settings: Any,
+    schedule: str | None,
+    seed: int,
+    outer: Any = None,
 ) -> Simulation:
     """The nodes ``names``, each with zero weights ``(features, classes)`` and biases, ``rule`` (with
-    ``settings``) and ``schedule`` (default: the rule's own)."""
+    ``settings``) and ``schedule`` (default: the rule's own), under the outer optimizer ``outer`` if given."""
     start = [np.zeros((features, classes)), np.zeros(classes)]
+    checked = outer_settings(outer)
     return Simulation(
         [[a.copy() for a in start] for _ in names],
-        lambda: make_rule(rule, settings, 0.0),
-        lambda: make_schedule(schedule or RULES[rule].default_schedule, settings),
+        lambda: outer_rule(make_rule(rule, settings, 0.0), checked),
+        lambda: outer_schedule(make_schedule(schedule or RULES[rule].default_schedule, settings), checked),
         seed=seed,
     )
 

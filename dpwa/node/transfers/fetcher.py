@@ -78,8 +78,9 @@ class Fetcher:
 
     def plan(self) -> tuple[list[FetchTarget], dict[str, Any]] | None:
         """``update_send``: this round's targets (one receive buffer each) and the rule's request extras, or None
-        when no fetch starts: the previous one is still in flight, ``fetch_probability`` said no, or no peer is
-        up (counted in ``fetches_skipped``; the node then trains alone, said once)."""
+        when no fetch starts: the previous one is still in flight, ``fetch_probability`` said no, the schedule
+        wants no peer this round, or no peer is up (counted in ``fetches_skipped``; the node then trains alone,
+        said once)."""
         host = self.host
         if self.in_flight():
             host.stats.add("fetches_skipped")  # update_wait was not called for the previous fetch
@@ -90,6 +91,8 @@ class Fetcher:
         with host.state_lock:
             extras = host.rule.request_extras(host.state)
         chosen, wanted = round_peers(host)
+        if not wanted:  # the schedule wants nobody this round (an outer optimizer's local steps): nothing skipped
+            return None
         chosen = chosen[: len(self.slots)]
         if not chosen:
             host.stats.add("fetches_skipped")

@@ -73,7 +73,9 @@ class PushTransfer(InboxTransfer):
         self.pushed = 0
         if host.rng.random() >= host.config.fetch_probability:
             return
-        chosen, _ = round_peers(host)
+        chosen, wanted = round_peers(host)
+        if not wanted:  # the schedule wants nobody this round (an outer optimizer's local steps): nothing skipped
+            return
         for peer in chosen:  # the previous push to a receiver still on its way: wait for its verdict (bounded)
             previous = ledger.open_push(peer)
             if previous is not None and previous.status == PushStatus.SENDING:
@@ -107,7 +109,8 @@ class PushTransfer(InboxTransfer):
         lock-step is at most a graph's diameter (``ceil(log2 N)`` on the exponential graph) plus the overlap
         away; one further behind (it restarted, or it is not synchronous) is not waited for."""
         overlap = self.host.rule.overlap
-        return 2 * max(1, math.ceil(math.log2(max(2, len(self.host.names))))) + overlap + 2
+        rounds = 2 * max(1, math.ceil(math.log2(max(2, len(self.host.names))))) + overlap + 2
+        return rounds * self.host.schedule.period  # an outer optimizer's schedule: its rounds are `every` steps apart
 
     def wait_sources(self, upto: int | None) -> None:
         """On a fixed schedule: wait, at most one exchange timeout, until every in-neighbour of round
