@@ -43,7 +43,7 @@ from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.compress import Compressor, CompressorSpec, parse_compressor, random_k, top_k
 from dpwa.rules.dpsgd import GRAPHS, neighbours
 from dpwa.rules.mixing import compute_dtype
-from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, widened
+from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, whole_number, widened
 from dpwa.utils.int8 import dequantize_int8_, int8_scales, quantize_int8_
 from dpwa.utils.settings import Settings, choice, setting
 
@@ -304,7 +304,7 @@ class ChocoRule(Rule):
         assert self._hat is not None
         count = len(self._hat)
         message, extras = peer.arrays, peer.state.extras
-        epoch, number = _as_int(extras.get(EPOCH_KEY)), _as_int(extras.get(COUNT_KEY))
+        epoch, number = whole_number(extras.get(EPOCH_KEY)), whole_number(extras.get(COUNT_KEY))
         if len(message) != len(self._message) or not self._valid(message[: 2 * count]) or None in (epoch, number):
             self.dropped += 1
             return
@@ -318,7 +318,7 @@ class ChocoRule(Rule):
         if copy.last >= 0:
             self.gaps += number - copy.last - 1
         copy.last, copy.clock = number, peer.state.clock
-        window = _as_int(extras.get(WINDOW_KEY))
+        window = whole_number(extras.get(WINDOW_KEY))
         if not self.resync or window is None or not 0 <= window < self.resync:
             return
         for i, h in enumerate(copy.hat):
@@ -422,14 +422,3 @@ class ChocoRule(Rule):
         self._epoch, self._count = (int(v) for v in marks)
         self._cycle = None
         return True
-
-
-def _as_int(value: object) -> int | None:
-    """An int from an int or a whole float (extras a checkpoint gave back); None for anything else."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return None

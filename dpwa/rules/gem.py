@@ -54,6 +54,7 @@ import numpy as np
 
 from dpwa.rules.base import REPEATS, MixOutcome, NodeState, PeerSnapshot, Rule, check_repeats, fresh_peers
 from dpwa.rules.mixing import BLOCK, Scratch, check_pairs, compute_dtype, is_half, mix_clock, narrow, widen
+from dpwa.rules.state import load_model_arrays
 from dpwa.utils.settings import Settings, choice, setting
 
 __all__ = ["PROXY_KEY", "GemRule", "GemSettings"]
@@ -141,16 +142,10 @@ class GemRule(Rule):
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray], params: Sequence[np.ndarray]) -> bool:
         """Set ``m`` from a checkpoint's ``gem_m/<i>`` when there is one per parameter array, of its shape
         and compute dtype (True); False (``m`` unchanged) when they do not fit; True when there are none."""
-        stored = [key for key in arrays if key.startswith(PROXY_KEY + "/")]
-        if not stored:
-            return True
-        proxy = [arrays.get(f"{PROXY_KEY}/{i}") for i in range(len(params))]
-        if len(stored) != len(params) or any(
-            m is None or m.shape != p.shape or m.dtype != compute_dtype(p.dtype) for m, p in zip(proxy, params)
-        ):
-            return False
-        self._m = [np.array(m, copy=True) for m in proxy if m is not None]
-        return True
+        proxy = load_model_arrays(PROXY_KEY, arrays, params, compute_dtype)
+        if isinstance(proxy, list):
+            self._m = proxy
+        return proxy is not False
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         """Remember ``x_at_update_send`` (read-only views, valid until the next ``update_send``)."""

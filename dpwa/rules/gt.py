@@ -42,7 +42,7 @@ import numpy as np
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.dpsgd import GRAPHS, neighbours
 from dpwa.rules.mixing import compute_dtype
-from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, widened
+from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, whole_number, widened
 from dpwa.utils.settings import Settings, choice, setting
 
 __all__ = ["TRACKER_KEY", "GtRule", "GtSettings"]
@@ -192,7 +192,7 @@ class GtRule(Rule):
         rho = load_model_arrays(SUM_KEY, arrays, params, lambda _: np.dtype(np.float64))
         if z is None and u is None and rho is None:
             return True
-        epoch = _as_epoch(arrays.get(EPOCH_KEY))
+        epoch = whole_number(arrays.get(EPOCH_KEY))
         if not (isinstance(z, list) and isinstance(u, list) and isinstance(rho, list)) or epoch is None:
             return False
         last: dict[str, tuple[int, list[np.ndarray]]] = {}
@@ -200,7 +200,7 @@ class GtRule(Rule):
             if key.startswith(EPOCH_KEY + ":"):
                 name = key[len(EPOCH_KEY) + 1 :]
                 sums = load_model_arrays(f"{SUM_KEY}:{name}", arrays, params, lambda _: np.dtype(np.float64))
-                their = _as_epoch(arrays[key])
+                their = whole_number(arrays[key])
                 if not isinstance(sums, list) or their is None:
                     return False
                 last[name] = (their, sums)
@@ -213,7 +213,7 @@ class GtRule(Rule):
         """What neighbour ``peer``'s running sums grew by since the last message of it this node took (from zero
         for an epoch not seen before: every epoch's sums start at zero); remembers the sums. None: not a
         neighbour, or no epoch."""
-        epoch = _as_epoch(peer.state.extras.get(EPOCH_KEY))
+        epoch = whole_number(peer.state.extras.get(EPOCH_KEY))
         if epoch is None or peer.state.name not in self._neighbours:
             return None
         sums = [np.array(a, dtype=np.float64) for a in peer.arrays[n:]]
@@ -266,16 +266,3 @@ class GtRule(Rule):
             own.clock = math.fsum([w * p.state.clock for p in fresh] + [(1.0 - w * k) * own.clock])
         metrics["tracker_norm"] = math.sqrt(math.fsum(float(np.vdot(z, z)) for z in self._z))
         return MixOutcome(w * len(fresh), tuple(p.state.name for p in fresh), metrics, moved=True)
-
-
-def _as_epoch(value: object) -> int | None:
-    """An epoch as an int: an int, or a whole float (a checkpoint's extras, a 0-d array); None otherwise."""
-    if isinstance(value, np.ndarray) and value.shape == ():
-        value = value.item()
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return None

@@ -7,13 +7,14 @@ only when there is one per parameter array, of its shape and of the dtype the ru
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from dpwa.rules.mixing import is_half, narrow, widen
 
-__all__ = ["load_model_arrays", "save_model_arrays", "store_", "widened"]
+__all__ = ["load_model_arrays", "save_model_arrays", "store_", "whole_number", "widened"]
 
 
 def save_model_arrays(prefix: str, arrays: Sequence[np.ndarray] | None) -> dict[str, np.ndarray]:
@@ -58,3 +59,17 @@ def store_(src: np.ndarray, dst: np.ndarray) -> None:
         narrow(np.ascontiguousarray(src, dtype=np.float32), dst, np.empty(dst.shape, np.float32))
     else:
         np.copyto(dst, src, casting="same_kind")
+
+
+def whole_number(value: object) -> int | None:
+    """An int from an int, a whole finite float (extras a checkpoint gave back as floats) or a 0-d array of one;
+    None for anything else (bools included): how rules read the counters and epochs peers send."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
