@@ -25,7 +25,7 @@ from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import weighted_sum_
 from dpwa.utils.settings import Settings, choice, setting
 
-__all__ = ["GRAPHS", "DpsgdRule", "DpsgdSettings", "neighbours"]
+__all__ = ["GRAPHS", "DpsgdRule", "DpsgdSettings", "checked_graph", "neighbours"]
 
 GRAPHS = ("ring", "exponential")
 """The regular graphs of the ``neighbours`` schedule (:func:`neighbours`)."""
@@ -44,6 +44,15 @@ def neighbours(rank: int, n: int, graph: str) -> list[int]:
     out = {(rank + h) % n for h in hops} | {(rank - h) % n for h in hops}
     out.discard(rank)
     return sorted(out)
+
+
+def checked_graph(graph: str, max_staleness: float) -> float:
+    """``max_staleness`` as a float, once ``graph`` is one of :data:`GRAPHS` and it is ``>= 0``; else ValueError."""
+    neighbours(0, 2, graph)  # validates the name
+    s = float(max_staleness)
+    if not s >= 0.0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
+    return s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +79,7 @@ class DpsgdRule(Rule):
 
     def __init__(self, graph: str = "ring", max_staleness: float = 10.0, divergence_threshold: float = 0.0) -> None:
         super().__init__(divergence_threshold)
-        neighbours(0, 2, graph)  # validates the name
-        s = float(max_staleness)
-        if not s >= 0.0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
-        self.graph = graph
-        self.max_staleness = s
+        self.graph, self.max_staleness = graph, checked_graph(graph, max_staleness)
         self.left_out = 0
         self._degree = 0
 

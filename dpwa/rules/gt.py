@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.dpsgd import GRAPHS, neighbours
+from dpwa.rules.dpsgd import GRAPHS, checked_graph, neighbours
 from dpwa.rules.mixing import compute_dtype
 from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, whole_number, widened
 from dpwa.utils.settings import Settings, choice, setting
@@ -83,12 +83,7 @@ class GtRule(Rule):
 
     def __init__(self, graph: str = "ring", max_staleness: float = 10.0, divergence_threshold: float = 0.0) -> None:
         super().__init__(divergence_threshold)
-        neighbours(0, 2, graph)  # validates the name
-        s = float(max_staleness)
-        if not s >= 0.0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
-        self.graph = graph
-        self.max_staleness = s
+        self.graph, self.max_staleness = graph, checked_graph(graph, max_staleness)
         self.left_out = 0
         self._degree = 0
         self._neighbours: tuple[str, ...] = ()
