@@ -12,14 +12,14 @@ Expectations come from docs/wire.md and from dpwa.utils.int8's formula, not from
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import fakes
 import numpy as np
 import pytest
 import zmq
-from conftest import exchange_pair, free_ports, traced_peak, write_cluster
+from conftest import exchange_pair, free_ports, in_threads, traced_peak, write_cluster
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -467,34 +467,6 @@ def test_an_index_out_of_range_is_rejected_and_never_reaches_the_parameters(tmp_
         assert a.update_wait(1.0) == 0.5 and (mine[0] == 0.5).all()
 
 
-class FakePeer:
-    """A ROUTER bound where w1 expects w2; ``respond(req)`` gives the messages to answer each FETCH with."""
-
-    def __init__(self, port: int, respond: Callable[[int], list[list[bytes]]]) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
-        self.respond = respond
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            identity, head, *_ = self.sock.recv_multipart()
-            for message in self.respond(wire.decode_message(head).req):
-                self.sock.send_multipart([identity, *message])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-
 def _reply(req: int, local: Layout, arrays: list[np.ndarray], spoil: Callable[[Layout, np.ndarray], bytes]) -> list:
     on_wire = local.on_wire("int8")
     buf = wire_bytes(local, on_wire, arrays)
@@ -531,7 +503,7 @@ def test_hostile_int8_replies_are_rejected_counted_and_harmless(
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=1000, wire_dtype="int8")
     theirs = [floats(3000, "float32", 5)]
     local = Layout.of(theirs)
-    fake = FakePeer(ports[1], lambda req: _reply(req, local, theirs, spoil))
+    fake = fakes.FakePeer(ports[1], lambda header: _reply(header.req, local, theirs, spoil))
     try:
         with DpwaConnection("w1", cfg, seed=1) as node:
             mine = [np.zeros(3000, np.float32)]
@@ -569,26 +541,18 @@ def test_push_and_exchange_rules_work_with_an_int8_wire(tmp_path: Path, rule: st
     params = {n: [rng.standard_normal(5000, dtype=np.float32) + 3 * i] for i, n in enumerate(("w1", "w2"))}
     spread0 = float(np.abs(params["w1"][0] - params["w2"][0]).mean())
     nodes = {n: DpwaConnection(n, cfg, seed=i) for i, n in enumerate(("w1", "w2"))}
-    errors: list[BaseException] = []
+    names = list(nodes)
 
-    def train(name: str) -> None:
-        try:
-            for _ in range(12):
-                nodes[name].update_send(params[name], 1.0)
-                nodes[name].update_wait(1.0)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+    def train(i: int) -> None:
+        for _ in range(12):
+            nodes[names[i]].update_send(params[names[i]], 1.0)
+            nodes[names[i]].update_wait(1.0)
 
-    threads = [threading.Thread(target=train, args=(n,)) for n in nodes]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        in_threads(len(names), train, timeout=60)
     finally:
         for conn in nodes.values():
             conn.close()
-    assert not errors, errors
     assert all(c.stats()["fetches_rejected"] == 0 and c.stats()["pushes_rejected"] == 0 for c in nodes.values())
     assert all(np.isfinite(p[0]).all() for p in params.values())
     taken = sum(c.stats()["pushes_received"] + c.stats()["fetches_ok"] for c in nodes.values())

@@ -279,7 +279,7 @@ def open_pool(
 
     ValueError when one reply of that layout would take more than ``max_messages`` messages (a node's reply
     queue)."""
-    layout = Layout.of(params) if bounds is None else Layout.of(params, bounds)
+    layout = Layout.of(params, bounds)
     wire = layout.on_wire(wire_dtype)
     if len(wire.frame_bounds()) + 1 > max_messages:
         raise ValueError(

@@ -371,7 +371,8 @@ class ChocoRule(Rule):
         step = self.diverge(self.gamma, own.loss) / float(self._degree + 1) if fresh else 0.0
         if step > 0.0:
             for i, (x, hat) in enumerate(zip(arrays, self._hat)):
-                pull = np.zeros(hat.shape, hat.dtype)
+                pull = self._scratch[i].reshape(hat.shape)  # free again: the messages were applied above
+                pull[...] = 0.0
                 for name in fresh:
                     pull += self._copies[name].hat[i] - hat
                 pull *= step
