@@ -17,6 +17,7 @@ import pytest
 from conftest import free_ports, write_cluster
 
 from dpwa import DpwaConnection
+from dpwa.node.wire.layout import Layout
 from dpwa.rules import ChocoRule, make_rule
 from dpwa.rules.base import NodeState, PeerSnapshot
 from dpwa.rules.choco import auto_gamma
@@ -242,12 +243,14 @@ def test_an_int8_message_that_would_overflow_the_copy_is_dropped_whole() -> None
 def test_the_sparse_message_layout_and_its_bounds() -> None:
     rule = ChocoRule(compressor="topk:0.1", resync=10)
     rule.initial_extras("w1", ["w1", "w2", "w3"])
-    params = [np.zeros(100, np.float32), np.zeros((5, 4), np.float16)]
+    params = [np.zeros(100, np.float32), np.zeros((5, 4), np.float16), np.zeros(2**16 + 1, np.float32)]
     public = rule.public_arrays(params)
-    assert [a.dtype for a in public] == [np.uint32, np.float32, np.uint32, np.float32, np.float32, np.float32]
-    assert [a.size for a in public] == [10, 10, 2, 2, 10, 2]
-    assert rule.public_bounds() == (100, 0, 20, 0, 0, 0)
+    # indices in the narrowest dtype that holds the array's size: uint16 up to 2^16 elements
+    assert [a.dtype for a in public[:6]] == [np.uint16, np.float32, np.uint16, np.float32, np.uint32, np.float32]
+    assert [a.size for a in public] == [10, 10, 2, 2, 6554, 6554, 10, 2, 6554]
+    assert rule.public_bounds() == (100, 0, 20, 0, 2**16 + 1, 0, 0, 0, 0)
     assert rule.params_of(public) is None
+    Layout.of(public, rule.public_bounds())  # a layout the wire takes
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS)

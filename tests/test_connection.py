@@ -234,7 +234,7 @@ def bad_replies(p: list[np.ndarray]) -> dict[str, Callable[[wire.Message], list[
         "non-finite": lambda h: state_reply(h, nan),
         "identity": lambda h: good(h, node="w3"),
         "magic": lambda h: [b"GARBAGE-GARBAGE", b"x" * 100],
-        "header": lambda h: [wire.MAGIC + b"\x01\x00\x02{]"],
+        "header": lambda h: [wire.MAGIC + wire.PROTOCOL_VERSION.to_bytes(2, "little") + b"\x02{]"],
     }
 
 
@@ -287,6 +287,15 @@ def test_params_must_keep_their_layout(two_ports):
             a.update_send([np.zeros(4, np.float32)], 1.0)
         with pytest.raises(ValueError, match="finite"):
             a.update_send([np.zeros(3, np.float32)], float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int8])
+def test_integer_params_are_refused(two_ports, dtype: type) -> None:
+    """The wire carries integer arrays (a rule's indices), but a node's parameters are floats."""
+    _, cfg = two_ports
+    with DpwaConnection("w1", cfg) as a:
+        with pytest.raises(ValueError, match=r"params\[1\] has dtype .*parameters must be float16"):
+            a.update_send([np.zeros(3, np.float32), np.zeros(3, dtype)], 1.0)
 
 
 def test_unknown_node_name_is_a_config_error(two_ports):

@@ -120,7 +120,9 @@ def assert_mixed(after: list[np.ndarray], before: list[np.ndarray], peer: list[n
         np.testing.assert_allclose(as_float64(a), want, rtol=rtol, atol=atol, err_msg=code)
 
 
-def raw_header(body: Any, *, kind: int = 2, version: int = 1, magic: bytes = MAGIC, text: bytes | None = None) -> bytes:
+def raw_header(
+    body: Any, *, kind: int = 2, version: int = wire.PROTOCOL_VERSION, magic: bytes = MAGIC, text: bytes | None = None
+) -> bytes:
     """A header frame built by hand (any body, any prefix), as a hostile peer would."""
     data = text if text is not None else json.dumps(body, separators=(",", ":")).encode()
     return PREFIX.pack(magic, version, kind) + data
@@ -643,7 +645,7 @@ def duplicate_recipes(draw: st.DrawFn) -> Recipe:
         junk = draw(st.lists(st.binary(max_size=40), min_size=1, max_size=3))
         return Recipe("good reply, then junk", lambda c: [c.good_mix(), junk], "ok", stale=1)
     if what == "bad-then-good":
-        version = draw(st.integers(2, 65535))
+        version = draw(st.integers(0, 65535).filter(lambda v: v != wire.PROTOCOL_VERSION))
         return Recipe(
             "bad version, then the good reply",
             lambda c: [[raw_header(c.body(), version=version), c.payload()], c.good_mix()],
@@ -968,7 +970,12 @@ def _nan_in(index: int) -> Build:
 EVERY_OUTCOME = [
     Recipe("plain good reply", lambda c: [c.good_mix()], "ok"),
     Recipe("magic", lambda c: [[raw_header(c.body(), magic=b"DPWB"), c.payload()]], "rejected", "magic"),
-    Recipe("version 2", lambda c: [[raw_header(c.body(), version=2), c.payload()]], "rejected", "version"),
+    Recipe(
+        "another version",
+        lambda c: [[raw_header(c.body(), version=wire.PROTOCOL_VERSION + 1), c.payload()]],
+        "rejected",
+        "version",
+    ),
     Recipe("JSON cut", lambda c: [[raw_header(c.body())[:-1], c.payload()]], "rejected", "header"),
     Recipe("other node", with_field("node", "w99"), "rejected", "identity"),
     Recipe("other layout", with_field("fp", "0" * 16), "rejected", "layout"),
@@ -1077,7 +1084,7 @@ def requests(draw: st.DrawFn) -> Request:
     if what == "random":
         frames = draw(st.lists(st.binary(max_size=100), min_size=1, max_size=4))
         if draw(st.booleans()):
-            frames[0] = PREFIX.pack(MAGIC, 1, draw(st.integers(0, 255))) + frames[0]
+            frames[0] = PREFIX.pack(MAGIC, wire.PROTOCOL_VERSION, draw(st.integers(0, 255))) + frames[0]
         return Request(f"random {frames!r}"[:120], lambda fp, req: frames, envelope)
     if what == "prefix":
         magic = draw(st.sampled_from([MAGIC]) | st.binary(min_size=4, max_size=4))
@@ -1607,7 +1614,10 @@ def test_huge_integer_in_request_extras_is_answered_or_counted(tmp_path: Path) -
 def test_math_is_right() -> None:
     """Sanity of the helpers the oracles rely on."""
     assert math.isinf(json.loads("1e999")) and prefix_reason(b"DPW") == "header"
-    assert prefix_reason(MAGIC + b"\x02\x00\x02{}") == "version" and prefix_reason(b"XXXX\x01\x00\x02") == "magic"
+    assert (
+        prefix_reason(MAGIC + (wire.PROTOCOL_VERSION + 1).to_bytes(2, "little") + b"\x02{}") == "version"
+        and prefix_reason(b"XXXX\x01\x00\x02") == "magic"
+    )
     assert expect_request([wire.encode_fetch("a", 1, "f")], "f") == "serve"
     assert expect_request([wire.encode_fetch("a", 1, "g")], "f") == "refuse"
     assert expect_request([b"", wire.encode_fetch("a", 1, "f")], "f") == "reject"

@@ -536,7 +536,7 @@ def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Pat
                 fake.chunk(good, seq=10**6 + fake.seq)
                 count("push_stale_chunks")
             elif kind == "garbage":
-                fake.send(b"DPWA\x01\x00\x04{not json")
+                fake.send(wire.MAGIC + wire.PROTOCOL_VERSION.to_bytes(2, "little") + b"\x04{not json")
                 count("requests_rejected")
             else:  # a settle about a push that never came: closes that sequence number, answers not-delivered
                 fake.seq += 1

@@ -18,8 +18,10 @@ def arrays(*specs):
 
 def test_layout_offsets_are_aligned_and_views_alias_buffer():
     layout = Layout.of(arrays(("f4", (3, 5)), ("f2", (7,)), ("f8", (2, 2, 2))))
-    assert all(off % wire.ALIGN == 0 for off in layout.offsets)
+    assert layout.offsets == (0, 64, 80) and layout.total_bytes == 144  # 60 -> 64, 14 -> 16: packed to 8 bytes
+    assert all(off % wire.ARRAY_ALIGN == 0 for off in layout.offsets)
     buf = layout.allocate()
+    assert all(v.flags.aligned for v in layout.views(buf))
     assert buf.ctypes.data % wire.ALIGN == 0
     assert buf.nbytes == layout.total_bytes
     views = layout.views(buf)

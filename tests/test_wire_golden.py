@@ -26,7 +26,7 @@ MEMBERS_JSON = '"md":"abcd1234","members":[["w1","127.0.0.1",45000,"alive",0],["
 
 
 def header(kind: int, body: str) -> bytes:
-    return b"DPWA\x01\x00" + bytes([kind]) + body.encode()
+    return b"DPWA\x02\x00" + bytes([kind]) + body.encode()
 
 
 GOLDEN = {
@@ -37,26 +37,26 @@ GOLDEN = {
     ),
     "fetch plain": (wire.encode_fetch("w1", 0, FP), header(1, '{"node":"w1","req":0,"fp":"' + FP + '"}')),
     "state": (
-        wire.encode_state("w2", 7, clock=12.5, loss=0.25, extras={"weight": 1.0}, layout=LAYOUT, chunk=64,
+        wire.encode_state("w2", 7, clock=12.5, loss=0.25, extras={"weight": 1.0}, layout=LAYOUT, chunk=16,
                           stream=True, news=NEWS, gen=4, front=13),
-        header(2, '{"node":"w2","req":7,"fp":"' + FP + '","clock":12.5,"loss":0.25,"extras":{"weight":1.0},"total":256,'
-                  '"chunk":64,"nframes":4,"front":13,"stream":true,"gen":4,' + MEMBERS_JSON + "}"),
+        header(2, '{"node":"w2","req":7,"fp":"' + FP + '","clock":12.5,"loss":0.25,"extras":{"weight":1.0},"total":56,'
+                  '"chunk":16,"nframes":4,"front":13,"stream":true,"gen":4,' + MEMBERS_JSON + "}"),
     ),
     "state plain": (
         wire.encode_state("w2", 8, clock=1.0, loss=2.0, extras={}, layout=LAYOUT),
-        header(2, '{"node":"w2","req":8,"fp":"' + FP + '","clock":1.0,"loss":2.0,"extras":{},"total":256,'
+        header(2, '{"node":"w2","req":8,"fp":"' + FP + '","clock":1.0,"loss":2.0,"extras":{},"total":56,'
                   '"chunk":4194304,"nframes":1}'),
     ),
     "push": (
-        wire.encode_push("w1", 9, clock=3.0, loss=0.5, extras={"w_given": 0.25}, layout=LAYOUT, chunk=64, hold=True,
+        wire.encode_push("w1", 9, clock=3.0, loss=0.5, extras={"w_given": 0.25}, layout=LAYOUT, chunk=16, hold=True,
                          front=4),
-        header(4, '{"node":"w1","req":9,"fp":"' + FP + '","clock":3.0,"loss":0.5,"extras":{"w_given":0.25},"total":256,'
-                  '"chunk":64,"nframes":4,"front":4,"stream":true,"hold":true}'),
+        header(4, '{"node":"w1","req":9,"fp":"' + FP + '","clock":3.0,"loss":0.5,"extras":{"w_given":0.25},"total":56,'
+                  '"chunk":16,"nframes":4,"front":4,"stream":true,"hold":true}'),
     ),
     "push whole": (
         wire.encode_push("w1", 10, clock=3.0, loss=0.5, extras={"w_given": 0.25}, layout=LAYOUT, whole=True),
         header(4, '{"node":"w1","req":10,"fp":"' + FP + '","clock":3.0,"loss":0.5,"extras":{"w_given":0.25},'
-                  '"total":256,"chunk":4194304,"nframes":1}'),
+                  '"total":56,"chunk":4194304,"nframes":1}'),
     ),
     "ack": (wire.encode_ack("w2", 9), header(5, '{"node":"w2","req":9}')),
     "settle": (wire.encode_settle("w1", 9, "commit"), header(6, '{"node":"w1","req":9,"op":"commit"}')),
@@ -87,9 +87,9 @@ def test_every_message_kind_encodes_to_its_recorded_bytes() -> None:
 
 
 def test_the_layout_arithmetic_is_the_recorded_one() -> None:
-    assert (LAYOUT.offsets, LAYOUT.total_bytes, LAYOUT.fingerprint) == ((0, 64, 128, 192), 256, FP)
-    assert LAYOUT.frame_bounds(64) == [(0, 64), (64, 128), (128, 192), (192, 256)]
-    assert LAYOUT.frame_bounds(100) == [(0, 100), (100, 200), (200, 256)]
+    assert (LAYOUT.offsets, LAYOUT.total_bytes, LAYOUT.fingerprint) == ((0, 24, 40, 48), 56, FP)
+    assert LAYOUT.frame_bounds(16) == [(0, 16), (16, 32), (32, 48), (48, 56)]
+    assert LAYOUT.frame_bounds(24) == [(0, 24), (24, 48), (48, 56)]
     assert wire.Layout(("<f4",), ((3,),)).on_wire("bfloat16").fingerprint == "2c24ac5ac8a9e755"
 
 
@@ -114,7 +114,7 @@ def wire_bytes(arrays: list[np.ndarray], wire_dtype: str | None) -> bytes:
 def test_the_payload_of_known_values_is_the_recorded_bytes() -> None:
     digests = {dtype: hashlib.sha256(wire_bytes(known_arrays(), dtype)).hexdigest()[:16] for dtype in
                (None, "float16", "bfloat16")}  # fmt: skip
-    assert digests == {None: "2418ad8840bad2ee", "float16": "16bfa6126f99426d", "bfloat16": "983feaf2c872ef40"}
+    assert digests == {None: "d65c57e3018de470", "float16": "78875161a7014a6c", "bfloat16": "c41b9fb842330a02"}
 
 
 def test_a_live_node_answers_a_fetch_with_the_recorded_frames(tmp_path: Path) -> None:
@@ -136,7 +136,7 @@ def test_a_live_node_answers_a_fetch_with_the_recorded_frames(tmp_path: Path) ->
             assert sock.poll(5000), "no reply"
             frames = sock.recv_multipart()
             raw = frames[0]
-            assert raw[:7] == b"DPWA\x01\x00\x02"
+            assert raw[:7] == b"DPWA\x02\x00\x02"
             body = json.loads(raw[7:])
             keys = ["node", "req", "fp", "clock", "loss", "extras", "total", "chunk", "nframes", "front"]
             keys += ["stream"] if stream else []

@@ -1,4 +1,4 @@
-"""Index arrays (uint32 with a bound), int8 arrays and ``wire_dtype: int8`` on the wire.
+"""Index arrays (uint16 or uint32 with a bound), int8 arrays and ``wire_dtype: int8`` on the wire.
 
 Unit tests of the layout (codes, bounds, fingerprints, the int8 wire pairs), of the writer and the reader
 (round trip chunk by chunk, every hostile scale, index and frame rejected with its reason, several
@@ -85,8 +85,8 @@ def test_index_and_int8_arrays_are_first_class_layout_arrays() -> None:
 @pytest.mark.parametrize(
     ("bounds", "message"),
     [
-        ((3, 0, 0), "only uint32 arrays are index arrays"),
-        ((0, 0, 1), "only uint32 arrays are index arrays"),
+        ((3, 0, 0), "only uint16/uint32 arrays are index arrays"),
+        ((0, 0, 1), "only uint16/uint32 arrays are index arrays"),
         ((0, 2**32 + 1, 0), r"\[0, 2\^32\]"),
         ((0, -1, 0), r"\[0, 2\^32\]"),
         ((0, 1), "2 bounds for 3 arrays"),
@@ -98,9 +98,16 @@ def test_impossible_bounds_are_refused(bounds: tuple[int, ...], message: str) ->
         Layout.of(arrays, bounds=bounds)
 
 
-@pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64, np.uint8, np.dtype(">u4")])
+def test_a_uint16_index_array_takes_bounds_up_to_2_to_the_16() -> None:
+    arrays = [np.zeros(3, np.uint16)]
+    assert Layout.of(arrays, bounds=(2**16,)).bounds == (2**16,)
+    with pytest.raises(ValueError, match="exceeds what its dtype code <u2 holds"):
+        Layout.of(arrays, bounds=(2**16 + 1,))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int16, np.int64, np.uint8, np.dtype(">u4"), np.dtype(">u2")])
 def test_other_integer_arrays_are_still_refused(dtype: np.dtype) -> None:
-    with pytest.raises(ValueError, match="uint32 \\(indices\\), int8"):
+    with pytest.raises(ValueError, match="uint16 or uint32 \\(indices\\), int8"):
         Layout.of([np.zeros(3, dtype)])
 
 
@@ -225,15 +232,16 @@ def test_a_float16_model_whose_dequantized_values_overflow_is_rejected() -> None
     assert not reader.read(buf, 0, [np.empty_like(x)]) and reader.fault == "non-finite"
 
 
+@pytest.mark.parametrize("index_dtype", [np.uint16, np.uint32])
 @pytest.mark.parametrize("wire_dtype", ["auto", "int8", "float16"])
-def test_an_index_at_or_beyond_its_bound_is_rejected(wire_dtype: str) -> None:
-    idx = np.arange(1000, dtype=np.uint32)
+def test_an_index_at_or_beyond_its_bound_is_rejected(wire_dtype: str, index_dtype: type) -> None:
+    idx = np.arange(1000, dtype=index_dtype)
     arrays = [floats(1000, "float32"), idx]
     local = Layout.of(arrays, bounds=(0, 1000))
     on_wire = local.on_wire(wire_dtype)
     reader = PayloadReader(on_wire, local, block=128)
     assert reader.direct == (wire_dtype == "auto")
-    for bad, position in ((1000, 0), (2**32 - 1, 999), (1001, 500)):
+    for bad, position in ((1000, 0), (np.iinfo(index_dtype).max, 999), (1001, 500)):
         idx[:] = np.arange(1000)
         idx[position] = bad
         buf = wire_bytes(local, on_wire, arrays)
@@ -299,11 +307,14 @@ def test_any_scale_bytes_are_accepted_exactly_when_every_value_comes_out_finite(
     values=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300),
     bound=st.integers(1, 2**32),
     wire_dtype=st.sampled_from(["auto", "int8"]),
+    narrow=st.booleans(),
 )
 def test_any_index_array_is_accepted_exactly_when_every_index_is_below_its_bound(
-    values: list[int], bound: int, wire_dtype: str
+    values: list[int], bound: int, wire_dtype: str, narrow: bool
 ) -> None:
-    arrays = [np.ones(3, np.float32), np.array(values, np.uint32)]
+    if narrow:  # a uint16 index array: values and bound within what it holds
+        values, bound = [v % 2**16 for v in values], bound % 2**16 + 1
+    arrays = [np.ones(3, np.float32), np.array(values, np.uint16 if narrow else np.uint32)]
     local = Layout.of(arrays, bounds=(0, bound))
     on_wire = local.on_wire(wire_dtype)
     reader = PayloadReader(on_wire, local, block=64)

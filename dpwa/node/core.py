@@ -44,7 +44,7 @@ from dpwa.node.transport import (
     Transport,
     TransportFactory,
 )
-from dpwa.node.wire import Layout
+from dpwa.node.wire import FLOAT_CODES, Layout
 from dpwa.node.wiring import open_transport, raise_if_dead
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import relative_distance
@@ -207,6 +207,12 @@ class Node:
         """Set the layouts up from the first ``params``, check later ones against them; keep them as the node's."""
         if self.param_layout is None:
             layout = Layout.of(params)
+            for i, code in enumerate(layout.dtypes):
+                if code not in FLOAT_CODES:  # integer arrays are what rules publish (indices), never parameters
+                    raise ValueError(
+                        f"params[{i}] has dtype {params[i].dtype}; parameters must be float16, float32, float64 "
+                        "or bfloat16"
+                    )
             self.setup_layout(params)
             self.param_layout = layout
         elif not self.param_layout.matches(params):

@@ -268,8 +268,8 @@ class Rule(ABC):
         return params
 
     def public_bounds(self) -> tuple[int, ...] | None:
-        """The exclusive upper bound of every index array (``uint32``) among :meth:`public_arrays`, 0 for the
-        others, which the wire checks every received index against; None: no index arrays (the default)."""
+        """The exclusive upper bound of every index array (``uint16`` or ``uint32``) among :meth:`public_arrays`, 0
+        for the others, which the wire checks every received index against; None: no index arrays (the default)."""
         return None
 
     def params_of(self, arrays: Sequence[np.ndarray]) -> Sequence[np.ndarray] | None:

@@ -14,8 +14,9 @@ difference picks it up at the next ``update_send``: the order of the reference c
 which the next gradient is computed while the compressed message travels. Whatever ``Q`` drops stays in
 ``x_i - x_hat_i`` and is sent later (error feedback), so CHOCO converges with arbitrarily strong compression.
 
-On the wire. A sparse message carries the indices (uint32, ascending, each checked below its array's
-size by the wire) and the NEW public values there, ``x_hat_i[idx] + q_i[idx]``, which every receiver assigns:
+On the wire. A sparse message carries the indices (ascending; uint16 for arrays of up to 2^16 elements, else
+uint32; each checked below its array's size by the wire) and the NEW public values there,
+``x_hat_i[idx] + q_i[idx]``, which every receiver assigns:
 the same copy as adding ``q``, and idempotent, so a message fetched twice changes nothing. An int8 message
 carries ``q`` itself (one float32 scale per block, then the int8 values), which receivers add; a reply that
 repeats the previous one is skipped. Asynchrony loses messages (a neighbour published twice between two
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.compress import Compressor, CompressorSpec, parse_compressor, random_k, top_k
+from dpwa.rules.compress import Compressor, CompressorSpec, index_dtype, parse_compressor, random_k, top_k
 from dpwa.rules.dpsgd import GRAPHS, neighbours
 from dpwa.rules.mixing import compute_dtype
 from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, whole_number, widened
@@ -200,7 +201,7 @@ class ChocoRule(Rule):
             dtype = compute_dtype(p.dtype)
             if self.compressor.sparse:
                 k = self.compressor.kept(p.size)
-                message += [np.zeros(k, np.uint32), np.zeros(k, dtype)]
+                message += [np.zeros(k, index_dtype(p.size)), np.zeros(k, dtype)]
             else:
                 message += [np.zeros(int8_scales(p.size), np.float32), np.zeros(p.size, np.int8)]
         if self.resync:

@@ -22,7 +22,7 @@ import numpy as np
 
 from dpwa.utils.settings import Spec, show_value
 
-__all__ = ["KINDS", "Compressor", "CompressorSpec", "parse_compressor", "random_k", "top_k"]
+__all__ = ["KINDS", "Compressor", "CompressorSpec", "index_dtype", "parse_compressor", "random_k", "top_k"]
 
 KINDS = ("topk", "randk", "int8")
 """The compressor kinds: ``topk`` and ``randk`` take a fraction (``topk:0.01``), ``int8`` none."""
@@ -78,8 +78,15 @@ class CompressorSpec(Spec):
             yield "", str(err)
 
 
+def index_dtype(n: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every index of an array of ``n`` elements: uint16 up to 2^16
+    elements, else uint32 (the wire checks each received index below ``n`` either way)."""
+    return np.dtype(np.uint16 if n <= 1 << 16 else np.uint32)
+
+
 def top_k(d: np.ndarray, k: int, out: np.ndarray) -> None:
-    """The indices of the ``k`` largest ``|d|`` of the flat ``d``, ascending, into ``out`` (uint32, ``k``)."""
+    """The indices of the ``k`` largest ``|d|`` of the flat ``d``, ascending, into ``out`` (``k`` of them, of
+    :func:`index_dtype`)."""
     magnitude = np.abs(d)
     if k >= d.size:
         out[...] = np.arange(d.size, dtype=out.dtype)
@@ -90,7 +97,8 @@ def top_k(d: np.ndarray, k: int, out: np.ndarray) -> None:
 
 
 def random_k(rng: np.random.Generator, n: int, k: int, out: np.ndarray) -> None:
-    """``k`` distinct indices of ``range(n)`` drawn uniformly by ``rng``, ascending, into ``out`` (uint32)."""
+    """``k`` distinct indices of ``range(n)`` drawn uniformly by ``rng``, ascending, into ``out`` (of
+    :func:`index_dtype`)."""
     chosen = rng.choice(n, size=k, replace=False, shuffle=False)
     chosen.sort()
     out[...] = chosen

@@ -28,6 +28,7 @@ from dpwa.node.wire.checks import INDEX_RANGE, NON_FINITE, IndexChecker, Payload
 from dpwa.node.wire.chunks import can_stream, decode_chunk_tag, encode_chunk_tag
 from dpwa.node.wire.constants import (
     ALIGN,
+    ARRAY_ALIGN,
     CHUNK_BYTES,
     CHUNK_MAGIC,
     FINITE_CHECK_BLOCK,
@@ -46,6 +47,7 @@ from dpwa.node.wire.fields import MemberNews, WireError, extras_sum
 from dpwa.node.wire.layout import (
     FLOAT_CODES,
     INDEX_CODE,
+    INDEX_CODES,
     INT8_CODE,
     QUANTIZED_CODE,
     SUPPORTED_DTYPES,
@@ -73,11 +75,13 @@ from dpwa.node.wire.payload import FiniteChecker, PayloadReader, PayloadWriter
 
 __all__ = [
     "ALIGN",
+    "ARRAY_ALIGN",
     "CHUNK_BYTES",
     "CHUNK_MAGIC",
     "FINITE_CHECK_BLOCK",
     "FLOAT_CODES",
     "INDEX_CODE",
+    "INDEX_CODES",
     "INDEX_RANGE",
     "INT8_CODE",
     "MAGIC",

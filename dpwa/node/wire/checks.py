@@ -1,8 +1,8 @@
 """The checks every received payload value passes, and the reasons a payload fails them.
 
 Float arrays must hold only finite numbers (:data:`NON_FINITE` otherwise); every element of an
-index array (a ``<u4`` array with a bound, see :class:`~dpwa.node.wire.layout.Layout`) must lie
-below its bound (:data:`INDEX_RANGE`); int8 arrays and unbounded uint32 arrays are taken as they
+index array (a ``<u2`` or ``<u4`` array with a bound, see :class:`~dpwa.node.wire.layout.Layout`) must lie
+below its bound (:data:`INDEX_RANGE`); int8 arrays and unbounded integer arrays are taken as they
 come. :class:`FiniteChecker` and :class:`IndexChecker` check arrays already in a receive buffer
 (bytes received straight into place), :class:`PayloadChecker` runs both; :func:`block_fault`
 checks one block a reader has just converted. Fixed-size scratch only: nothing proportional to

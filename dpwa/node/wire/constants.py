@@ -11,6 +11,7 @@ import enum
 
 __all__ = [
     "ALIGN",
+    "ARRAY_ALIGN",
     "CHUNK_BYTES",
     "CHUNK_MAGIC",
     "FINITE_CHECK_BLOCK",
@@ -28,14 +29,18 @@ __all__ = [
 
 MAGIC = b"DPWA"
 """The first four bytes of every header frame."""
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The version a header frame carries after the magic; a node drops a message of any other version."""
 CHUNK_BYTES = 1 << 22
 """Payload frame size: a reply is validated chunk by chunk as it is received."""
 MAX_HEADER_BYTES = 1 << 16
 """The largest header frame (prefix and JSON body) a node sends or accepts."""
 ALIGN = 64
-"""Every array starts at a multiple of this in the flat buffer (and CHUNK_BYTES is one)."""
+"""Every flat buffer starts at an address that is a multiple of this (a cache line)."""
+ARRAY_ALIGN = 8
+"""Every array starts at a multiple of this many bytes in the flat buffer: the widest element (float64), so
+every view is aligned for its dtype and no element straddles a chunk (CHUNK_BYTES is a multiple of it). A
+message of many small arrays (a sparse or quantized one) pays at most 7 bytes of padding per array."""
 MAX_NAME_CHARS = 256
 """The longest node name (and JOIN host) a header may carry."""
 MAX_DETAIL_CHARS = 1000

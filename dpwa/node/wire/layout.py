@@ -2,13 +2,13 @@
 
 A :class:`Layout` names each array's dtype (by a *layout code*, see :func:`dtype_code`) and
 shape, and the exclusive upper bound of each *index array* (``bounds``); from those alone it
-derives every array's offset (each a multiple of :data:`~dpwa.node.wire.constants.ALIGN`), the
+derives every array's offset (each a multiple of :data:`~dpwa.node.wire.constants.ARRAY_ALIGN`), the
 buffer's size, the chunk bounds a payload is cut at, and a fingerprint two nodes compare before
 they exchange. The *wire layout* is the same arrays in their ``wire_dtype``
 (:meth:`Layout.on_wire`): only ever narrower than their own. Under ``int8`` a float array travels
 as two wire arrays, its float32 scales (:func:`~dpwa.utils.int8.int8_scales` of them) and then
 its int8 values (code ``q8``); :meth:`Layout.sources` says which local array each wire array
-carries. Integer arrays (``<u4`` indices, ``|i1`` values) always travel as themselves.
+carries. Integer arrays (``<u2``/``<u4`` indices, ``|i1`` values) always travel as themselves.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.node.wire.constants import ALIGN, CHUNK_BYTES
+from dpwa.node.wire.constants import ALIGN, ARRAY_ALIGN, CHUNK_BYTES
 from dpwa.utils.bfloat16 import BFLOAT16, is_bfloat16
 from dpwa.utils.dtypes import WIRE_DTYPES
 from dpwa.utils.int8 import int8_scales
@@ -30,6 +30,7 @@ from dpwa.utils.int8 import int8_scales
 __all__ = [
     "FLOAT_CODES",
     "INDEX_CODE",
+    "INDEX_CODES",
     "INT8_CODE",
     "MAX_BOUND",
     "QUANTIZED_CODE",
@@ -49,11 +50,13 @@ FLOAT_CODES = ("<f2", "<f4", "<f8", "bf16")
 Only these are checked finite, and only these travel narrower under a ``wire_dtype``."""
 INDEX_CODE = "<u4"
 """uint32: an index array when its layout gives it a bound (every element checked below it on receipt)."""
+INDEX_CODES = ("<u2", INDEX_CODE)
+"""The codes an index array may have: uint16 (bounds up to 2^16) and uint32 (up to 2^32)."""
 INT8_CODE = "|i1"
 """int8 values a rule publishes itself (e.g. CHOCO's quantized difference): taken as they come."""
 QUANTIZED_CODE = "q8"
 """Wire only: the int8 values of a float array under ``wire_dtype: int8``, right after its float32 scales."""
-SUPPORTED_DTYPES = (*FLOAT_CODES, INDEX_CODE, INT8_CODE)
+SUPPORTED_DTYPES = (*FLOAT_CODES, *INDEX_CODES, INT8_CODE)
 """The layout codes of the arrays a node may exchange."""
 WIRE_CODES: dict[str, str] = dict(zip(WIRE_DTYPES, ("<f2", "bf16", "<f4", QUANTIZED_CODE), strict=True))
 """The layout code each ``wire_dtype`` name (:data:`~dpwa.utils.dtypes.WIRE_DTYPES`) travels as."""
@@ -68,12 +71,18 @@ ROLE_VALUES = "values"
 
 
 def _aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of ALIGN."""
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    """``n`` rounded up to a multiple of ARRAY_ALIGN."""
+    return (n + ARRAY_ALIGN - 1) // ARRAY_ALIGN * ARRAY_ALIGN
+
+
+def _bound_limit(code: str) -> int:
+    """The largest bound an index array of ``code`` may have: one past its largest value."""
+    return 1 << (8 * code_dtype(code).itemsize)
 
 
 def _check_bounds(dtypes: tuple[str, ...], bounds: tuple[int, ...]) -> None:
-    """ValueError unless ``bounds`` is empty or one integer in [0, MAX_BOUND] per array, nonzero only on uint32."""
+    """ValueError unless ``bounds`` is empty or one integer in [0, MAX_BOUND] per array, nonzero only on index
+    arrays (uint16 or uint32) and never beyond what their dtype holds."""
     if not bounds:
         return
     if len(bounds) != len(dtypes):
@@ -81,8 +90,10 @@ def _check_bounds(dtypes: tuple[str, ...], bounds: tuple[int, ...]) -> None:
     for i, (code, bound) in enumerate(zip(dtypes, bounds)):
         if isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= MAX_BOUND:
             raise ValueError(f"bound {bound!r} of array {i} is not an integer in [0, 2^32]")
-        if bound and code != INDEX_CODE:
-            raise ValueError(f"array {i} has a bound but dtype code {code}: only uint32 arrays are index arrays")
+        if bound and code not in INDEX_CODES:
+            raise ValueError(f"array {i} has a bound but dtype code {code}: only uint16/uint32 arrays are index arrays")
+        if bound and bound > _bound_limit(code):
+            raise ValueError(f"bound {bound} of array {i} exceeds what its dtype code {code} holds")
 
 
 def _check_pairs(dtypes: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> None:
@@ -130,10 +141,11 @@ def wire_code(own: str, wire_dtype: str | None) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """The dtypes, shapes and index bounds of a list of arrays, packed into one aligned flat buffer.
+    """The dtypes, shapes and index bounds of a list of arrays, packed into one flat buffer (each array at a
+    multiple of ARRAY_ALIGN bytes).
 
     ``bounds``: per array, the exclusive upper bound of every element of an index array
-    (:data:`INDEX_CODE`), 0 for any other array (or an unchecked uint32 one); ``()`` when no array
+    (:data:`INDEX_CODES`), 0 for any other array (or an unchecked uint32 one); ``()`` when no array
     has one (stored so: all zeros become ``()``). The fingerprint covers the bounds only when one is
     set, so a layout without index arrays has the fingerprint it always had.
     """
@@ -181,7 +193,7 @@ class Layout:
             if code not in SUPPORTED_DTYPES:
                 raise ValueError(
                     f"params[{i}] has dtype {a.dtype}; supported: float16, float32, float64, BFLOAT16, "
-                    "uint32 (indices), int8"
+                    "uint16 or uint32 (indices), int8"
                 )
             if not a.flags.c_contiguous or not a.flags.writeable:
                 raise ValueError(f"params[{i}] must be C-contiguous and writeable")
@@ -211,7 +223,7 @@ class Layout:
                 bounds.append(0)
             dtypes.append(code)
             shapes.append(shape)
-            bounds.append(bound if code == INDEX_CODE else 0)
+            bounds.append(bound if code in INDEX_CODES else 0)
         return Layout(tuple(dtypes), tuple(shapes), tuple(bounds))
 
     def sources(self, local: Layout) -> tuple[tuple[int, str], ...]:
