@@ -73,6 +73,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "CHOCO-SGD, top-1 %, ring",
         {"interpolation": "choco", "choco": {"compressor": "topk:0.01"}},
     ),
+    "choco-topk-directed": (
+        "CHOCO-SGD, top-1 %, directed ring (one fetch a step)",
+        {"interpolation": "choco", "choco": {"compressor": "topk:0.01", "graph": "directed-ring"}},
+    ),
     "choco-int8": ("CHOCO-SGD, int8, ring", {"interpolation": "choco", "choco": {"compressor": "int8"}}),
     "constant-int8": ("f = 0.5, wire_dtype int8", {"interpolation": "constant", "wire_dtype": "int8"}),
     "constant-outer8": (
@@ -102,6 +106,7 @@ DEFAULT_RULES = (
     "dpsgd",
     "gt",
     "choco-topk",
+    "choco-topk-directed",
     "choco-int8",
     "constant-int8",
     "constant-outer8",

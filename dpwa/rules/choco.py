@@ -75,7 +75,7 @@ def auto_gamma(compressor: Compressor) -> float:
 @dataclasses.dataclass(frozen=True)
 class ChocoSettings(Settings):
     """CHOCO-SGD: publish ``Q(x - x_hat)``, ``x_hat_j += q_j``, ``x <- x + gamma * sum_j w (x_hat_j - x_hat)``
-    on the ``ring`` or ``exponential`` graph; ``resync`` windows of ``x_hat`` ride along."""
+    on the ``ring``, ``exponential`` or ``directed-ring`` graph; ``resync`` windows of ``x_hat`` ride along."""
 
     compressor: str = setting("topk:0.01", spec=CompressorSpec())
     gamma: float = setting(0.0, lo=0, hi=1)

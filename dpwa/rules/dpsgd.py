@@ -25,30 +25,47 @@ from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import weighted_sum_
 from dpwa.utils.settings import Settings, choice, setting
 
-__all__ = ["GRAPHS", "DpsgdRule", "DpsgdSettings", "checked_graph", "neighbours"]
+__all__ = ["GRAPHS", "UNDIRECTED_GRAPHS", "DpsgdRule", "DpsgdSettings", "checked_graph", "neighbours", "readers"]
 
-GRAPHS = ("ring", "exponential")
+UNDIRECTED_GRAPHS = ("ring", "exponential")
+"""The graphs whose every edge is read both ways (a node's readers are the nodes it reads)."""
+GRAPHS = (*UNDIRECTED_GRAPHS, "directed-ring")
 """The regular graphs of the ``neighbours`` schedule (:func:`neighbours`)."""
 
 
 def neighbours(rank: int, n: int, graph: str) -> list[int]:
-    """The neighbours of ``rank`` among ``n`` nodes: ``ring`` ``i +- 1``; ``exponential`` ``i +- 2^k``, ``2^k < n``.
+    """The nodes ``rank`` reads among ``n``: ``ring`` ``i +- 1``; ``exponential`` ``i +- 2^k``, ``2^k < n``;
+    ``directed-ring`` ``i - 1`` only.
 
-    Unique, ascending, ``rank`` itself excluded; the graph is regular, so uniform weights are doubly stochastic.
+    Unique, ascending, ``rank`` itself excluded. Every graph is regular in the nodes read and the readers
+    alike, so the weights ``1/(d+1)`` make a doubly stochastic matrix: on the directed ring ``W = (I + P)/2``,
+    whose columns also sum to 1 (the average is kept), circulant hence normal, but not symmetric.
     """
     if graph not in GRAPHS:
         raise ValueError(f"unknown graph {graph!r}; allowed: {', '.join(GRAPHS)}")
     if n < 2:
         return []
+    if graph == "directed-ring":
+        return [(rank - 1) % n]
     hops = [1] if graph == "ring" else [2**k for k in range(max(1, math.ceil(math.log2(n))))]
     out = {(rank + h) % n for h in hops} | {(rank - h) % n for h in hops}
     out.discard(rank)
     return sorted(out)
 
 
-def checked_graph(graph: str, max_staleness: float) -> float:
-    """``max_staleness`` as a float, once ``graph`` is one of :data:`GRAPHS` and it is ``>= 0``; else ValueError."""
+def readers(rank: int, n: int, graph: str) -> list[int]:
+    """The nodes that read ``rank`` (whose :func:`neighbours` include it), ascending: its neighbours on an
+    undirected graph, ``i + 1`` on the directed ring."""
+    if graph == "directed-ring" and n >= 2:
+        return [(rank + 1) % n]
+    return neighbours(rank, n, graph)
+
+
+def checked_graph(graph: str, max_staleness: float, allowed: tuple[str, ...] = GRAPHS, rule: str = "dpsgd") -> float:
+    """``max_staleness`` as a float, once ``graph`` is one of ``allowed`` and it is ``>= 0``; else ValueError."""
     neighbours(0, 2, graph)  # validates the name
+    if graph not in allowed:
+        raise ValueError(f"{rule} needs an undirected graph, got {graph!r}; allowed: {', '.join(allowed)}")
     s = float(max_staleness)
     if not s >= 0.0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
@@ -57,8 +74,8 @@ def checked_graph(graph: str, max_staleness: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class DpsgdSettings(Settings):
-    """D-PSGD: ``x <- (x + sum of neighbours) / (d + 1)`` on a ``ring`` or ``exponential`` graph; a neighbour
-    more than ``max_staleness`` steps behind is left out."""
+    """D-PSGD: ``x <- (x + sum of neighbours) / (d + 1)`` on a ``ring``, ``exponential`` or ``directed-ring``
+    graph; a neighbour more than ``max_staleness`` steps behind is left out."""
 
     graph: str = choice("ring", GRAPHS)
     max_staleness: float = setting(10.0, lo=0)
@@ -67,7 +84,7 @@ class DpsgdSettings(Settings):
 class DpsgdRule(Rule):
     """``x <- x + sum_{j fresh} (x_j - x) / (d + 1)``, ``d`` = the node's number of graph neighbours.
 
-    ``graph``: ``ring`` or ``exponential`` (the ``neighbours`` schedule reads it); ``max_staleness``:
+    ``graph``: ``ring``, ``exponential`` or ``directed-ring`` (the ``neighbours`` schedule reads it); ``max_staleness``:
     a neighbour whose clock lags by more is left out. Divergence damping scales every neighbour's
     weight by ``loss/t`` (``x`` keeps the rest).
     """

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.dpsgd import GRAPHS, checked_graph, neighbours
+from dpwa.rules.dpsgd import UNDIRECTED_GRAPHS, checked_graph, neighbours
 from dpwa.rules.mixing import compute_dtype
 from dpwa.rules.state import load_model_arrays, save_model_arrays, store_, whole_number, widened
 from dpwa.utils.settings import Settings, choice, setting
@@ -61,7 +61,7 @@ class GtSettings(Settings):
     """Gradient tracking: ``z <- W z + u - u_prev``, ``x <- W x_sent + z`` on a ``ring`` or ``exponential``
     graph (every neighbour, every step); a neighbour more than ``max_staleness`` steps behind is left out."""
 
-    graph: str = choice("ring", GRAPHS)
+    graph: str = choice("ring", UNDIRECTED_GRAPHS)  # every neighbour must also read this node's offers
     max_staleness: float = setting(10.0, lo=0)
 
 
@@ -83,7 +83,7 @@ class GtRule(Rule):
 
     def __init__(self, graph: str = "ring", max_staleness: float = 10.0, divergence_threshold: float = 0.0) -> None:
         super().__init__(divergence_threshold)
-        self.graph, self.max_staleness = graph, checked_graph(graph, max_staleness)
+        self.graph, self.max_staleness = graph, checked_graph(graph, max_staleness, UNDIRECTED_GRAPHS, "gt")
         self.left_out = 0
         self._degree = 0
         self._neighbours: tuple[str, ...] = ()

@@ -15,7 +15,7 @@ due), so a dead peer in a fixed schedule costs a skipped round, not a timeout.
 | ``leader`` | the node the leader rule wants to pull from (``extras["pull"]``), else one random peer |
 | ``groups`` | WAGMA's rotating groups of ``S``: even steps ``j // S == i // S``, odd steps |
 |            | ``j mod ceil(N/S) == i mod ceil(N/S)``; every ``sync_every``-th step everyone |
-| ``neighbours`` | every graph neighbour, every step: ring ``i +- 1``, exponential ``i +- 2^k`` (D-PSGD) |
+| ``neighbours`` | each step every graph neighbour: ring ``i +- 1``, exponential ``i +- 2^k``, directed ring ``i-1`` |
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dpwa.rules.base import NodeState
-from dpwa.rules.dpsgd import neighbours
+from dpwa.rules.dpsgd import neighbours, readers
 from dpwa.rules.group import is_sync_step
 
 __all__ = [
@@ -189,7 +189,7 @@ class GroupsSchedule(Schedule):
 
 
 class NeighboursSchedule(Schedule):
-    """Every neighbour of an undirected regular graph, every step (:func:`dpwa.rules.dpsgd.neighbours`)."""
+    """Every neighbour of a regular graph, every step (:func:`dpwa.rules.dpsgd.neighbours`: the nodes read)."""
 
     name = "neighbours"
 
@@ -204,8 +204,8 @@ class NeighboursSchedule(Schedule):
         return [rnd.names[j] for j in neighbours(rnd.rank, len(rnd.names), self.graph)]
 
     def sources(self, rnd: Round) -> list[str]:
-        """The graph is undirected: the same nodes."""
-        return self.targets(rnd)
+        """The nodes that read this one (:func:`dpwa.rules.dpsgd.readers`): the same on an undirected graph."""
+        return [rnd.names[j] for j in readers(rnd.rank, len(rnd.names), self.graph)]
 
 
 SCHEDULES: dict[str, type[Schedule]] = {
