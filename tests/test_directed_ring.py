@@ -84,7 +84,7 @@ def simulation(rule: str, settings: dict[str, object], seed: int) -> Simulation:
     ("rule", "settings", "rounds", "bound"),
     [("dpsgd", {}, 200, 1e-10), ("choco", {"compressor": "topk:0.01"}, 3000, 2e-2)],
 )
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, *(pytest.param(seed, marks=pytest.mark.slow) for seed in (1, 2))])
 def test_consensus_on_the_directed_ring_keeps_the_average(
     rule: str, settings: dict[str, object], rounds: int, bound: float, seed: int
 ) -> None:

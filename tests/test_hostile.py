@@ -1271,6 +1271,7 @@ def rx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RxRig]:
 RX_SEEN: dict[str, int] = {}
 
 
+@pytest.mark.slow
 @settings(SETTINGS, max_examples=400)
 @given(request=requests())
 def test_hostile_requests_are_rejected_counted_and_harmless(rx: RxRig, request: Request) -> None:
@@ -1278,6 +1279,7 @@ def test_hostile_requests_are_rejected_counted_and_harmless(rx: RxRig, request: 
     RX_SEEN[want] = RX_SEEN.get(want, 0) + 1
 
 
+@pytest.mark.slow  # after the hostile requests above (slow): it checks they met every outcome
 def test_rx_rig_is_exercised_and_a_real_peer_still_mixes(rx: RxRig, tmp_path: Path) -> None:
     """Every kind of outcome happened above; afterwards a real DpwaConnection peer fetches and mixes w1."""
     assert all(RX_SEEN.get(k, 0) > 0 for k in ("reject", "drop", "serve", "refuse")), RX_SEEN

@@ -185,6 +185,7 @@ def test_srun_python_train_py_tasks_find_each_other_through_the_adapter(tmp_path
     assert all(o["mixed"] > 10 for o in outs), outs
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_srun_dpwa_run_on_a_two_host_allocation_mixes_all_four_nodes(tmp_path: Path) -> None:
     """`srun -n 4 dpwa run rules.yaml node.py` on 2 hosts x 2 tasks (loopback aliases 127.0.0.2 and .3): four

@@ -43,6 +43,7 @@ def test_describe_gives_n_mean_sd_min_max() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_two_runs_count_failures_per_test_and_describe_the_recorded_figures(tmp_path: Path) -> None:
     sample = tmp_path / "test_sample.py"
     sample.write_text(SAMPLE_TESTS)
