@@ -554,13 +554,14 @@ def payload_recipes(draw: st.DrawFn) -> Recipe:
         # float16 overflows above 65504: decided at build time, see Ctx.mixed
         return Recipe(f"{code}[{position}] = {value!r}", poke, "ok|non-finite")
     if what == "padding":
-        junk = draw(st.binary(min_size=62, max_size=62))
+        junk = draw(st.binary(min_size=wire.ARRAY_ALIGN, max_size=wire.ARRAY_ALIGN))
 
         def padding(c: Ctx) -> list[list[bytes]]:
             lay = c.layout
             body = bytearray(c.payload(c.mix_arrays()))
             start = lay.offsets[1] + 33 * 2  # end of the float16 array, before the float64 one
-            body[start : lay.offsets[2]] = junk
+            assert 0 < lay.offsets[2] - start < wire.ARRAY_ALIGN  # 66 bytes padded to 72: 6 bytes of padding
+            body[start : lay.offsets[2]] = junk[: lay.offsets[2] - start]
             return [[c.good()[0], bytes(body)]]
 
         return Recipe(f"garbage {junk[:8]!r}... in alignment padding", padding, "ok")

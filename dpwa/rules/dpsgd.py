@@ -1,8 +1,8 @@
 """D-PSGD -- decentralized parallel SGD (Lian et al. 2017; docs/rules.md).
 
 Each node averages with its graph neighbours with the uniform weights of a regular graph,
-a doubly-stochastic mixing matrix: with ``d`` neighbours ``N(i)`` (the ``neighbours``
-schedule: ring ``i +- 1``, or exponential ``i +- 2^k``),
+a doubly-stochastic mixing matrix: with ``d`` neighbours ``N(i)``, the nodes it reads (the
+``neighbours`` schedule: ring ``i +- 1``, exponential ``i +- 2^k``, or directed ring ``i - 1``),
 
     x_i <- (x_i + sum_{j in N(i)} x_j) / (d + 1)
 
@@ -10,6 +10,10 @@ using each neighbour's last published model (fetched this step). A neighbour tha
 answer in time, or whose clock lags this node's by more than ``max_staleness``, is left out
 and its weight stays with ``x_i`` (counted in ``left_out``): ``x_i <- x_i + sum_{j fresh}
 (x_j - x_i) / (d + 1)``. The clock is averaged with the same weights.
+
+``d`` is the in-degree; every graph here has the same in- and out-degree at every node, so the
+columns sum to 1 as well and the average is kept. On the directed ring ``W = (I + P)/2`` is
+circulant, hence normal, and not symmetric.
 """
 
 from __future__ import annotations
