@@ -43,7 +43,11 @@ MEASURED: dict[str, tuple[dict[str, Any], tuple[float, float], tuple[float, floa
     "clock": ({}, (0.101, 0.353), (0.16, 0.53)),
     "adpsgd": ({}, (0.296, 0.701), (0.45, 1.06)),
     "dpsgd": ({}, (0.180, 0.364), (0.27, 0.55)),
-    "group": ({"group": {"group_size": 2, "sync_every": 11}}, (0.102, 0.231), (0.16, 0.35)),
+    # group: 30 runs gave (0.102, 0.231); a CI run then gave bias 0.189, and 61 more runs (seeds 0, 2026-11-26/27)
+    # biases 0.011-0.132 and spreads up to 0.353: a heavier tail than 30 runs showed. In the runs of largest bias
+    # one node found no fresh group member on 8-14 of its last 50 steps (peers left out as stale, or a fetch that
+    # timed out at 100 ms on a loaded machine) and trained on alone meanwhile. Bounds from all 92 runs.
+    "group": ({"group": {"group_size": 2, "sync_every": 11}}, (0.189, 0.353), (0.29, 0.53)),
     "gem": ({}, (0.285, 0.380), (0.43, 0.58)),  # its 5-8 % bias (simulator) is within real timing's noise here
 }
 #: rule -> (extra settings, the least bias in 30 runs); asserted: above half of it (the rule still pulls away
