@@ -90,9 +90,9 @@ def test_validate_as_a_real_process_on_a_bad_file() -> None:
     expected = (
         "error: tests/data/configs/bad/unknown_top_level_key.yaml:8: timeout: unknown key"
         " (did you mean 'timeout_ms'?); allowed: nodes, fetch_probability, timeout_ms, interpolation,"
-        " divergence_threshold, peers, wire_dtype, outer, security, checkpoint_every, bootstrap, bootstrap_timeout_s,"
-        " bootstrap_gap, inbox_slots, inbox_per_sender, base_port, join, join_timeout_s, forget_after_s, max_members,"
-        " constant, clock, loss, gem, pushsum, leader, group, adpsgd, dpsgd, gt, choco"
+        " divergence_threshold, peers, wire_dtype, outer, security, transport, checkpoint_every, bootstrap,"
+        " bootstrap_timeout_s, bootstrap_gap, inbox_slots, inbox_per_sender, base_port, join, join_timeout_s,"
+        " forget_after_s, max_members, constant, clock, loss, gem, pushsum, leader, group, adpsgd, dpsgd, gt, choco"
     )
     assert proc.stderr.splitlines() == [expected]
 

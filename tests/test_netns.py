@@ -11,7 +11,8 @@ apart). The test checks that the nodes gossip across the links (every node
 fetched from every other, a <-> c through b's routing), then sets ``bc`` down:
 {a, b} and {c} keep training (steps advance, update_wait stays bounded) and the
 halves drift apart; then sets it up again, and the spread between the halves
-falls back to what it was before the cut.
+falls back to what it was before the cut. The nodes share one machine but no network namespace: they are not
+co-located, and every snapshot travels over TCP (no shared memory).
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ def test_gossip_across_namespaces_survives_a_partition(lab: netns.Lab, tmp_path:
                     assert peers[name].get(other, {}).get("ok", 0) >= 10, (name, other, peers[name])
         for name, steps in joined.items():
             assert max(s[2] for s in steps) <= TIMEOUT_MS + SLACK_MS, name
+        # one machine, three network namespaces: never co-located, so every snapshot came over TCP
+        for node in everyone:
+            stats = node.call("stats")
+            assert stats["shm_fetched"] == 0 and stats["shm_served"] == 0, (node.name, stats)
+            assert stats["bytes_in"] > 4000 * stats["fetches_ok"] > 0, (node.name, stats)  # payloads, not headers
         before = settled()
 
         # 2. partition: {a, b} | {c}; both halves keep training

@@ -404,6 +404,8 @@ def test_two_curve_nodes_gossip_and_the_wire_shows_no_parameters(tmp_path: Path,
     # w2 binds p2; w1's copy of the cluster file says w2 is at the tap (same names, same keys).
     direct = secure_cluster(tmp_path / "w2.yaml", [p1, p2]) if curve else write_cluster(tmp_path / "w2.yaml", [p1, p2])
     doc = yaml.safe_load(direct.read_text())
+    doc["transport"] = {"shared_memory": "off"}  # the snapshots go through the tap, not shared memory
+    direct.write_text(yaml.safe_dump(doc, sort_keys=False))
     doc["nodes"][1]["port"] = tap_port
     doc.update(timeout_ms=TIMEOUT_MS, fetch_probability=1.0)
     tapped = write(tmp_path / "w1.yaml", yaml.safe_dump(doc))

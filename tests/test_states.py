@@ -108,6 +108,9 @@ class _Port:
     def auth_denied(self, address: str) -> None:
         pass
 
+    def expire_loans(self, now: float) -> None:
+        pass
+
 
 def test_a_transport_whose_tx_cannot_be_built_frees_its_bound_port() -> None:
     (port,) = free_ports(1)

@@ -126,7 +126,7 @@ GOOD_STATE = {
         (b"DPW", "header"),
         (_raw(2, GOOD_STATE, magic=b"NOPE"), "magic"),
         (_raw(2, GOOD_STATE, version=99), "version"),
-        (_raw(9, GOOD_STATE), "header"),
+        (_raw(200, GOOD_STATE), "header"),
         (_raw(2, b"{not json"), "header"),
         (_raw(2, b"\xff\xfe"), "header"),
         (_raw(2, [1, 2]), "header"),

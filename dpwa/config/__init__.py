@@ -17,6 +17,7 @@ from dpwa.config.cluster import (
     JoinAddress,
     NodeSpec,
     SecurityConfig,
+    TransportConfig,
     parse_join,
 )
 from dpwa.config.reading import load_config, parse_config, resolve_config
@@ -31,6 +32,7 @@ __all__ = [
     "JoinAddress",
     "NodeSpec",
     "SecurityConfig",
+    "TransportConfig",
     "load_config",
     "parse_config",
     "parse_join",

@@ -62,7 +62,9 @@ __all__ = [
     "ConfigError",
     "JoinAddress",
     "NodeSpec",
+    "SHARED_MEMORY_MODES",
     "SecurityConfig",
+    "TransportConfig",
     "parse_join",
 ]
 
@@ -247,29 +249,55 @@ class _Security(Spec):
         return dataclasses.asdict(value)  # type: ignore[call-overload]
 
 
+SHARED_MEMORY_MODES = ("auto", "off")  # transport.shared_memory
+
+
 @dataclasses.dataclass(frozen=True)
-class _Outer(Spec):
-    """The ``outer`` map (:class:`~dpwa.rules.outer.OuterSettings`; ``{}`` for its defaults), or null: no outer
-    optimizer."""
+class TransportConfig:
+    """The ``transport`` key. ``shared_memory: auto`` (the default): a node answers a co-located peer's fetch with
+    its snapshot's shared-memory segment instead of sending it (dpwa/node/sharedmem.py); with ``security.curve``
+    on, only a peer that authenticated as the node it names. ``off``: sockets only."""
+
+    shared_memory: str = choice("auto", SHARED_MEMORY_MODES)
+
+    def __post_init__(self) -> None:
+        validate(self, _error_in_memory)
+
+
+_OUTER_SHAPE = "a map like {every: 8, lr: 0.7, momentum: 0.9, nesterov: true} ({} for the defaults), or null"
+
+
+@dataclasses.dataclass(frozen=True)
+class _SettingsMap(Spec):
+    """A map of one settings dataclass's fields (``{}``: its defaults); null gives ``empty`` (None: the feature is
+    off, e.g. no outer optimizer). ``shape``: an example map for the error message."""
+
+    cls: type
+    what: str
+    shape: str
+    empty: object = None
 
     def read(self, doc: FileReader, node: yaml.Node, key: str) -> object:
-        allowed = [f.name for f in dataclasses.fields(OuterSettings)]
+        allowed = [f.name for f in dataclasses.fields(self.cls)]
         if not isinstance(node, yaml.MappingNode):
             value = doc.value(node, key)
             if value is None:
-                return None
-            shape = "a map like {every: 8, lr: 0.7, momentum: 0.9, nesterov: true} ({} for the defaults), or null"
-            raise doc.error(key, f"must be {shape}, got {show_value(value)}", node)
+                return self.empty
+            raise doc.error(key, f"must be {self.shape}, got {show_value(value)}", node)
         given: dict[str, object] = {}
         for field, value_node in doc.mapping(node, key):
             if field not in allowed:
-                raise doc.error(f"{key}.{field}", f"unknown outer setting{suggest(field, allowed)}")
-            given[field] = doc.value(value_node, f"{key}.{field}")
-        return doc.build(OuterSettings, given, key)
+                raise doc.error(f"{key}.{field}", f"unknown {self.what}{suggest(field, allowed)}")
+            value = doc.value(value_node, f"{key}.{field}")
+            given[field] = "off" if value is False and self.cls is TransportConfig else value  # YAML 1.1: off = false
+        return doc.build(self.cls, given, key)
 
     def check(self, value: object) -> Iterator[tuple[str, str]]:
-        if value is not None and not isinstance(value, OuterSettings):
-            yield "", f"must be an OuterSettings or None, got {show_value(value)}"
+        if not isinstance(value, self.cls) and not (value is None and self.empty is None):
+            yield (
+                "",
+                f"must be a {self.cls.__name__}{' or None' if self.empty is None else ''}, got {show_value(value)}",
+            )
 
     def dump(self, value: object) -> object:
         return None if value is None else dataclasses.asdict(value)  # type: ignore[call-overload]
@@ -343,8 +371,16 @@ class ClusterConfig:
     wire_dtype: str = choice("auto", ("auto", *WIRE_DTYPES), omit_default=True)
     #: The outer optimizer (SlowMo, DiLoCo; dpwa/rules/outer.py): exchange every ``every``-th step only, and there
     #: step the mixed model's motion since the last such step with Nesterov momentum; None: every step mixes.
-    outer: OuterSettings | None = setting(None, spec=_Outer(), omit_default=True)
+    outer: OuterSettings | None = setting(
+        None, spec=_SettingsMap(OuterSettings, "outer setting", _OUTER_SHAPE), omit_default=True
+    )
     security: SecurityConfig = setting(SecurityConfig(), spec=_Security(), omit_default=True)
+    #: How snapshots travel: ``{shared_memory: auto|off}`` (co-located peers read them in shared memory).
+    transport: TransportConfig = setting(
+        TransportConfig(),
+        spec=_SettingsMap(TransportConfig, "transport key", "a map like {shared_memory: off}", TransportConfig()),
+        omit_default=True,
+    )
     #: Checkpoint every this many steps into <run_dir>/checkpoints/ (0 = never); dpwa/checkpoint.py.
     checkpoint_every: int = setting(0, lo=0, integer=True, omit_default=True)
     #: ``peer``: before its first step a node copies a peer's model (dpwa/node/recovery.py); ``none``: it does not.

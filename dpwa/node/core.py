@@ -27,10 +27,12 @@ import numpy as np
 from dpwa.checkpoint import DpwaState
 from dpwa.config import ClusterConfig, JoinAddress
 from dpwa.node import contact, following, recovery, report, serving, wire
+from dpwa.node.loans import Loans
 from dpwa.node.members import Member
 from dpwa.node.membership import Membership
 from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push
+from dpwa.node.sharedmem import host_identity
 from dpwa.node.snapshots import Snapshot, SnapshotPool, open_pool
 from dpwa.node.states import FetchStatus, FlowEffect, PushStatus
 from dpwa.node.stats import NodeStats, OnceLog
@@ -156,6 +158,8 @@ class Node:
         self.pool: SnapshotPool | None = None
         self.params: list[np.ndarray] | None = None
         self.timeouts = Timeouts.of(self.config)
+        self.host_id = host_identity() if self.config.transport.shared_memory == "auto" else ""  # "": off
+        self.loans = Loans(self.release_snapshot, self.stats.add)
         self.requests = itertools.count(1)  # request ids and push sequence numbers: one counter, never repeated
         self.step = 0  # update_send calls so far: the schedules' round index
         self.front = 0  # the most update_send calls heard of: this node's, or a peer's (gossiped as a maximum)
@@ -194,6 +198,7 @@ class Node:
             held=held,
             defer=self.exchanging,
             max_messages=REPLY_QUEUE_MESSAGES,
+            shared=bool(self.host_id),
         )
         self.pool = pool
         self.transfer.allocate(pool.layout)
@@ -397,9 +402,13 @@ class Node:
         """A push had no answer by its deadline, or a SETTLE query about it went unanswered (TX thread)."""
         self.transfer.push_unanswered(push)
 
-    def serve(self, request: wire.Fetch) -> Reply:
-        """RX thread: the reply to a FETCH (:func:`dpwa.node.serving.serve`)."""
-        return serving.serve(self, request)
+    def serve(self, request: wire.Fetch, user: str | None = None) -> Reply:
+        """RX thread: the reply to a FETCH from CURVE identity ``user`` (:func:`dpwa.node.serving.serve`)."""
+        return serving.serve(self, request, user)
+
+    def give_back(self, release: wire.Release, user: str | None) -> None:
+        """RX thread: a RELEASE ends the loan of the snapshot lent to that request (:func:`~.serving.give_back`)."""
+        serving.give_back(self, release, user)
 
     def answer_membership(self, header: wire.Push | wire.Join | wire.Members, user: str | None) -> bytes | None:
         """RX thread: a PUSH's member news, a JOIN or a MEMBERS (:func:`dpwa.node.serving.answer_membership`)."""
@@ -473,6 +482,7 @@ class Node:
                 log.exception("node %s: leaving the cluster failed", self.name)
         self.closed = True
         self.transport.stop()
+        self.loans.close()
         if self.pool is not None:
             self.pool.close(timeout=self.timeouts.thread_join_s)
         if not self.transport.close():  # pragma: no cover - a stuck thread is a bug (logged there)

@@ -20,17 +20,19 @@ import time
 from typing import Any, Protocol
 
 from dpwa.node import wire
+from dpwa.node.loans import Loans
 from dpwa.node.members import JoinRefused
 from dpwa.node.membership import Membership
 from dpwa.node.snapshots import Snapshot, SnapshotPool
 from dpwa.node.stats import NodeStats, OnceLog
+from dpwa.node.timeouts import Timeouts
 from dpwa.node.transfers import TransferPattern
 from dpwa.node.transport import Reply
 from dpwa.node.wire import ErrorCode, Kind, Layout, MemberNews
 from dpwa.rules import NodeState, Rule
 from dpwa.security.curve import NodeSecurity
 
-__all__ = ["Served", "answer_membership", "linger", "serve"]
+__all__ = ["Served", "answer_membership", "give_back", "linger", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +53,20 @@ class Served(Protocol):
     transfer: TransferPattern
     security: NodeSecurity | None
     closed: bool
+    host_id: str
+    """This node's co-location identity; "": shared memory off."""
+    loans: Loans
+    timeouts: Timeouts
 
 
 def _error(node: Served, req: int, code: ErrorCode, detail: str, news: MemberNews | None = None) -> Reply:
     return Reply(wire.encode_error(node.name, req, code, detail, news))
 
 
-def serve(node: Served, request: wire.Fetch) -> Reply:
-    """Answer a FETCH with the current snapshot, or an error naming why not; both carry member news."""
+def serve(node: Served, request: wire.Fetch, user: str | None = None) -> Reply:
+    """Answer a FETCH with the current snapshot, or an error naming why not; both carry member news.
+
+    A co-located requester (:func:`lends_to`) gets the snapshot lent in shared memory instead of sent."""
     node.membership.observe(request)
     if node.membership.leaving:
         node.stats.add("left_answers")
@@ -86,11 +94,78 @@ def serve(node: Served, request: wire.Fetch) -> Reply:
             refusal = node.transfer.pair_exchange(request.node, request.exchange, snapshot)
         if refusal is not None:
             return _error(node, request.req, *refusal)
-        reply = _state_reply(node, request, snapshot, layout, pool, news)
+        if lends_to(node, request, user, snapshot):
+            reply = _lent_reply(node, request, snapshot, layout, pool, news)
+        if reply is None:
+            reply = _state_reply(node, request, snapshot, layout, pool, news)
         return reply
     finally:
         if reply is None:  # no reply with the snapshot goes out: the lease ends here
             pool.release(snapshot)
+
+
+def lends_to(node: Served, request: wire.Fetch, user: str | None, snapshot: Snapshot) -> bool:
+    """Whether ``request`` gets ``snapshot`` lent in shared memory: shared memory on here, the requester
+    co-located (the same identity), a plain fetch (an exchange's pair travels over the socket), and with CURVE
+    on, a requester that authenticated as the node it names."""
+    return (
+        bool(node.host_id)
+        and request.host == node.host_id
+        and snapshot.segment is not None
+        and request.exchange < 0
+        and (node.security is None or user == request.node)
+    )
+
+
+def _lent_reply(
+    node: Served, request: wire.Fetch, snapshot: Snapshot, layout: Layout, pool: SnapshotPool, news: MemberNews
+) -> Reply | None:
+    """The STATE reply naming ``snapshot``'s segment (leased; the loan keeps it until RELEASE or its deadline), or
+    None when no loan can be made (the caller sends the snapshot)."""
+    assert snapshot.segment is not None
+    pool.complete(snapshot)  # a narrower wire dtype: every chunk rounded before the reader looks
+    until = time.monotonic() + node.timeouts.lend_s
+    if not node.loans.lend(request.node, request.req, snapshot, until):
+        return None
+    with node.state_lock:
+        if request.extras:
+            node.rule.on_request(node.state, request.extras)
+        given = node.rule.on_serve(node.state)
+    encode = functools.partial(
+        wire.encode_state,
+        node.name,
+        request.req,
+        clock=snapshot.clock,
+        loss=snapshot.loss,
+        extras={**snapshot.extras, **given},
+        layout=layout,
+        gen=snapshot.gen,
+        front=snapshot.front,
+        shm=snapshot.segment.ref(snapshot.gen, until),
+    )
+    try:
+        header = encode(news=news)
+    except ValueError:  # the member table does not fit a header: its digest goes alone
+        header = encode(news=MemberNews(news.digest))
+
+    def lent(went: bool) -> None:
+        if not went:  # never sent: the loan ends now, and the rule gets back what on_serve handed out
+            node.loans.give_back(request.node, request.req)
+            if given:
+                with node.state_lock:
+                    node.rule.on_serve_failed(node.state, given)
+
+    return Reply(header, (), lent=lent, req=request.req)
+
+
+def give_back(node: Served, release: wire.Release, user: str | None) -> None:
+    """A RELEASE: end the loan of ``release.node``'s request (counted ``shm_released``); with CURVE on, only the
+    authenticated requester itself may (else counted ``releases_rejected``)."""
+    if node.security is not None and user != release.node:
+        node.stats.add("releases_rejected")
+        return
+    if node.loans.give_back(release.node, release.req):
+        node.stats.add("shm_released")
 
 
 def _state_reply(

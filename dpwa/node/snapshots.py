@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dpwa.node.sharedmem import Segment
 from dpwa.node.wire import CHUNK_BYTES, Layout, PayloadWriter
 
 __all__ = ["DEFER_S", "GEN_START_BOUND", "POLL_S", "Snapshot", "SnapshotPool", "Tracker", "open_pool"]
@@ -86,6 +87,8 @@ class Snapshot:
     requester that gets the same ``gen`` twice knows the node published nothing new in between."""
     leases: int = 0
     trackers: list[Tracker] = field(default_factory=list)
+    segment: Segment | None = None
+    """The shared-memory segment the wire buffer lies in (co-located peers read it there); None: private memory."""
 
     def busy(self) -> bool:
         """True while a lease is out or a send still references the buffer."""
@@ -98,7 +101,9 @@ class SnapshotPool:
 
     ``wire``: the layout snapshots travel in, when it differs from ``layout`` (a narrower
     ``wire_dtype``); the pool then runs a converter thread named ``dpwa-wire-<name>`` until
-    :meth:`close`, which waits between chunks while ``defer()`` returns True.
+    :meth:`close`, which waits between chunks while ``defer()`` returns True. ``shared``: every wire buffer
+    lies in a shared-memory segment of its own (:class:`~dpwa.node.sharedmem.Segment`), which says the
+    generation it holds (0 while being written); :meth:`close` closes them.
     """
 
     def __init__(
@@ -110,8 +115,11 @@ class SnapshotPool:
         wire: Layout | None = None,
         name: str = "node",
         defer: Callable[[], bool] | None = None,
+        shared: bool = False,
     ) -> None:
         self.layout = layout
+        self.shared = shared
+        self._name = name
         self.wire = layout if wire is None else wire
         self._bounds = self.wire.frame_bounds(chunk)
         self._chunk = chunk
@@ -135,17 +143,19 @@ class SnapshotPool:
             self._converter.start()
 
     def _new(self) -> Snapshot:
-        buffer = self.layout.allocate()
+        segment = Segment(self._name, self.wire.total_bytes) if self.shared else None
+        direct = self.wire is self.layout
+        buffer = segment.payload if segment is not None and direct else self.layout.allocate()
         views = self.layout.views(buffer)
         readonly = [v.view() for v in views]
         for v in readonly:
             v.flags.writeable = False
-        if self.wire is self.layout:
+        if direct:
             frames = [memoryview(buffer[s:e]) for s, e in self._bounds]
-            return Snapshot(buffer, views, frames, readonly, None, len(frames))
-        wire = self.wire.allocate()
+            return Snapshot(buffer, views, frames, readonly, None, len(frames), segment=segment)
+        wire = segment.payload if segment is not None else self.wire.allocate()
         frames = [memoryview(wire[s:e]) for s, e in self._bounds]
-        return Snapshot(buffer, views, frames, readonly, self.wire.views(wire), 0)
+        return Snapshot(buffer, views, frames, readonly, self.wire.views(wire), 0, segment=segment)
 
     def __len__(self) -> int:
         return len(self._all)
@@ -164,6 +174,8 @@ class SnapshotPool:
                 self.skipped += 1
                 return None
             free.leases += 1  # keep it ours while copying outside the lock
+        if free.segment is not None:
+            free.segment.set_gen(0)  # being written
         for dst, src in zip(free.views, arrays):
             np.copyto(dst, src, casting="no")
         with self._lock:
@@ -173,6 +185,8 @@ class SnapshotPool:
             free.clock, free.loss, free.extras, free.front = clock, loss, dict(extras), front
             self._published += 1
             free.gen = self._published
+            if free.segment is not None:
+                free.segment.set_gen(free.gen)
             self._current = free
         if self._converter is not None:
             self._work.set()
@@ -256,11 +270,20 @@ class SnapshotPool:
                 snapshot.trackers.append(tracker)
 
     def close(self, timeout: float = 1.0) -> None:
-        """Stop the converter thread (if any) within ``timeout`` seconds. Idempotent."""
+        """Stop the converter thread (if any) within ``timeout`` seconds and close the shared-memory segments (the
+        node's own mappings go with its last views). Idempotent."""
         self._stop.set()
         self._work.set()
         if self._converter is not None and self._converter is not threading.current_thread():
             self._converter.join(timeout)
+        with self._lock:
+            for snapshot in self._all:
+                if snapshot.segment is not None:
+                    snapshot.segment.close()
+
+    def complete(self, snapshot: Snapshot) -> None:
+        """Make every wire chunk of a leased ``snapshot`` ready (RX thread, before lending it whole)."""
+        self.prepare(snapshot, len(self._bounds) - 1)
 
 
 def open_pool(
@@ -272,10 +295,11 @@ def open_pool(
     defer: Callable[[], bool],
     max_messages: int,
     bounds: tuple[int, ...] | None = None,
+    shared: bool = False,
 ) -> SnapshotPool:
     """The pool a node publishes ``params`` through: their layout (``bounds``: of their index arrays), travelling
     as ``wire_dtype`` says (:meth:`~dpwa.node.wire.Layout.on_wire`), with room for ``held`` snapshots kept
-    leased beyond the pool's own six (pushes, exchanges).
+    leased beyond the pool's own six (pushes, exchanges); ``shared``: in shared-memory segments.
 
     ValueError when one reply of that layout would take more than ``max_messages`` messages (a node's reply
     queue)."""
@@ -286,7 +310,7 @@ def open_pool(
             f"a model of {wire.total_bytes / 2**30:.1f} GiB on the wire needs more messages per reply "
             f"than a node queues ({max_messages}); exchange a part of it, or a narrower wire_dtype"
         )
-    pool = SnapshotPool(layout, max_size=6 + held, wire=wire, name=name, defer=defer)
+    pool = SnapshotPool(layout, max_size=6 + held, wire=wire, name=name, defer=defer, shared=shared)
     log.info(
         "node %s: %d arrays, %.1f MB per snapshot, %.1f MB on the wire (wire_dtype %s)",
         name,

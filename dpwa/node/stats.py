@@ -53,6 +53,16 @@ COUNTERS = (
     "exchanges_committed",  # AD-PSGD exchanges confirmed by the fetcher: mixed at the next update_wait
     "exchanges_aborted",  # exchanges the fetcher withdrew (its reply was lost or rejected)
     "exchanges_expired",  # exchanges neither committed nor aborted in time: dropped, not mixed
+    # shared memory between co-located nodes (transport.shared_memory; dpwa/node/sharedmem.py)
+    "shm_served",  # of served: snapshots lent in shared memory (the socket carried the header only)
+    "shm_released",  # of those: given back by the requester's RELEASE
+    "shm_loans_expired",  # of those: given back at the loan's deadline (no RELEASE came)
+    "releases_rejected",  # RELEASEs from a peer that did not authenticate as the node it names (CURVE)
+    "shm_fetched",  # of fetches_ok: replies read from the peer's segment
+    "shm_fallbacks",  # peers whose segment could not be opened: fetched over the socket from then on
+    "shm_loans_lapsed",  # lent replies not mixed: their loan was ending (or over) by update_wait
+    "shm_torn",  # lent replies the server rewrote while they were mixed (a loan outlived: should stay 0)
+    "releases_dropped",  # RELEASEs the send queue had no room for (the loan expires at the server)
     # membership (docs/membership.md)
     "joins_admitted",  # JOINs this node answered with its table
     "joins_refused",  # JOINs refused (name clash, a file node's name, a full table, a key of another name)

@@ -34,6 +34,12 @@ class Timeouts:
     default, 100 ms, would start nodes that wait for each other that far apart)."""
 
     @property
+    def lend_s(self) -> float:
+        """How long a snapshot lent through shared memory stays lent without a RELEASE: four exchanges, at least
+        10 s (the requester mixes it at its ``update_wait``, a training step after the fetch)."""
+        return max(10.0, 4 * self.exchange_s)
+
+    @property
     def leave_s(self) -> float:
         """A clean close's whole leave (hand-off, settle, announce): two exchanges."""
         return 2 * self.exchange_s

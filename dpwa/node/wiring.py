@@ -18,6 +18,7 @@ from typing import Protocol
 from dpwa.config import ClusterConfig, NodeSpec
 from dpwa.node import wire
 from dpwa.node.inbox import PushReceiver
+from dpwa.node.loans import Loans
 from dpwa.node.membership import Membership
 from dpwa.node.pushes import Push
 from dpwa.node.states import PushStatus
@@ -50,7 +51,12 @@ class Wired(Protocol):
 
     def layouts(self) -> tuple[Layout, Layout] | None: ...
 
-    def serve(self, request: wire.Fetch) -> Reply: ...
+    host_id: str
+    loans: Loans
+
+    def serve(self, request: wire.Fetch, user: str | None) -> Reply: ...
+
+    def give_back(self, release: wire.Release, user: str | None) -> None: ...
 
     def answer_membership(self, header: wire.Push | wire.Join | wire.Members, user: str | None) -> bytes | None: ...
 
@@ -77,8 +83,18 @@ class TransportLink:
     def layouts(self) -> tuple[Layout, Layout] | None:
         return self._node.layouts()
 
-    def serve(self, request: wire.Fetch) -> Reply:
-        return self._node.serve(request)
+    @property
+    def host_id(self) -> str:
+        return self._node.host_id
+
+    def serve(self, request: wire.Fetch, user: str | None) -> Reply:
+        return self._node.serve(request, user)
+
+    def give_back(self, release: wire.Release, user: str | None) -> None:
+        self._node.give_back(release, user)
+
+    def expire_loans(self, now: float) -> None:
+        self._node.loans.expire(now)
 
     def answer_membership(self, message: wire.Push | wire.Join | wire.Members, user: str | None) -> bytes | None:
         return self._node.answer_membership(message, user)

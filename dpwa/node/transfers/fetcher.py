@@ -25,13 +25,17 @@ from dpwa.metrics import DECLINED_CODES, fetch_reason
 from dpwa.node.states import FetchStatus, fetch_effect
 from dpwa.node.transfers.host import Host
 from dpwa.node.transport import FetchJob, FetchTarget
-from dpwa.node.wire import Layout
+from dpwa.node.wire import Layout, State
 from dpwa.rules import NodeState, PeerSnapshot
 from dpwa.rules.schedules import Round
 
-__all__ = ["Fetcher", "round_peers"]
+__all__ = ["LEND_MARGIN_S", "Fetcher", "round_peers"]
 
 log = logging.getLogger(__name__)
+
+LEND_MARGIN_S = 1.0
+"""A lent reply is mixed only if its loan has this many seconds left (the mix ends well before the server may
+reuse the buffer)."""
 
 
 def round_peers(host: Host) -> tuple[list[str], bool]:
@@ -62,6 +66,8 @@ class Fetcher:
         """No peer was up at the latest fetch: the node trains alone until one answers."""
         self._gens: dict[str, int] = {}
         self._gens_lock = threading.Lock()
+        self._lent: list[tuple[FetchTarget, int]] = []
+        """The targets of the collected job whose views lie in a peer's segment, with the job's request id."""
 
     def allocate(self, layout: Layout, count: int) -> None:
         """Allocate ``count`` (at least one) receive buffers in ``layout`` (once, at the first publish)."""
@@ -102,10 +108,11 @@ class Fetcher:
             return None
         return [FetchTarget(peer, buf, views) for peer, (buf, views) in zip(chosen, self.slots)], extras
 
-    def job(self, targets: list[FetchTarget], extras: dict[str, Any]) -> FetchJob:
-        """A job for ``targets`` with the next request id, due one exchange timeout from now."""
+    def job(self, targets: list[FetchTarget], extras: dict[str, Any], *, lend: bool = False) -> FetchJob:
+        """A job for ``targets`` with the next request id, due one exchange timeout from now; ``lend``: a
+        shared-memory reply stays in the peer's segment until :meth:`give_back` (after the mix)."""
         deadline = time.monotonic() + self.host.timeouts.exchange_s
-        return FetchJob(next(self.host.requests), targets, deadline, extras)
+        return FetchJob(next(self.host.requests), targets, deadline, extras, lend=lend)
 
     def submit(self, job: FetchJob) -> None:
         """Hand ``job`` to the TX thread; it is the pending job until ``update_wait``."""
@@ -120,10 +127,40 @@ class Fetcher:
         self._waited = job
 
     def collect(self) -> tuple[list[FetchTarget], list[PeerSnapshot]]:
-        """After :meth:`wait`: the job's targets, and its replies that came whole as peers for the rule."""
+        """After :meth:`wait`: the job's targets, and its replies that came whole as peers for the rule. A reply
+        lent in shared memory is left out (counted ``shm_loans_lapsed``) when its peer's segment no longer holds
+        it or its loan ends within :data:`LEND_MARGIN_S`; :meth:`give_back` ends the loans once the rule is done."""
         job, self._waited = self._waited, None
         targets = job.targets if job is not None else []
-        return targets, [self.fetched(t) for t in targets if t.status == FetchStatus.OK and t.header is not None]
+        self._lent = [(t, job.req) for t in targets if t.loan is not None] if job is not None else []
+        peers = []
+        for t in targets:
+            if t.status != FetchStatus.OK or t.header is None:
+                continue
+            if t.loan is not None and not self._loan_holds(t):
+                self.host.stats.add("shm_loans_lapsed")
+                continue
+            peers.append(self.fetched(t))
+        return targets, peers
+
+    def _loan_holds(self, target: FetchTarget) -> bool:
+        """The lent segment still holds the generation fetched, with its loan not ending within the margin."""
+        assert target.loan is not None and isinstance(target.header, State) and target.header.shm is not None
+        word, gen = target.loan
+        return int(word[0]) == gen and time.monotonic() < target.header.shm.until - LEND_MARGIN_S
+
+    def give_back(self) -> None:
+        """The rule is done with the collected job's lent replies: check each segment still held what was mixed
+        (else counted ``shm_torn`` and logged: a loan outlived), then RELEASE each (TX thread)."""
+        lent, self._lent = self._lent, []
+        for target, req in lent:
+            assert target.loan is not None
+            word, gen = target.loan
+            target.loan, target.views = None, []
+            if int(word[0]) != gen:
+                self.host.stats.add("shm_torn")
+                log.error("node %s: %s rewrote a lent snapshot while it was mixed", self.host.name, target.peer)
+            self.host.transport.submit_release(target.peer, req)
 
     def fetched(self, target: FetchTarget) -> PeerSnapshot:
         """A fetched reply as a peer for the rule, marked ``repeat`` when it holds the very snapshot (same

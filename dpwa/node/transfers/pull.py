@@ -32,8 +32,8 @@ class PullTransfer(TransferPattern):
     def start(self, snapshot: Snapshot | None) -> None:
         planned = self.fetcher.plan()
         if planned is not None:
-            self.fetcher.submit(self.fetcher.job(*planned))
+            self.fetcher.submit(self.fetcher.job(*planned, lend=True))
 
     def collect(self, upto: int | None) -> Arrival:
         targets, fetched = self.fetcher.collect()
-        return Arrival(targets, fetched)
+        return Arrival(targets, fetched, release=self.fetcher.give_back)

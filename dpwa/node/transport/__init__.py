@@ -170,6 +170,10 @@ class Transport:
         """Hand a fetch job to the TX thread (any thread); its verdicts go to ``port.fetch_done``."""
         self.tx.submit(job)
 
+    def submit_release(self, peer: str, req: int) -> None:
+        """Give back the snapshot ``peer`` lent (shared memory) to request ``req``: a RELEASE from the TX thread."""
+        self.tx.submit_release(peer, req)
+
     def submit_push(self, push: Push) -> None:
         """Hand a push (already in the node's ledger) to the TX thread; its verdict goes to ``port.push_settled``."""
         self.tx.submit_push(push)

@@ -50,6 +50,11 @@ class FetchTarget:
     """In a streamed reply: the index of the chunk expected next; -1 while the header is awaited."""
     late: bool = False
     """update_wait timed this target out itself: the TX thread had no verdict by the deadline."""
+    shared: bool = False
+    """The reply came through shared memory (its payload read from the peer's segment, not the socket)."""
+    loan: tuple[np.ndarray, int] | None = None
+    """``views`` lie in the peer's shared-memory segment, lent to request ``req``: the segment's generation word
+    and the generation it must still hold when the rule is done (then the loan is given back)."""
 
 
 @dataclass
@@ -67,6 +72,9 @@ class FetchJob:
     """Sent with the request (the rule's push-pull state)."""
     push: Push | None = None
     """An exchange: this push (of the fetcher's own snapshot) goes to its peer just before the FETCH."""
+    lend: bool = False
+    """A shared-memory reply stays lent until the rule has mixed it (the views point into the peer's segment);
+    else the TX thread copies it into the receive buffer and gives it back at once."""
     started: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     expired: bool = False

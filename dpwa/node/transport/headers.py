@@ -21,18 +21,20 @@ __all__ = ["fetch_request", "push_header"]
 log = logging.getLogger(__name__)
 
 
-def fetch_request(node: str, job: FetchJob, wire_layout: Layout, news: MemberNews | None) -> bytes:
-    """The FETCH ``node`` sends for ``job`` (streamed; naming the exchange's push, if any); without the rule's
-    extras when they do not encode, without the member table when it does not fit a header (the digest still
-    goes)."""
+def fetch_request(node: str, job: FetchJob, wire_layout: Layout, news: MemberNews | None, host: str = "") -> bytes:
+    """The FETCH ``node`` sends for ``job`` (streamed; naming the exchange's push, if any; ``host``: the
+    co-location identity that may get a shared-memory reply); without the rule's extras when they do not encode,
+    without the member table when it does not fit a header (the digest still goes)."""
     exchange = job.push.seq if job.push is not None else -1
     fingerprint = wire_layout.fingerprint
     for extras, sent in ((job.extras, news), (None, news), (None, MemberNews(news.digest) if news else None)):
         try:
-            return wire.encode_fetch(node, job.req, fingerprint, extras, stream=True, exchange=exchange, news=sent)
+            return wire.encode_fetch(
+                node, job.req, fingerprint, extras, stream=True, exchange=exchange, news=sent, host=host
+            )
         except (TypeError, ValueError) as exc:  # too big, or extras not JSON: try with less
             log.warning("request extras or member table dropped: %s", exc)
-    return wire.encode_fetch(node, job.req, fingerprint, stream=True, exchange=exchange)
+    return wire.encode_fetch(node, job.req, fingerprint, stream=True, exchange=exchange, host=host)
 
 
 def push_header(

@@ -55,6 +55,8 @@ class Reply:
     stream: bool = False
     """Send the payload as one message per chunk, each tagged with ``req`` and its index."""
     req: int = 0
+    lent: Callable[[bool], None] | None = None
+    """A shared-memory reply (no payload): called once with whether its header went out."""
 
 
 class NodePort(Protocol):
@@ -71,8 +73,22 @@ class NodePort(Protocol):
         layout of the receive buffers; None before the node's first publish."""
         ...
 
-    def serve(self, request: wire.Fetch) -> Reply:
-        """The reply to a valid FETCH (the snapshot, or an ERROR header); called on the RX thread."""
+    @property
+    def host_id(self) -> str:
+        """This node's co-location identity for its FETCHes (dpwa/node/sharedmem.py); "": shared memory off."""
+        ...
+
+    def serve(self, request: wire.Fetch, user: str | None) -> Reply:
+        """The reply to a valid FETCH (the snapshot, or an ERROR header); called on the RX thread. ``user``: the
+        requester's CURVE identity (None without CURVE)."""
+        ...
+
+    def give_back(self, release: wire.Release, user: str | None) -> None:
+        """A RELEASE: the requester is done with the snapshot lent to its request (RX thread)."""
+        ...
+
+    def expire_loans(self, now: float) -> None:
+        """End the shared-memory loans whose deadline passed (RX thread, at its ticks)."""
         ...
 
     def answer_membership(self, message: wire.Push | wire.Join | wire.Members, user: str | None) -> bytes | None:

@@ -96,14 +96,15 @@ class RxServer(SocketThread):
         return 10 if self._pushes is not None else POLL_MS
 
     def _tick(self) -> None:
-        """Expire pushes that stalled (every :data:`EXPIRE_EVERY_S` at most)."""
-        if self._pushes is None:
-            return
+        """Expire pushes that stalled and shared-memory loans past their deadline (every :data:`EXPIRE_EVERY_S` at
+        most)."""
         now = time.monotonic()
         if now < self._next_tick:
             return
         self._next_tick = now + EXPIRE_EVERY_S
-        self._pushes.expire(now)
+        if self._pushes is not None:
+            self._pushes.expire(now)
+        self._port.expire_loans(now)
 
     def _answer(self, sock: zmq.Socket, identity: bytes, frame: bytes | None) -> None:
         """Send a small answer (ACK / ERROR) to ``identity``; a full or vanished queue drops it (counted)."""
@@ -131,8 +132,10 @@ class RxServer(SocketThread):
             return
         try:
             header = wire.decode_message(head.buffer)
-            if header.kind not in (Kind.FETCH, Kind.PUSH, Kind.SETTLE, Kind.JOIN, Kind.MEMBERS):
-                raise WireError("header", f"expected FETCH, PUSH, SETTLE, JOIN or MEMBERS, got {header.kind.name}")
+            if header.kind not in (Kind.FETCH, Kind.PUSH, Kind.SETTLE, Kind.JOIN, Kind.MEMBERS, Kind.RELEASE):
+                raise WireError(
+                    "header", f"expected FETCH, PUSH, SETTLE, JOIN, MEMBERS or RELEASE, got {header.kind.name}"
+                )
         except WireError as exc:
             log.debug("dropping bad request: %s", exc)
             self._port.count("requests_rejected", 1)
@@ -145,23 +148,35 @@ class RxServer(SocketThread):
                 answer = None
             self._answer(sock, identity, answer)
             return
+        if header.kind is Kind.RELEASE:
+            self._port.give_back(header, user_id(head))
+            return
         if header.kind is not Kind.FETCH:
             self._push_message(sock, identity, header, head)
             return
+        self._serve(sock, identity, header, user_id(head))
+
+    def _serve(self, sock: zmq.Socket, identity: bytes, header: wire.Fetch, user: str | None) -> None:
+        """Answer a FETCH (:meth:`NodePort.serve`): the snapshot, zero-copy, or a shared-memory loan, or an ERROR."""
         try:
-            reply = self._port.serve(header)
+            reply = self._port.serve(header, user)
         except Exception:  # pragma: no cover - a bug in a rule's on_serve must not kill the server
             log.exception("serving %s failed", header.node)
             return
         frames: list[zmq.Frame] = []
+        went = False
         try:
             if reply.payload and reply.stream:
                 self._send_stream(sock, identity, reply, frames)
             else:
                 self._send_single(sock, identity, reply, frames)
+            went = True
             if reply.payload:
                 self._port.count("served", 1)
                 self._port.count("bytes_out", sum(mv.nbytes for mv in reply.payload))
+            elif reply.lent is not None:
+                self._port.count("served", 1)
+                self._port.count("shm_served", 1)
         except zmq.Again:
             self._port.count("serve_dropped", 1)  # requester's queue full: it will time out and retry
         except zmq.ZMQError as exc:
@@ -169,6 +184,8 @@ class RxServer(SocketThread):
                 raise
             self._port.count("serve_dropped", 1)  # requester vanished
         finally:
+            if reply.lent is not None:
+                reply.lent(went)
             if reply.sent is not None:
                 reply.sent(zmq.MessageTracker(*frames) if frames else None)
 

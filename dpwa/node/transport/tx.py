@@ -20,6 +20,7 @@ still queued are marked done so that nobody waits on them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -35,6 +36,7 @@ from dpwa.node.states import FetchStatus, PushStatus
 from dpwa.node.transport.fetch import NOT_A_MEMBER, FetchJob, FetchTarget
 from dpwa.node.transport.headers import fetch_request, push_header
 from dpwa.node.transport.protocol import NodePort
+from dpwa.node.transport.shared import SharedReplies
 from dpwa.node.transport.sockets import common_options, connect_address, is_own_echo, push_send_hwm, tune_data_socket
 from dpwa.node.wire import CHUNK_BYTES, Kind, Layout, PayloadReader, WireError
 from dpwa.utils.socket_thread import POLL_MS
@@ -96,6 +98,7 @@ class TxFetcher(threading.Thread):
         self._settles: list[tuple[str, int, str]] = []
         """SETTLEs to send at the end of this wake: (peer, sequence number, op)."""
         self._retry_s = retry_s
+        self._shared = SharedReplies(node, lambda event, n: port.count(event, n))
         self._sndhwm = 4
         self._stop_flag = threading.Event()
         address = f"inproc://dpwa-tx-wake-{id(self)}"
@@ -121,6 +124,11 @@ class TxFetcher(threading.Thread):
         """A member joined (or moved): fetch ``peer`` at ``endpoint`` from now on; None: it is gone. Applied by
         the thread at its next wake; a fetch or push to a peer without an endpoint fails as refused."""
         self._peer_changes.put((peer, endpoint))
+        self._wake()
+
+    def submit_release(self, peer: str, req: int) -> None:
+        """Queue a RELEASE of the snapshot ``peer`` lent to request ``req`` (any thread) and wake the thread."""
+        self._shared.submit_release(peer, req)
         self._wake()
 
     def submit_push(self, push: Push) -> None:
@@ -170,6 +178,7 @@ class TxFetcher(threading.Thread):
                     self._job_done(job)
                     job = None
                 self._push_work(poller)
+                self._shared.send_releases(functools.partial(self._socket, poller))
                 if job is None:
                     try:
                         job = self._jobs.get_nowait()
@@ -201,6 +210,7 @@ class TxFetcher(threading.Thread):
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._wake_rx.close(linger=0)
+        self._shared.close()
 
     def _apply_peer_changes(self, poller: zmq.Poller, job: FetchJob | None) -> None:
         """Take the members that came, moved or went. A fetch from a member that went ends at once (refused
@@ -393,7 +403,8 @@ class TxFetcher(threading.Thread):
             return
         wire_layout = layouts[0]
         for target in job.targets:
-            request = fetch_request(self._node, job, wire_layout, self._port.news_for(target.peer))
+            host = self._shared.host_for(target.peer, self._port.host_id)
+            request = fetch_request(self._node, job, wire_layout, self._port.news_for(target.peer), host)
             sock = self._socket(poller, target.peer)
             if sock is None:
                 self._finish(job, target, FetchStatus.REFUSED, NOT_A_MEMBER, f"{target.peer} is no member any more")
@@ -531,6 +542,13 @@ class TxFetcher(threading.Thread):
                     return
                 raise
             target.header = header  # validated: kept even if the payload is rejected (push-sum mass accounting)
+            if header.shm is not None:
+                if sock.get(zmq.RCVMORE):
+                    raise WireError("frames", "a shared-memory reply came with payload frames")
+                target.nbytes = received
+                finish = functools.partial(self._finish, job, target)
+                self._shared.answer(sock, job, target, header, (wire_layout, self._reader, self._bounds), finish)
+                return
             if header.stream:
                 if sock.get(zmq.RCVMORE):
                     raise WireError("frames", "a streamed reply's header came with payload frames")

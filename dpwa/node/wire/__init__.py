@@ -35,6 +35,7 @@ from dpwa.node.wire.constants import (
     MAGIC,
     MAX_DETAIL_CHARS,
     MAX_HEADER_BYTES,
+    MAX_HOST_ID_CHARS,
     MAX_NAME_CHARS,
     MAX_REQ,
     PAYLOAD_BLOCK,
@@ -43,7 +44,7 @@ from dpwa.node.wire.constants import (
     ErrorCode,
     Kind,
 )
-from dpwa.node.wire.fields import MemberNews, WireError, extras_sum
+from dpwa.node.wire.fields import MemberNews, SharedRef, WireError, extras_sum
 from dpwa.node.wire.layout import (
     FLOAT_CODES,
     INDEX_CODE,
@@ -66,6 +67,7 @@ from dpwa.node.wire.messages import (
     Members,
     Message,
     Push,
+    Release,
     Settle,
     State,
     WithNews,
@@ -87,6 +89,7 @@ __all__ = [
     "MAGIC",
     "MAX_DETAIL_CHARS",
     "MAX_HEADER_BYTES",
+    "MAX_HOST_ID_CHARS",
     "MAX_NAME_CHARS",
     "MAX_REQ",
     "MESSAGE_CLASSES",
@@ -113,7 +116,9 @@ __all__ = [
     "PayloadReader",
     "PayloadWriter",
     "Push",
+    "Release",
     "Settle",
+    "SharedRef",
     "State",
     "WireError",
     "WithNews",
@@ -129,6 +134,7 @@ __all__ = [
     "encode_join",
     "encode_members",
     "encode_push",
+    "encode_release",
     "encode_settle",
     "encode_state",
     "extras_sum",
@@ -145,13 +151,22 @@ def encode_fetch(
     stream: bool = False,
     exchange: int = -1,
     news: MemberNews | None = None,
+    host: str = "",
 ) -> bytes:
     """A request for the peer's latest snapshot, optionally carrying the requester's rule extras.
 
     ``stream``: the requester takes the streamed framing (one message per chunk); ``exchange``: the
-    sequence number of the PUSH (sent just before on the same connection) this fetch completes."""
+    sequence number of the PUSH (sent just before on the same connection) this fetch completes; ``host``: the
+    requester's co-location identity (the server may lend its shared-memory segment instead)."""
     return Fetch(
-        node=node, req=req, fingerprint=fingerprint, extras=extras or {}, stream=stream, exchange=exchange, news=news
+        node=node,
+        req=req,
+        fingerprint=fingerprint,
+        extras=extras or {},
+        stream=stream,
+        exchange=exchange,
+        news=news,
+        host=host,
     ).encode()
 
 
@@ -168,10 +183,11 @@ def encode_state(
     news: MemberNews | None = None,
     gen: int = -1,
     front: int = -1,
+    shm: SharedRef | None = None,
 ) -> bytes:
     """The header of a reply carrying a snapshot of (wire) ``layout``; ``stream``: the chunks follow as messages;
     ``gen`` (>= 1): the snapshot's generation, so the requester can tell a snapshot it already has; ``front``
-    (>= 0): see :attr:`State.front`."""
+    (>= 0): see :attr:`State.front`; ``shm``: the payload lies in this shared-memory segment instead."""
     return State.announcing(
         layout,
         chunk,
@@ -184,6 +200,7 @@ def encode_state(
         news=news,
         gen=gen,
         front=front,
+        shm=shm,
     ).encode()
 
 
@@ -229,6 +246,11 @@ def encode_ack(node: str, seq: int) -> bytes:
 def encode_settle(node: str, seq: int, op: str) -> bytes:
     """Ask about (``query``), keep (``commit``) or drop (``abort``) push ``seq``; see :data:`SETTLE_OPS`."""
     return Settle(node=node, req=seq, op=op).encode()
+
+
+def encode_release(node: str, req: int) -> bytes:
+    """``node`` is done with the shared-memory segment lent to its request ``req``."""
+    return Release(node=node, req=req).encode()
 
 
 def encode_error(node: str, req: int, code: ErrorCode, detail: str = "", news: MemberNews | None = None) -> bytes:

@@ -18,6 +18,7 @@ __all__ = [
     "MAGIC",
     "MAX_DETAIL_CHARS",
     "MAX_HEADER_BYTES",
+    "MAX_HOST_ID_CHARS",
     "MAX_NAME_CHARS",
     "MAX_REQ",
     "PAYLOAD_BLOCK",
@@ -41,6 +42,8 @@ ARRAY_ALIGN = 8
 """Every array starts at a multiple of this many bytes in the flat buffer: the widest element (float64), so
 every view is aligned for its dtype and no element straddles a chunk (CHUNK_BYTES is a multiple of it). A
 message of many small arrays (a sparse or quantized one) pays at most 7 bytes of padding per array."""
+MAX_HOST_ID_CHARS = 64
+"""The longest co-location identity a FETCH may carry (``host``; dpwa/node/sharedmem.py uses 32)."""
 MAX_NAME_CHARS = 256
 """The longest node name (and JOIN host) a header may carry."""
 MAX_DETAIL_CHARS = 1000
@@ -59,7 +62,7 @@ SETTLE_OPS = ("query", "commit", "abort")
 
 class Kind(enum.IntEnum):
     """What a message is: a fetch request, a state reply, an error reply, a push, its ack, a settle, a join
-    request, or a member table (the answer to a join, or a leave announcement)."""
+    request, a member table (the answer to a join, or a leave announcement), or the end of a shared-memory loan."""
 
     FETCH = 1
     STATE = 2
@@ -69,6 +72,7 @@ class Kind(enum.IntEnum):
     SETTLE = 6
     JOIN = 7
     MEMBERS = 8
+    RELEASE = 9
 
 
 class ErrorCode(str, enum.Enum):

@@ -19,6 +19,7 @@ from dpwa.node.wire.constants import MAX_NAME_CHARS, MAX_REQ
 
 __all__ = [
     "MemberNews",
+    "SharedRef",
     "WireError",
     "envelope",
     "extras_sum",
@@ -30,6 +31,7 @@ __all__ = [
     "positive_mass",
     "required",
     "settled_pair",
+    "shared_ref",
 ]
 
 
@@ -49,6 +51,39 @@ class MemberNews:
 
     digest: str
     members: Sequence[Member] | None = None
+
+
+@dataclass(frozen=True)
+class SharedRef:
+    """Where a co-located reader finds a lent snapshot: the server's process id and the descriptor of its memory
+    file there, the file's random token, and until when (``time.monotonic`` seconds of the common clock) it is
+    lent (dpwa/node/sharedmem.py)."""
+
+    pid: int
+    fd: int
+    token: str
+    until: float
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object a STATE header carries as ``shm``."""
+        return {"pid": self.pid, "fd": self.fd, "token": self.token, "until": self.until}
+
+
+def shared_ref(value: Any) -> SharedRef | None:
+    """A STATE's ``shm`` field (absent: None): positive pid, fd >= 0, a 32-hex-digit token, a finite ``until``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise WireError("header", "field 'shm' of the wrong type")
+    pid, fd = required(value, "pid", int), required(value, "fd", int)
+    token, until = required(value, "token", str), required(value, "until", (int, float))
+    if pid <= 0 or not 0 <= fd < 2**31 or pid >= 2**31:
+        raise WireError("header", "field 'shm' names no process or descriptor")
+    if len(token) != 32 or any(c not in "0123456789abcdef" for c in token):
+        raise WireError("header", "field 'shm' has no 32-hex-digit token")
+    if not math.isfinite(until):
+        raise WireError("non-finite", "field 'shm' has a non-finite deadline")
+    return SharedRef(pid=pid, fd=fd, token=token, until=float(until))
 
 
 def required(body: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any:

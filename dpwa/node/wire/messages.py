@@ -12,6 +12,8 @@ The kinds (:class:`~dpwa.node.wire.constants.Kind`) and their classes:
   its inbox) or :class:`Error` (``busy``: no free inbox slot). A :class:`Settle` asks about
   (``query``), confirms (``commit``) or withdraws (``abort``) an earlier push by its sequence
   number (a push's ``req``);
+* a STATE to a co-located requester may name a shared-memory segment instead of carrying its payload
+  (:attr:`State.shm`); the requester sends :class:`Release` when done with it;
 * :class:`Join` asks to join the cluster; :class:`Members` carries a whole member table (the
   answer to a join, or a leave announcement).
 
@@ -42,6 +44,7 @@ from dpwa.node.wire.constants import (
     MAGIC,
     MAX_DETAIL_CHARS,
     MAX_HEADER_BYTES,
+    MAX_HOST_ID_CHARS,
     MAX_NAME_CHARS,
     PROTOCOL_VERSION,
     SETTLE_OPS,
@@ -49,6 +52,7 @@ from dpwa.node.wire.constants import (
 )
 from dpwa.node.wire.fields import (
     MemberNews,
+    SharedRef,
     WireError,
     envelope,
     finite_clock_loss,
@@ -58,6 +62,7 @@ from dpwa.node.wire.fields import (
     positive_mass,
     required,
     settled_pair,
+    shared_ref,
 )
 from dpwa.node.wire.layout import Layout
 
@@ -70,6 +75,7 @@ __all__ = [
     "Members",
     "Message",
     "Push",
+    "Release",
     "Settle",
     "State",
     "WithNews",
@@ -150,6 +156,9 @@ class Fetch(WithNews):
     """The requester takes a streamed reply."""
     exchange: int = -1
     """The sequence number of the PUSH this fetch answers (an exchange), -1 for a plain fetch."""
+    host: str = ""
+    """The requester's co-location identity (dpwa/node/sharedmem.py): a server with the same one may answer
+    with its snapshot's shared-memory segment; "" (left out of the frame): answer over the socket."""
 
     def encode(self) -> bytes:
         """The FETCH header frame."""
@@ -160,6 +169,8 @@ class Fetch(WithNews):
             body["stream"] = True
         if self.exchange >= 0:
             body["exchange"] = self.exchange
+        if self.host:
+            body["host"] = self.host
         return _frame(Kind.FETCH, body, self.news)
 
     @classmethod
@@ -174,8 +185,18 @@ class Fetch(WithNews):
             raise WireError("header", "field 'exchange' of the wrong type")
         fingerprint = required(body, "fp", str)
         stream = optional_flag(body, "stream")
+        host = body.get("host", "")
+        if not isinstance(host, str) or len(host) > MAX_HOST_ID_CHARS:
+            raise WireError("header", "field 'host' of the wrong type or too long")
         return cls(
-            node=node, req=req, fingerprint=fingerprint, extras=extras, stream=stream, exchange=exchange, news=news
+            node=node,
+            req=req,
+            fingerprint=fingerprint,
+            extras=extras,
+            stream=stream,
+            exchange=exchange,
+            host=host,
+            news=news,
         )
 
 
@@ -262,6 +283,9 @@ class State(_Snapshot):
     KIND: ClassVar[Kind] = Kind.STATE
     gen: int = -1
     """The snapshot's generation (the server's publish count, from 1); -1 when the reply carries none."""
+    shm: SharedRef | None = None
+    """The payload is not in this message: it lies in the server's shared-memory segment this names, lent to the
+    requester until it sends RELEASE for this request or ``shm.until`` passes (co-located nodes only)."""
 
     def encode(self) -> bytes:
         """The STATE header frame."""
@@ -270,12 +294,18 @@ class State(_Snapshot):
             body["stream"] = True
         if self.gen >= 1:
             body["gen"] = self.gen
+        if self.shm is not None:
+            body["shm"] = self.shm.to_wire()
         return _frame(Kind.STATE, body, self.news)
 
     @classmethod
     def decode(cls, body: dict[str, Any]) -> State:
         """A STATE from its parsed JSON body; raises WireError."""
-        return cls(**cls._fields(body, gen=True))
+        fields = cls._fields(body, gen=True)
+        shm = shared_ref(body.get("shm"))
+        if shm is not None and (fields["stream"] or fields["gen"] < 1):
+            raise WireError("header", "a shared-memory reply is never streamed and names its generation")
+        return cls(**fields, shm=shm)
 
     def check_against(self, layout: Layout, *, peer: str, req: int, chunk: int = CHUNK_BYTES) -> None:
         """Reject (WireError) a reply that does not announce exactly ``layout`` from ``peer`` for request ``req``."""
@@ -361,6 +391,23 @@ class Settle(_Message):
         if op not in SETTLE_OPS:
             raise WireError("header", f"unknown settle op {op[:40]!r}")
         return cls(node=node, req=req, op=op)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Release(_Message):
+    """The requester is done with the shared-memory segment lent to its request ``req`` (no answer)."""
+
+    KIND: ClassVar[Kind] = Kind.RELEASE
+
+    def encode(self) -> bytes:
+        """The RELEASE header frame."""
+        return _frame(Kind.RELEASE, {"node": self.node, "req": self.req})
+
+    @classmethod
+    def decode(cls, body: dict[str, Any]) -> Release:
+        """A RELEASE from its parsed JSON body; raises WireError."""
+        node, req, _ = envelope(body)
+        return cls(node=node, req=req)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -450,11 +497,11 @@ class Members(WithNews):
 
 # --------------------------------------------------------------------------- decoding a frame
 
-Message: TypeAlias = Fetch | State | Push | Ack | Settle | Error | Join | Members
+Message: TypeAlias = Fetch | State | Push | Ack | Settle | Release | Error | Join | Members
 """Any decoded header."""
 
 MESSAGE_CLASSES: dict[Kind, type[Message]] = {
-    cls.KIND: cls for cls in (Fetch, State, Push, Ack, Settle, Error, Join, Members)
+    cls.KIND: cls for cls in (Fetch, State, Push, Ack, Settle, Release, Error, Join, Members)
 }
 """The class of each message kind."""
 

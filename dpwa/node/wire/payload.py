@@ -125,7 +125,7 @@ class PayloadReader:
             s, d, ok = src[a:b], dst[a:b], self._ok[: b - a]
             if wire == local:
                 np.copyto(d, s)
-            elif wire == "bf16" and torch is not None and s.flags.aligned:
+            elif wire == "bf16" and torch is not None and s.flags.aligned and s.flags.writeable:
                 torch.from_numpy(d).copy_(torch.from_numpy(s.view(np.uint16)).view(torch.bfloat16))
             elif wire == "bf16":
                 wide = d if local == "<f4" else self._f32[: b - a]
@@ -134,8 +134,9 @@ class PayloadReader:
                 np.left_shift(bits, 16, out=bits)
                 if wide is not d:
                     np.copyto(d, wide)
-            elif wire == "<f2" and torch is not None and s.flags.aligned:
-                torch.from_numpy(d).copy_(torch.from_numpy(s))  # exact, vectorized: ~2.7x the table look-up
+            elif wire == "<f2" and torch is not None and s.flags.aligned and s.flags.writeable:
+                # exact, vectorized: ~2.7x the table look-up (torch takes no read-only array: a peer's segment)
+                torch.from_numpy(d).copy_(torch.from_numpy(s))
             elif wire == "<f2" and local == "<f4" and self._table is not None:
                 index = self._index[: b - a]
                 np.copyto(index, s.view(np.uint16))

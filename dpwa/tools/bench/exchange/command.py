@@ -18,6 +18,7 @@ from typing import Any
 import click
 import zmq
 
+from dpwa.node import sharedmem
 from dpwa.tools.bench.exchange.control import running_peer
 from dpwa.tools.bench.exchange.gloo import gloo_group, gloo_usable
 from dpwa.tools.bench.exchange.measure import WARMUP_ROUNDS, measure_size
@@ -71,9 +72,12 @@ def run_exchange(
     gloo: bool = True,
     step_factor: float = 2.0,
     busy: bool = False,
+    shared: bool = True,
     echo: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Run the whole benchmark; returns one row per (size, wire dtype)."""
+    """Run the whole benchmark; returns one row per (size, wire dtype), and per size one through shared memory
+    (``shared``, where this machine has it)."""
+    shared = shared and sharedmem.supported()
     if gloo:
         gloo = gloo_usable(echo)
     rows: list[dict[str, Any]] = []
@@ -83,7 +87,7 @@ def run_exchange(
             for n in floats:
                 echo(f"measuring {n:,} floats ...")
                 t0 = time.monotonic()
-                got = measure_size(ctx, peer, n, wires, repeat, gloo, step_factor, busy)
+                got = measure_size(ctx, peer, n, wires, repeat, gloo, step_factor, busy, shared)
                 rows.extend(got)
                 echo(f"{n:,} floats: {len(got)} rows in {time.monotonic() - t0:.1f} s")
     finally:
@@ -102,6 +106,7 @@ def run_exchange(
 @click.option("--step", "step_kind", type=click.Choice(["sleep", "busy"]), default="sleep", show_default=True,
               help="The simulated step: a sleep, or one thread computing (it takes a core).")  # fmt: skip
 @click.option("--no-gloo", is_flag=True, help="Skip (c).")
+@click.option("--no-shm", is_flag=True, help="Skip the shared-memory row (b) float32+shm.")
 @click.option("--run-dir", default=None, type=click.Path(file_okay=False), help="Default runs/bench-exchange-<time>.")
 @click.option("--plot", is_flag=True, help="Also write exchange.png (needs matplotlib).")
 def exchange(
@@ -111,6 +116,7 @@ def exchange(
     step_factor: float,
     step_kind: str,
     no_gloo: bool,
+    no_shm: bool,
     run_dir: str | None,
     plot: bool,
 ) -> None:
@@ -122,10 +128,18 @@ def exchange(
             raise click.UsageError("--plot needs matplotlib: pip install 'dpwa[plot]'") from None
     directory = bench_run_dir("exchange", run_dir)
     settings = {"floats": floats, "repeat": repeat, "wire_dtypes": wires, "step_factor": step_factor, "step": step_kind,
-                "gloo": not no_gloo, "warmup_rounds": WARMUP_ROUNDS, "targets": TARGETS}  # fmt: skip
+                "gloo": not no_gloo, "shared_memory": not no_shm, "warmup_rounds": WARMUP_ROUNDS,
+                "targets": TARGETS}  # fmt: skip
     try:
         rows = run_exchange(
-            floats, repeat, wires, gloo=not no_gloo, step_factor=step_factor, busy=step_kind == "busy", echo=click.echo
+            floats,
+            repeat,
+            wires,
+            gloo=not no_gloo,
+            step_factor=step_factor,
+            busy=step_kind == "busy",
+            shared=not no_shm,
+            echo=click.echo,
         )
     except KeyboardInterrupt:
         click.echo("interrupted: the peer process has been stopped", err=True)

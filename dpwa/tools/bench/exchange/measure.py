@@ -23,7 +23,7 @@ from dpwa.tools.bench.exchange.control import PeerProcess
 from dpwa.tools.bench.exchange.fetch import FetchNodes
 from dpwa.tools.bench.exchange.gloo import timed_all_reduce, to_tensor
 from dpwa.tools.bench.exchange.overlap import step_seconds
-from dpwa.tools.bench.exchange.pair import make_model, pair_config
+from dpwa.tools.bench.exchange.pair import SHARED, make_model, pair_config
 from dpwa.tools.bench.exchange.push import PushNode
 from dpwa.tools.bench.exchange.raw import RawClient
 from dpwa.tools.bench.exchange.table import table_row
@@ -183,8 +183,11 @@ def measure_size(
     gloo: bool,
     step_factor: float,
     busy: bool = False,
+    shared: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every measurement for one model size, interleaved; one row (medians and samples) per wire dtype."""
+    """Every measurement for one model size, interleaved; one row (medians and samples) per wire dtype, and with
+    ``shared`` one more: (b) through shared memory (:data:`~dpwa.tools.bench.exchange.pair.SHARED`)."""
+    wires = [*wires, SHARED] if shared else list(wires)
     size = _Size(ctx, peer, n, wires, gloo)
     try:
         rounds = _Rounds(size, wires, gloo, step_factor, busy)

@@ -15,11 +15,20 @@ import yaml
 
 from dpwa.config import ClusterConfig
 
-__all__ = ["make_model", "pair_config"]
+__all__ = ["SHARED", "make_model", "pair_config", "wire_of"]
+
+SHARED = "float32+shm"
+"""The variant of (b) whose pair exchanges through shared memory (float32 wire); every other pair uses sockets."""
+
+
+def wire_of(variant: str) -> str:
+    """The wire dtype of a variant of (b): its name, or float32 for :data:`SHARED`."""
+    return "float32" if variant == SHARED else variant
 
 
 def pair_config(wire: str, ports: Sequence[int], n: int, fetch_probability: float = 1.0, push: bool = False) -> str:
-    """The YAML cluster file of the trainer node ``t`` and the peer node ``p`` for wire dtype ``wire``.
+    """The YAML cluster file of the trainer node ``t`` and the peer node ``p`` for wire dtype ``wire`` (or the
+    variant :data:`SHARED`: float32 through shared memory; every other pair has shared memory off).
 
     The peer gets ``fetch_probability`` 0: it only serves, so nothing else moves while (b) is timed.
     ``push``: the pair of (d), rule ``pushsum`` with the smallest inbox (two slots), on random peers: there
@@ -33,6 +42,11 @@ def pair_config(wire: str, ports: Sequence[int], n: int, fetch_probability: floa
     }
     if push:
         doc.update(interpolation="pushsum", peers="random", inbox_slots=2)
+    if "transport" in ClusterConfig.__dataclass_fields__:
+        doc["transport"] = {"shared_memory": "auto" if wire == SHARED else "off"}
+    elif wire == SHARED:
+        raise click.UsageError("this dpwa has no shared memory (transport.shared_memory)")
+    wire = wire_of(wire)
     if "wire_dtype" in {f for f in ClusterConfig.__dataclass_fields__}:
         doc["wire_dtype"] = wire
     elif wire != "float32":

@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from dpwa.tools.bench.exchange.pair import SHARED
 from dpwa.tools.bench.report import Column, render_table
 
 __all__ = ["ABSOLUTE", "RATIOS", "TARGETS", "finite_or_none", "render", "table_row"]
@@ -27,6 +28,7 @@ TARGETS = {
     "mix_memcpy": 1.5,  # mix <= 1.5 x memcpy
     "block": 0.05,  # update_wait's wait < 5 % of a step longer than the exchange
     "push_fetch": 1.1,  # (d) push + fold <= 1.1 x (b) fetch + mix, float32 wire
+    "fm_memcpy": 2.0,  # (b) through shared memory: fetch + mix <= 2 x memcpy (co-located nodes)
 }
 
 ABSOLUTE = [
@@ -66,6 +68,8 @@ RATIOS = [
     Column("ok_block", "<0.05"),
     Column("push_fetch", "(push+fold)/(fetch+mix)", ".2f"),
     Column("ok_push", "<=1.1"),
+    Column("fm_memcpy", "(fetch+mix)/memcpy", ".2f"),
+    Column("ok_fm_memcpy", "<=2 shm"),
 ]
 
 
@@ -128,6 +132,7 @@ def _ratios(wire: str, samples: dict[str, list[float]], common: dict[str, list[f
         "mix_memcpy": _median_ratio(mixes, common["memcpy_ms"]),
         "block": _median_ratio(samples["wait_ms"], samples["step_ms"]),
         "push_fetch": _median_ratio(pushes, fetch_mix) if wire == "float32" else math.nan,
+        "fm_memcpy": _median_ratio(fetch_mix, common["memcpy_ms"]),
     }
 
 
@@ -136,11 +141,14 @@ def _checks(wire: str, ratios: dict[str, float]) -> dict[str, str]:
     return {
         "ok_fetch_a": _ok(ratios["fetch_a"], TARGETS["fetch_a"]) if wire == "float32" else "-",
         "ok_fetch_a2": _ok(ratios["fetch_a2"], TARGETS["fetch_a"]) if wire == "float32" else "-",
-        "ok_fm_c": _ok(ratios["fm_c"], TARGETS["fm_c_32" if wire == "float32" else "fm_c_16"]),
+        "ok_fm_c": _ok(ratios["fm_c"], TARGETS["fm_c_32" if wire == "float32" else "fm_c_16"])
+        if wire != SHARED
+        else "-",
         "ok_send": _ok(ratios["send_memcpy"], TARGETS["send_memcpy"]),
         "ok_mix": _ok(ratios["mix_memcpy"], TARGETS["mix_memcpy"]),
         "ok_block": _ok(ratios["block"], TARGETS["block"]),
         "ok_push": _ok(ratios["push_fetch"], TARGETS["push_fetch"]),
+        "ok_fm_memcpy": _ok(ratios["fm_memcpy"], TARGETS["fm_memcpy"]) if wire == SHARED else "-",
     }
 
 

@@ -1,0 +1,175 @@
+"""Shared memory between co-located nodes: the segments a node publishes its snapshots in, and a reader's map of
+its peers' segments.
+
+A segment is an anonymous memory file (``memfd_create``): no name in ``/dev/shm``, so nothing is left behind
+by any exit, a SIGKILL included -- the kernel frees it once the last descriptor and mapping are gone. Only
+processes of the same user (and root) can open it, through ``/proc/<pid>/fd/<fd>``: owner-only by
+construction. Its first :data:`HEADER_BYTES` bytes::
+
+    b"DPWASHM1" | token: 16 random bytes | gen: u64 | payload bytes: u64 | (padding to 64)
+
+then the payload (one snapshot's wire buffer, 64-byte aligned). ``gen`` is 0 while the pool writes the
+buffer and the snapshot's generation once it is published; a reader checks it before and after use.
+
+Two nodes are *co-located* when :func:`host_identity` is equal: the same kernel boot and the same network,
+IPC, PID and mount namespaces, the same user. A node in another network namespace (or container, or machine)
+has another identity and is never offered a segment; a reader that still cannot open one falls back to TCP.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import logging
+import mmap
+import os
+import secrets
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpwa.node.wire import SharedRef, WireError
+
+__all__ = ["HEADER_BYTES", "MAGIC", "MAX_MAPPED", "Segment", "SegmentReader", "host_identity", "supported"]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DPWASHM1"
+HEADER_BYTES = 64
+"""The segment's header; the payload starts here (a multiple of 64: the wire's buffer alignment)."""
+_HEADER = struct.Struct("<8s16sQQ")
+_GEN_OFFSET = 24
+MAX_MAPPED = 64
+"""The most peer segments a reader keeps mapped (least recently used first out)."""
+
+
+def supported() -> bool:
+    """True where segments work: Linux with ``memfd_create`` and ``/proc``."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+@functools.cache
+def host_identity() -> str:
+    """This process's co-location identity (32 hex digits): a digest of the boot id, the network, IPC, PID and
+    mount namespaces and the user id; "" where shared memory is not supported (then nobody is co-located)."""
+    if not supported():
+        return ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts = [f.read().strip()]
+        parts += [str(os.stat(f"/proc/self/ns/{ns}").st_ino) for ns in ("net", "ipc", "pid", "mnt")]
+    except OSError:
+        return ""
+    parts.append(str(os.getuid()))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+class Segment:
+    """One memory file holding a header and ``payload_bytes`` of payload (:attr:`payload`, uint8, writable)."""
+
+    def __init__(self, tag: str, payload_bytes: int) -> None:
+        self.fd = os.memfd_create(f"dpwa-{tag}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, HEADER_BYTES + payload_bytes)
+            self._map = mmap.mmap(self.fd, HEADER_BYTES + payload_bytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.token = secrets.token_bytes(16)
+        self._map[: _HEADER.size] = _HEADER.pack(MAGIC, self.token, 0, payload_bytes)
+        whole = np.frombuffer(self._map, np.uint8)
+        self.payload = whole[HEADER_BYTES:]
+        self._gen = whole[_GEN_OFFSET : _GEN_OFFSET + 8].view("<u8")
+        self.closed = False
+
+    def set_gen(self, gen: int) -> None:
+        """Say which generation the payload holds (0: being written)."""
+        self._gen[0] = gen
+
+    def ref(self, gen: int, until: float) -> SharedRef:
+        """How a co-located reader finds this segment, holding ``gen``, lent until ``until`` (monotonic s)."""
+        return SharedRef(pid=os.getpid(), fd=self.fd, token=self.token.hex(), until=until)
+
+    def close(self) -> None:
+        """Close the descriptor; the mapping goes once no array views it any more. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+
+
+@dataclass
+class _Mapped:
+    map: mmap.mmap
+    payload: np.ndarray
+    gen: np.ndarray
+
+
+class SegmentReader:
+    """A node's read-only maps of its peers' segments (TX thread), at most :data:`MAX_MAPPED` at a time; a peer
+    that answers from another process (it restarted) has the maps of its former process dropped at once."""
+
+    def __init__(self) -> None:
+        self._maps: collections.OrderedDict[tuple[int, int, str], _Mapped] = collections.OrderedDict()
+        self._pids: dict[str, int] = {}
+
+    def open(self, peer: str, ref: SharedRef, payload_bytes: int, gen: int) -> tuple[np.ndarray, np.ndarray]:
+        """The payload of the segment ``ref`` names (read-only uint8) and its generation word, after checking it
+        is that segment (token), of ``payload_bytes`` (size) and holds ``gen``. Raises WireError ``shm-open``,
+        ``shm-size``, ``shm-token`` or ``shm-gen``."""
+        former = self._pids.get(peer)
+        if former is not None and former != ref.pid:
+            self._drop(former)
+        self._pids[peer] = ref.pid
+        key = (ref.pid, ref.fd, ref.token)
+        mapped = self._maps.get(key)
+        if mapped is None:
+            mapped = self._map(ref, payload_bytes)
+            self._maps[key] = mapped
+            while len(self._maps) > MAX_MAPPED:
+                self._maps.popitem(last=False)  # its mapping goes with the last view of it
+        else:
+            self._maps.move_to_end(key)
+        if mapped.payload.nbytes != payload_bytes:
+            raise WireError("shm-size", f"segment of {mapped.payload.nbytes} payload bytes, expected {payload_bytes}")
+        if int(mapped.gen[0]) != gen:
+            raise WireError("shm-gen", f"segment holds generation {int(mapped.gen[0])}, the reply names {gen}")
+        return mapped.payload, mapped.gen
+
+    def _map(self, ref: SharedRef, payload_bytes: int) -> _Mapped:
+        path = f"/proc/{ref.pid}/fd/{ref.fd}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise WireError("shm-open", f"cannot open {path}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != HEADER_BYTES + payload_bytes:
+                raise WireError("shm-size", f"segment of {size} bytes, expected {HEADER_BYTES + payload_bytes}")
+            try:
+                segment = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            except (OSError, ValueError) as exc:
+                raise WireError("shm-open", f"cannot map {path}: {exc}") from None
+        finally:
+            os.close(fd)
+        magic, token, _, announced = _HEADER.unpack_from(segment)
+        if magic != MAGIC or token.hex() != ref.token:
+            raise WireError("shm-token", f"{path} is not the segment the reply names")
+        if announced != payload_bytes:
+            raise WireError("shm-size", f"segment announces {announced} payload bytes, expected {payload_bytes}")
+        whole = np.frombuffer(segment, np.uint8)
+        return _Mapped(segment, whole[HEADER_BYTES:], whole[_GEN_OFFSET : _GEN_OFFSET + 8].view("<u8"))
+
+    def _drop(self, pid: int) -> None:
+        for key in [key for key in self._maps if key[0] == pid]:
+            del self._maps[key]
+
+    def mapped(self) -> int:
+        """Segments mapped now."""
+        return len(self._maps)
+
+    def close(self) -> None:
+        """Forget every map (each unmapped once no array views it)."""
+        self._maps.clear()
+        self._pids.clear()

@@ -1,0 +1,136 @@
+"""The TX thread's side of shared memory: a reply that names the peer's segment instead of carrying its payload.
+
+:class:`SharedReplies` reads such a reply (:meth:`SharedReplies.take`): it maps the segment (checked: the
+token, the size, the generation), and either hands the rule views into it (a job that ``lend``s, with the wire
+layout the local one: the mix reads the segment itself, one pass, no copy; the loan is given back after the mix)
+or copies (widens, dequantizes) it into the receive buffer, checking every value as the socket path does. A peer
+whose segment cannot be opened is fetched over the socket from then on. It also queues the RELEASEs the trainer
+asks for (after its mix) until the TX thread sends them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+
+from dpwa.node import wire
+from dpwa.node.sharedmem import SegmentReader
+from dpwa.node.states import FetchStatus
+from dpwa.node.transport.fetch import FetchJob, FetchTarget
+from dpwa.node.wire import NON_FINITE, Layout, PayloadReader, WireError
+
+__all__ = ["SharedReplies"]
+
+log = logging.getLogger(__name__)
+
+
+class SharedReplies:
+    """Node ``node``'s maps of its peers' segments, the peers it fetches over the socket instead, and the RELEASEs
+    queued; ``count(event, n)`` counts ``shm_fetched``, ``shm_fallbacks`` and ``releases_dropped``. TX thread only, but
+    :meth:`submit_release` (any thread)."""
+
+    def __init__(self, node: str, count: Callable[[str, int], None]) -> None:
+        self._node = node
+        self._count = count
+        self._segments = SegmentReader()
+        self._refused: set[str] = set()
+        self._releases: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+
+    def host_for(self, peer: str, host_id: str) -> str:
+        """The co-location identity a FETCH to ``peer`` carries: ``host_id``, or "" once its segment failed."""
+        return "" if peer in self._refused else host_id
+
+    def answer(
+        self,
+        sock: zmq.Socket,
+        job: FetchJob,
+        target: FetchTarget,
+        header: wire.State,
+        payload: tuple[Layout, PayloadReader, list[tuple[int, int]]],
+        finish: Callable[..., None],
+    ) -> None:
+        """Give ``target`` its verdict (``finish(status, code, detail)``) on a reply whose payload lies in the peer's
+        segment (:meth:`take`; ``payload``: the wire layout, its reader and chunk bounds); the loan is given back
+        at once unless the rule is to mix it there (and update_wait still waits for it)."""
+        try:
+            kept = self.take(job, target, header, *payload)
+        except WireError as exc:
+            self.release(sock, job.req)
+            finish(FetchStatus.REJECTED, exc.reason, exc.detail)
+            return
+        self._count("shm_fetched", 1)
+        finish(FetchStatus.OK)
+        if not kept or target.status != FetchStatus.OK:  # copied, or update_wait stopped waiting for it
+            target.loan = None
+            self.release(sock, job.req)
+
+    def take(
+        self,
+        job: FetchJob,
+        target: FetchTarget,
+        header: wire.State,
+        wire_layout: Layout,
+        reader: PayloadReader,
+        bounds: list[tuple[int, int]],
+    ) -> bool:
+        """Read ``target``'s reply from the segment ``header.shm`` names; True when the loan is kept (``target``'s
+        views lie in the segment until the trainer gives it back), False when it can be given back now. Raises
+        WireError (``shm-open``, ``shm-size``, ``shm-token``, ``shm-gen``, ``shm-torn``, or a value's reason);
+        after ``shm-open`` the peer is fetched over the socket from then on."""
+        assert header.shm is not None
+        target.shared = True
+        try:
+            payload, word = self._segments.open(target.peer, header.shm, wire_layout.total_bytes, header.gen)
+        except WireError as exc:
+            if exc.reason == "shm-open" and target.peer not in self._refused:
+                self._refused.add(target.peer)
+                self._count("shm_fallbacks", 1)
+                log.warning("node %s: %s; fetching from %s over the socket", self._node, exc.detail, target.peer)
+            raise
+        if job.lend and reader.direct:
+            views = wire_layout.views(payload)
+            if not reader.check(views, 0, wire_layout.total_bytes):
+                raise WireError(reader.fault or NON_FINITE, "payload holds a value that is not valid")
+            target.views, target.loan = views, (word, header.gen)
+            return True
+        for start, end in bounds:
+            if reader.direct:
+                np.copyto(target.buffer[start:end], payload[start:end])
+                valid = reader.check(target.views, start, end)
+            else:
+                valid = reader.read(payload[start:end], start, target.views)
+            if not valid:
+                raise WireError(reader.fault or NON_FINITE, "payload holds a value that is not valid")
+        if int(word[0]) != header.gen:
+            raise WireError("shm-torn", "the segment was rewritten while it was read")
+        return False
+
+    def release(self, sock: zmq.Socket, req: int) -> None:
+        """Send RELEASE for request ``req`` on ``sock``; a full queue drops it (the loan expires at the server)."""
+        try:
+            sock.send(wire.encode_release(self._node, req), zmq.NOBLOCK)
+        except zmq.Again:
+            self._count("releases_dropped", 1)
+
+    def submit_release(self, peer: str, req: int) -> None:
+        """Queue a RELEASE of what ``peer`` lent to request ``req`` (any thread); :meth:`send_releases` sends it."""
+        self._releases.put((peer, req))
+
+    def send_releases(self, socket_for: Callable[[str], zmq.Socket | None]) -> None:
+        """Send every queued RELEASE on its peer's socket (``socket_for(peer)``; None: the peer is gone)."""
+        while True:
+            try:
+                peer, req = self._releases.get_nowait()
+            except queue.Empty:
+                return
+            sock = socket_for(peer)
+            if sock is not None:
+                self.release(sock, req)
+
+    def close(self) -> None:
+        """Drop every map (each unmapped once no array views it)."""
+        self._segments.close()

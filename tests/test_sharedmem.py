@@ -1,0 +1,403 @@
+"""Shared memory between co-located nodes (dpwa/node/sharedmem.py): a fetch answered with the server's segment.
+
+What is checked: the protocol (a co-located fetch reads the segment, the socket carries only headers, the loan
+is given back; ``transport: {shared_memory: off}`` and a differing co-location identity go over the socket); no
+torn read while the server publishes as fast as it can; a segment of the wrong size, token or generation is
+refused and counted, never mixed; segments leave nothing behind (a clean close closes them; a SIGKILLed node's
+memory is gone once its restarted self is fetched from); and a wrong-layout reply is refused as on the socket.
+Nodes in two network namespaces are tested in tests/test_netns.py (they fetch over TCP).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import NodeProcess, free_ports, wait_until, write_cluster
+from test_hostile import FakePeers
+
+from dpwa import DpwaConnection
+from dpwa.node import sharedmem, wire
+from dpwa.node.serving import lends_to
+from dpwa.node.sharedmem import HEADER_BYTES, Segment, SegmentReader, host_identity
+from dpwa.node.snapshots import SnapshotPool
+from dpwa.node.wire import Layout, SharedRef, WireError
+
+pytestmark = pytest.mark.skipif(not sharedmem.supported(), reason="needs memfd_create and /proc (Linux)")
+
+
+def memfds(pid: int, tag: str) -> dict[int, int]:
+    """fd -> inode of ``pid``'s open memory files named ``dpwa-<tag>``."""
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:dpwa-{tag} "):
+                out[int(fd)] = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        except OSError:  # closed meanwhile
+            continue
+    return out
+
+
+def mapped_inodes(pid: int) -> set[int]:
+    """The inodes of the memory files ``pid`` maps (its /proc/PID/maps)."""
+    inodes = set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and "/memfd:dpwa-" in line:
+                inodes.add(int(parts[4]))
+    return inodes
+
+
+def pair(tmp_path: Path, **settings: object) -> tuple[DpwaConnection, DpwaConnection]:
+    config = write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation="constant", **settings)
+    return DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
+
+
+def steps(conn: DpwaConnection, x: np.ndarray, n: int, before: Callable[[int], None] | None = None) -> list[float]:
+    factors = []
+    for i in range(n):
+        if before is not None:
+            before(i)
+        conn.update_send([x], 1.0)
+        factors.append(conn.update_wait(1.0))
+    return factors
+
+
+# --------------------------------------------------------------------------- the segment and its reader
+
+
+def test_host_identity_is_stable_and_names_the_namespaces() -> None:
+    ident = host_identity()
+    assert len(ident) == 32 and int(ident, 16) >= 0
+    assert host_identity() == ident
+
+
+def test_a_reader_refuses_a_segment_of_another_size_token_or_generation() -> None:
+    segment = Segment("t", 4096)
+    try:
+        segment.set_gen(7)
+        reader = SegmentReader()
+        ref = segment.ref(7, 1e9)
+        payload, gen = reader.open("p", ref, 4096, 7)
+        assert payload.nbytes == 4096 and int(gen[0]) == 7 and not payload.flags.writeable
+        with pytest.raises(WireError) as size:
+            SegmentReader().open("p", ref, 4096 + 64, 7)
+        assert size.value.reason == "shm-size"
+        forged = SharedRef(pid=ref.pid, fd=ref.fd, token="0" * 32, until=ref.until)
+        with pytest.raises(WireError) as token:
+            SegmentReader().open("p", forged, 4096, 7)
+        assert token.value.reason == "shm-token"
+        with pytest.raises(WireError) as gen_:
+            reader.open("p", ref, 4096, 8)
+        assert gen_.value.reason == "shm-gen"
+        gone = SharedRef(pid=ref.pid, fd=10**6, token=ref.token, until=ref.until)
+        with pytest.raises(WireError) as missing:
+            SegmentReader().open("p", gone, 4096, 7)
+        assert missing.value.reason == "shm-open"
+    finally:
+        segment.close()
+
+
+def test_a_pool_never_rewrites_a_leased_segment_while_a_reader_checks_it() -> None:
+    """The torn-read check at the pool: a writer publishes generation ``g`` as every element = g, as fast as it
+    can; a reader leases the current snapshot, reads it through its segment and finds one generation only."""
+    layout = Layout.of([np.zeros(1 << 18, np.float32)])
+    pool = SnapshotPool(layout, shared=True, name="torn")
+    reader = SegmentReader()
+    stop = threading.Event()
+    published = [0]
+
+    def write() -> None:
+        value = np.zeros(1 << 18, np.float32)
+        while not stop.is_set():
+            published[0] += 1
+            value.fill(published[0])
+            pool.publish([value], 0.0, 0.0, {})
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    checked = 0
+    try:
+        wait_until(lambda: published[0] > 2, 10)
+        for _ in range(300):
+            snapshot = pool.lease()
+            assert snapshot is not None and snapshot.segment is not None
+            try:
+                ref = snapshot.segment.ref(snapshot.gen, 1e9)
+                payload, _ = reader.open("w", ref, layout.total_bytes, snapshot.gen)
+                values = layout.views(payload)[0]
+                assert values.min() == values.max(), "a torn snapshot"
+                checked += 1
+            finally:
+                pool.release(snapshot)
+    finally:
+        stop.set()
+        writer.join(10)
+        pool.close()
+    assert checked == 300 and published[0] > 10
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+def test_co_located_nodes_fetch_through_shared_memory(tmp_path: Path) -> None:
+    a, b = pair(tmp_path)
+    try:
+        xa, xb = np.ones(100_000, np.float32), np.zeros(100_000, np.float32)
+        threads = [threading.Thread(target=steps, args=(c, x, 20)) for c, x in ((a, xa), (b, xb))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        sa, sb = a.stats(), b.stats()
+        assert np.ptp(xa) == 0 and np.ptp(xb) == 0  # every mix took the whole of one snapshot
+        for mine, theirs in ((sa, sb), (sb, sa)):
+            assert mine["fetches_ok"] == mine["shm_fetched"] >= 15
+            assert theirs["shm_served"] == mine["shm_fetched"]
+            assert mine["bytes_in"] < 1000 * mine["fetches_ok"]  # headers only: 400 kB per snapshot stayed put
+        wait_until(lambda: a.stats()["shm_released"] == b.stats()["shm_fetched"], 5, message="loans given back")
+        assert a.stats().get("shm_loans_expired", 0) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shared_memory_off_fetches_over_the_socket(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, transport={"shared_memory": "off"})
+    try:
+        xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
+        threads = [threading.Thread(target=steps, args=(c, x, 5)) for c, x in ((a, xa), (b, xb))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for conn in (a, b):
+            s = conn.stats()
+            assert s["fetches_ok"] >= 3 and s.get("shm_fetched", 0) == 0 and s["bytes_in"] > 4000 * s["fetches_ok"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_fetch_never_mixes_a_torn_snapshot_while_the_server_publishes_flat_out(tmp_path: Path) -> None:
+    """The writer publishes ``g`` everywhere at every update_send, as fast as it can; the reader zeroes its model
+    before each step, so after a mix every element holds the same value -- unless it read a torn snapshot."""
+    a, b = pair(tmp_path)
+    stop = threading.Event()
+    size = 1 << 20
+
+    def write() -> None:
+        x = np.zeros(size, np.float32)
+        g = 0
+        while not stop.is_set():
+            g += 1
+            x.fill(g)
+            a.update_send([x], 1.0)
+            a.update_wait(1.0)
+
+    writer = threading.Thread(target=write)
+    try:
+        writer.start()
+        x = np.zeros(size, np.float32)
+        mixed = 0
+        for _ in range(60):
+            x.fill(0.0)
+            b.update_send([x], 1.0)
+            if b.update_wait(1.0) > 0:
+                mixed += 1
+                assert x.min() == x.max() > 0, "a torn snapshot was mixed"
+        assert mixed >= 30 and b.stats()["shm_fetched"] >= 30
+        assert b.stats().get("shm_torn", 0) == 0
+    finally:
+        stop.set()
+        writer.join(30)
+        a.close()
+        b.close()
+
+
+def test_a_reply_naming_a_bad_segment_is_refused_counted_and_never_mixed(tmp_path: Path) -> None:
+    """A fake co-located peer answers with a segment of the wrong size, then one whose token does not match:
+    both rejected under their reason, the parameters untouched; a wrong layout is refused as on the socket."""
+    ports = free_ports(2)
+    config = write_cluster(tmp_path / "c.yaml", ports, interpolation="constant")
+    fake = FakePeers({"w2": ports[1]})
+    conn = DpwaConnection("w1", str(config), seed=1)
+    arrays = [np.full(1000, 5.0, np.float32)]
+    layout = Layout.of(arrays)
+    segment = Segment("fake", layout.total_bytes + 64)  # the wrong size
+    good = Segment("fake", layout.total_bytes)
+    cases = iter(["size", "token", "layout"])
+    case = ["size"]
+
+    def respond(peer: str, frames: list[bytes]) -> list[list[bytes]]:
+        request = wire.decode_message(frames[0])
+        if not isinstance(request, wire.Fetch):
+            return []
+        assert request.host == host_identity()
+        if case[0] == "size":
+            segment.set_gen(3)
+            ref = segment.ref(3, 1e12)
+        else:
+            good.set_gen(3)
+            ref = good.ref(3, 1e12)
+            if case[0] == "token":
+                ref = SharedRef(pid=ref.pid, fd=ref.fd, token="f" * 32, until=ref.until)
+        shown = layout if case[0] != "layout" else Layout.of([np.zeros(999, np.float32)])
+        head = wire.encode_state(peer, request.req, clock=1.0, loss=1.0, extras={}, layout=shown, gen=3, shm=ref)
+        return [[head]]
+
+    fake.respond = respond
+    try:
+        x = np.zeros(1000, np.float32)
+        for expected in cases:
+            case[0] = expected
+            conn.update_send([x], 1.0)
+            assert conn.update_wait(1.0) == 0.0
+            assert not x.any()
+        rejected = conn.stats()["rejected_by_reason"]
+        assert rejected.get("shm-size") == 1 and rejected.get("shm-token") == 1 and rejected.get("layout") == 1
+        assert not fake.errors
+        releases = [f for _, f in fake.requests if wire.decode_message(f[0]).kind is wire.Kind.RELEASE]
+        assert len(releases) == 2  # a refused loan is given back at once
+    finally:
+        conn.close()
+        fake.close()
+        segment.close()
+        good.close()
+
+
+def test_a_clean_close_closes_every_segment(tmp_path: Path) -> None:
+    a, b = pair(tmp_path)
+    xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
+    threads = [threading.Thread(target=steps, args=(c, x, 5)) for c, x in ((a, xa), (b, xb))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    inodes = set(memfds(os.getpid(), "w1").values()) | set(memfds(os.getpid(), "w2").values())
+    assert len(inodes) >= 4
+    a.close()
+    b.close()
+    del a, b
+    gc.collect()
+    assert not memfds(os.getpid(), "w1") and not memfds(os.getpid(), "w2")
+    assert not inodes & mapped_inodes(os.getpid()), "a closed node's segment is still mapped"
+
+
+def test_a_killed_nodes_segments_are_gone_once_its_restart_is_fetched_from(
+    tmp_path: Path, nodes: Callable[..., NodeProcess]
+) -> None:
+    """w2 runs in a process, w1 here fetches from it through its segments; SIGKILL w2: nothing of it is in
+    /dev/shm (its segments have no name); restart it: once w1 fetched from the new process, no process maps the
+    killed one's segments any more (the kernel has freed them)."""
+    ports = free_ports(2)
+    config = write_cluster(tmp_path / "c.yaml", ports, interpolation="constant", timeout_ms=500)
+    w2 = nodes("w2", config, seed=2)
+    w1 = DpwaConnection("w1", str(config), seed=1)
+    try:
+        x = [np.zeros(1000, np.float32), np.zeros((3, 7), np.float32)]
+        w2.send("run 1000")
+
+        def fetched_from(pid: int) -> bool:
+            w1.update_send(x, 1.0)
+            w1.update_wait(1.0)
+            return bool(memfds(pid, "w2")) and bool(set(memfds(pid, "w2").values()) & mapped_inodes(os.getpid()))
+
+        wait_until(lambda: fetched_from(w2.proc.pid), 30, message="w1 maps a segment of w2")
+        old = set(memfds(w2.proc.pid, "w2").values())
+        before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        w2.kill()
+        assert not any("dpwa" in n for n in (set(os.listdir("/dev/shm")) - before if before else ()))
+        w2 = nodes("w2", config, seed=2)
+        w2.send("run 1000")
+        wait_until(lambda: fetched_from(w2.proc.pid), 30, message="w1 maps a segment of the restarted w2")
+        assert not old & mapped_inodes(os.getpid()), "the killed node's segments are still mapped"
+        assert not old & set(memfds(w2.proc.pid, "w2").values())
+    finally:
+        w1.close()
+        w2.kill()
+
+
+def test_the_segment_header_sits_before_a_64_byte_aligned_payload() -> None:
+    segment = Segment("align", 1000)
+    try:
+        assert HEADER_BYTES % 64 == 0 and segment.payload.ctypes.data % 64 == 0 and segment.payload.nbytes == 1000
+    finally:
+        segment.close()
+
+
+def test_a_snapshot_is_lent_only_to_a_co_located_plain_fetch_and_with_curve_to_the_authenticated_node() -> None:
+    segment = Segment("lend", 64)
+    try:
+        snapshot = SimpleNamespace(segment=segment)
+        plain = SimpleNamespace(host_id=host_identity(), security=None)
+        curve = SimpleNamespace(host_id=host_identity(), security=object())
+        off = SimpleNamespace(host_id="", security=None)
+
+        def fetch(host: str = host_identity(), exchange: int = -1) -> wire.Fetch:
+            return wire.Fetch(node="w1", req=1, fingerprint="x", host=host, exchange=exchange)
+
+        assert lends_to(plain, fetch(), None, snapshot)
+        assert not lends_to(plain, fetch(host=""), None, snapshot)  # the requester has it off
+        assert not lends_to(plain, fetch(host="0" * 32), None, snapshot)  # another machine or namespace
+        assert not lends_to(plain, fetch(exchange=3), None, snapshot)  # an exchange's pair goes over the socket
+        assert not lends_to(off, fetch(), None, snapshot)  # this node has it off
+        assert not lends_to(plain, fetch(), None, SimpleNamespace(segment=None))
+        assert lends_to(curve, fetch(), "w1", snapshot)  # CURVE: authenticated as the node it names
+        assert not lends_to(curve, fetch(), "w9", snapshot)
+        assert not lends_to(curve, fetch(), None, snapshot)
+    finally:
+        segment.close()
+
+
+def test_two_curve_nodes_that_authenticated_each_other_use_shared_memory(tmp_path: Path) -> None:
+    from test_security import secure_cluster
+
+    config = secure_cluster(tmp_path / "c.yaml", free_ports(2))
+    a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
+    try:
+        xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
+        threads = [threading.Thread(target=steps, args=(c, x, 5)) for c, x in ((a, xa), (b, xb))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for conn in (a, b):
+            s = conn.stats()
+            assert s["fetches_ok"] >= 3 and s["shm_fetched"] == s["fetches_ok"], s
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_a_fetch_through_shared_memory_mixes_bit_for_bit_what_the_socket_delivers(
+    tmp_path: Path, wire_dtype: str
+) -> None:
+    """Co-located or not, a node mixes the same values: the segment holds the snapshot in the wire dtype (rounded,
+    or quantized, as for the socket), read straight (float32) or widened into the receive buffer."""
+    from test_wire_int8 import fetch_once
+
+    rng = np.random.default_rng(5)
+    shapes = [(1_200_000,), (300, 7), (5,)]  # two chunks; a partial int8 block; a tiny array
+    theirs = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    mine = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    results = {}
+    for mode in ("auto", "off"):
+        ports = free_ports(2)
+        config = write_cluster(
+            tmp_path / f"{mode}.yaml", ports, timeout_ms=3000, wire_dtype=wire_dtype, transport={"shared_memory": mode}
+        )
+        x = [m.copy() for m in mine]
+        got = fetch_once(config, x, theirs)
+        assert got["factor"] == 0.5, got
+        assert got["stats"]["shm_fetched"] == (1 if mode == "auto" else 0)
+        results[mode] = x
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(results["auto"], results["off"]))
