@@ -108,14 +108,27 @@ def test_bench_scale_two_nodes_writes_a_table_json_and_plot(tmp_path: Path) -> N
     doc = json.loads((run_dir / "scale.json").read_text())
     assert doc["benchmark"] == "scale" and doc["settings"]["nodes"] == [2]
     assert {"cores", "date"} <= set(doc["machine"])
-    (row,) = doc["rows"]
-    assert {c.key for c in COLUMNS} <= set(row)
-    assert row["nodes"] == 2 and row["steps_total"] == 60
-    for key in FINITE:
-        assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (key, row[key])
-    assert row["total_s"] <= time.monotonic() - start
-    assert len(row["spread_over_time"]) == 20
-    assert all(math.isfinite(b["relative"]) for b in row["spread_over_time"])
+    shared, plain = doc["rows"]  # side by side: shared memory on, then off
+    assert (shared["shared_memory"], plain["shared_memory"]) == ("auto", "off")
+    for row in (shared, plain):
+        assert {c.key for c in COLUMNS} <= set(row)
+        assert row["nodes"] == 2 and row["steps_total"] == 60
+        for key in FINITE:
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (key, row[key])
+        assert len(row["spread_over_time"]) == 20
+        assert all(math.isfinite(b["relative"]) for b in row["spread_over_time"])
+        reports = [
+            r
+            for name in ("w1", "w2")
+            for r in map(
+                json.loads,
+                (run_dir / f"nodes-2-shm-{row['shared_memory']}" / f"{name}.metrics.jsonl").read_text().splitlines(),
+            )  # fmt: skip
+            if r.get("event") == "report"
+        ]
+        fetched = [r["shm_fetched"] for r in reports]
+        assert len(reports) == 2 and (all(f > 0 for f in fetched) if row is shared else fetched == [0, 0]), reports
+    assert shared["total_s"] + plain["total_s"] <= time.monotonic() - start
     assert (run_dir / "scale.png").stat().st_size > 0
 
 
@@ -132,12 +145,13 @@ def test_spread_over_time_counts_a_visiting_node_only_while_it_is_a_member() -> 
 def test_bench_scale_with_churn_joins_and_leaves_mid_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["scale", "--nodes", "4", "--churn", "2", "--steps", "60", "--record-every", "5", "--sample-s", "0.1"]
+    args += ["--shared-memory", "auto"]
     result = CliRunner().invoke(bench, [*args, "--timeout-s", "150", "--run-dir", str(run_dir)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     still, row = json.loads((run_dir / "scale.json").read_text())["rows"]  # side by side: without, with churn
     assert (still["churn"], still["steps_total"]) == (0, 4 * 60)
     assert row["churn"] == 2 and row["steps_total"] == 2 * 60 + 2 * 20
-    steps = run_dir / "nodes-4-churn-2"
+    steps = run_dir / "nodes-4-churn-2-shm-auto"
     for joiner in ("j1", "j2"):
         report = [r for r in map(json.loads, (steps / f"{joiner}.metrics.jsonl").read_text().splitlines())
                   if r.get("event") == "report"]  # fmt: skip

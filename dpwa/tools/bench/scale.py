@@ -33,6 +33,12 @@ churn
     (a joiner from its join to its leave); ``timeouts`` counts every node's, joiners' included, so the
     table shows what joining and leaving cost next to the same N without churn.
 
+shared memory
+    ``--shared-memory auto,off`` (the default) runs every N twice, side by side: co-located nodes reading each
+    other's snapshots in shared memory (``transport: {shared_memory: auto}``), and over loopback TCP (``off``).
+    The ``shm`` column says which; ``--hidden`` sets the model's size (the exchange's share of a step grows with
+    it).
+
 Output: a table on stdout, ``scale.json`` (rows, settings, machine) and with ``--plot``
 ``scale.png`` (spread over time per N; latency, mixes/s and memory against N) in the run
 directory; each N's logs, metrics and parameter records under ``<run_dir>/nodes-<N>/``.
@@ -52,6 +58,7 @@ from typing import Any
 import click
 import numpy as np
 
+from dpwa.config import SHARED_MEMORY_MODES, TransportConfig
 from dpwa.metrics import read_metrics
 from dpwa.tools.bench.fingerprint import SUFFIX, mean_state_at, read_records, spread
 from dpwa.tools.bench.procs import BenchInterrupted, WorkerFailed, free_ports, node_names, run_workers, write_cluster
@@ -70,6 +77,7 @@ KIB_PER_MB = 1024.0
 COLUMNS = [
     Column("nodes", "nodes", "d"),
     Column("churn", "churn", "d"),
+    Column("shared_memory", "shm"),
     Column("startup_s", "start s", ".1f"),
     Column("train_s", "train s", ".1f"),
     Column("rss_mb_mean", "RSS MB/node", ".0f"),
@@ -235,16 +243,17 @@ def run_step(
     timeout_s: float,
     sample_s: float,
     churn: int = 0,
+    shared_memory: str = "auto",
 ) -> dict[str, Any]:
     """Run N nodes to completion in ``directory`` and return their table row (plus timings); ``churn`` of them
-    join mid-run and leave (see the module doc-string)."""
+    join mid-run and leave (see the module doc-string); ``shared_memory``: the cluster's ``transport`` setting."""
     directory.mkdir(parents=True, exist_ok=True)
     founders = node_names(n - churn)
     joiners = [f"j{i + 1}" for i in range(churn)]
     names = founders + joiners
     cluster = directory / "cluster.yaml"
     ports = free_ports(n - churn)
-    write_cluster(cluster, ports)
+    write_cluster(cluster, ports, transport=TransportConfig(shared_memory=shared_memory))
     steps = int(config["steps"])
     spec = {
         "names": names,
@@ -280,11 +289,21 @@ def run_step(
     row["accuracy"] = averaged_accuracy(config, [r for i, r in enumerate(records) if i not in visiting])
     row["fds_per_node_max"] = max(run.fds_max.values())
     row["startup_s"] = go_elapsed
+    row["shared_memory"] = shared_memory
     row["total_s"] = run.wall_s
     return row
 
 
 # --------------------------------------------------------------------------- the command
+
+
+def _modes(ctx: click.Context, param: click.Parameter, text: str) -> list[str]:
+    """``--shared-memory``: comma-separated ``transport.shared_memory`` settings, each once."""
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    bad = [m for m in modes if m not in SHARED_MEMORY_MODES]
+    if bad or not modes:
+        raise click.BadParameter(f"{', '.join(bad) or 'nothing'}: allowed: {', '.join(SHARED_MEMORY_MODES)}")
+    return modes
 
 
 def _counts(text: str) -> list[int]:
@@ -299,24 +318,30 @@ def plot_scale(path: Path, rows: list[dict[str, Any]]) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    modes = list(dict.fromkeys(row.get("shared_memory", "auto") for row in rows))
     for row in rows:
         t = [b["t"] for b in row["spread_over_time"]]
-        axes[0].plot(t, [b["relative"] for b in row["spread_over_time"]], marker=".", label=f"{row['nodes']} nodes")
+        label = f"{row['nodes']} nodes" + (f", shm {row.get('shared_memory')}" if len(modes) > 1 else "")
+        axes[0].plot(t, [b["relative"] for b in row["spread_over_time"]], marker=".", label=label)
     axes[0].set(title="spread: max ||x_i - mean|| / ||mean||", xlabel="seconds since release")
     axes[0].legend()
-    ns = [row["nodes"] for row in rows]
-    axes[1].plot(ns, [row["fetch_ms_p50"] for row in rows], marker="o", label="p50")
-    axes[1].plot(ns, [row["fetch_ms_p95"] for row in rows], marker="o", label="p95")
+    ns = sorted({row["nodes"] for row in rows})
+    lines = {
+        1: (("fetch_ms_p50", "p50"), ("fetch_ms_p95", "p95")),
+        2: (("mixes_per_s", "all nodes"), ("mixes_per_s_node", "per node")),
+        3: (("rss_mb_mean", "RSS per node"), ("rss_added_mb", "added by dpwa + training")),
+    }
+    for mode in modes:
+        mine = [row for row in rows if row.get("shared_memory", "auto") == mode]
+        suffix = f" (shm {mode})" if len(modes) > 1 else ""
+        for index, keys in lines.items():
+            for key, name in keys:
+                axes[index].plot([r["nodes"] for r in mine], [r[key] for r in mine], marker="o", label=name + suffix)
     axes[1].set(title="fetch latency (ms)", xlabel="nodes", yscale="log")
-    axes[1].legend()
-    axes[2].plot(ns, [row["mixes_per_s"] for row in rows], marker="o", label="all nodes")
-    axes[2].plot(ns, [row["mixes_per_s_node"] for row in rows], marker="o", label="per node")
     axes[2].set(title="mixes/s", xlabel="nodes", yscale="log")
-    axes[2].legend()
-    axes[3].plot(ns, [row["rss_mb_mean"] for row in rows], marker="o", label="RSS per node")
-    axes[3].plot(ns, [row["rss_added_mb"] for row in rows], marker="o", label="added by dpwa + training")
     axes[3].set(title="memory (MB)", xlabel="nodes")
-    axes[3].legend()
+    for ax in axes[1:]:
+        ax.legend()
     for ax in axes[1:]:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ns, [str(n) for n in ns])
@@ -340,6 +365,8 @@ def plot_scale(path: Path, rows: list[dict[str, Any]]) -> Path:
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="[default: runs/bench-scale-<time>]")
 @click.option("--churn", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also run each N with this many of its nodes joining mid-run and leaving.")  # fmt: skip
+@click.option("--shared-memory", "shm_modes", default="auto,off", show_default=True, callback=_modes,
+              help="transport.shared_memory settings to run each N with, side by side.")  # fmt: skip
 @click.option("--plot", is_flag=True, help="Also write scale.png.")
 def scale(
     counts: str,
@@ -352,6 +379,7 @@ def scale(
     timeout_s: float | None,
     run_dir: Path | None,
     churn: int,
+    shm_modes: list[str],
     plot: bool,
 ) -> None:
     """The demo job with a small model on N local nodes for each N: memory, fetch latency, mixes/s, spread.
@@ -369,14 +397,15 @@ def scale(
     directory = bench_run_dir("scale", run_dir)
     click.echo(f"dpwa bench scale: nodes {counts}, {steps} steps each, run dir {directory}", err=True)
     rows = []
-    for n, joining in ((n, c) for n in ns for c in ([0, churn] if churn else [0])):
+    runs = ((n, c, m) for n in ns for c in ([0, churn] if churn else [0]) for m in shm_modes)
+    for n, joining, mode in runs:
         limit = timeout_s if timeout_s is not None else 120.0 + 10.0 * n
-        label = f"{n} nodes" + (f", {joining} joining and leaving" if joining else "")
+        label = f"{n} nodes, shared memory {mode}" + (f", {joining} joining and leaving" if joining else "")
         click.echo(f"  {label} ...", err=True)
-        step_dir = directory / (f"nodes-{n}-churn-{joining}" if joining else f"nodes-{n}")
+        step_dir = directory / (f"nodes-{n}-churn-{joining}-shm-{mode}" if joining else f"nodes-{n}-shm-{mode}")
         try:
             row = run_step(step_dir, n, config.to_dict(), record_every=record_every,
-                           timeout_s=limit, sample_s=sample_s, churn=joining)  # fmt: skip
+                           timeout_s=limit, sample_s=sample_s, churn=joining, shared_memory=mode)  # fmt: skip
         except WorkerFailed as err:
             click.echo(f"error: {n} nodes: {err}", err=True)
             sys.exit(1)
@@ -395,6 +424,7 @@ def scale(
         "record_every": record_every,
         "sample_s": sample_s,
         "churn": churn,
+        "shared_memory": shm_modes,
         "interpolation": "constant 0.5",
         "spread_buckets": SPREAD_BUCKETS,
         "command": " ".join(sys.argv),

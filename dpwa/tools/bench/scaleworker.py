@@ -190,6 +190,7 @@ def run_joiner(spec: dict[str, Any], rank: int) -> int:
             fetches_timed_out=stats["fetches_timed_out"],
             fetches_refused=stats["fetches_refused"],
             served=stats["served"],
+            shm_fetched=stats["shm_fetched"],
             members_seen=stats["members_alive"],
         )
         log.info("node %s: joined, %d steps, %d mixes, leaving", name, result.steps, stats["mixes"])
@@ -232,6 +233,7 @@ def run(spec: dict[str, Any], rank: int) -> int:
             fetches_timed_out=stats["fetches_timed_out"],
             fetches_refused=stats["fetches_refused"],
             served=stats["served"],
+            shm_fetched=stats["shm_fetched"],
         )
         log.info(
             "node %s: %d steps in %.2f s, %d mixes, %d timeouts, cpu %.2f s",
