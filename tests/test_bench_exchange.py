@@ -31,9 +31,9 @@ pytestmark = [
 NUMBERS = [
     "model_mb", "wire_mb", "memcpy_ms", "a_ms", "a_mbs", "a2_ms", "send_ms", "ready_ms", "fetch_ms", "fetch_mbs",
     "mix_ms", "c_ms", "c_mbs", "step_ms", "wait_ms", "fetch_a", "fetch_a2", "fm_c", "send_memcpy", "mix_memcpy",
-    "block",
+    "block", "fm_memcpy",
 ]  # fmt: skip
-CHECKS = ["ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block", "ok_push"]
+CHECKS = ["ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block", "ok_push", "ok_fm_memcpy"]
 PUSH = ["push_ms", "fold_ms", "push_fetch"]  # (d), in the float32 rows only
 
 
@@ -65,7 +65,7 @@ def bench(*args: str, **kwargs: object) -> subprocess.Popen[str]:
     )  # type: ignore[call-overload]
 
 
-@pytest.mark.slow  # two processes, gloo and three wire dtypes: ~10 s here
+@pytest.mark.slow  # two processes, gloo, every wire dtype and shared memory, then 4 x 2 memory processes: ~25 s
 def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
     plot = importlib.util.find_spec("matplotlib") is not None
     proc = bench("--floats", "10000,2k", "--repeat", "2", "--run-dir", str(tmp_path), *(["--plot"] if plot else []))
@@ -76,7 +76,8 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
     assert doc["settings"]["floats"] == [10000, 2000] and doc["settings"]["repeat"] == 2
     assert {"cores", "numpy", "zmq"} <= set(doc["machine"])
     rows = doc["rows"]
-    assert [(r["floats"], r["wire"]) for r in rows] == [(n, w) for n in (10000, 2000) for w in WIRE_DTYPES]
+    variants = (*WIRE_DTYPES, "float32+shm")  # the last: the float32 exchange through shared memory
+    assert [(r["floats"], r["wire"]) for r in rows] == [(n, w) for n in (10000, 2000) for w in variants]
     for row in rows:
         for key in NUMBERS:
             assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] >= 0, (key, row)
@@ -89,7 +90,15 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
             value = row[key]
             assert (value > 0 and math.isfinite(value)) if row["wire"] == "float32" else value is None, (key, row)
     assert rows[1]["wire_mb"] < rows[0]["wire_mb"]  # float16 sends fewer bytes than float32
+    shared = rows[len(variants) - 1]
+    assert shared["wire_mb"] < rows[0]["wire_mb"] / 10  # through shared memory only the header travels
+    assert math.isfinite(shared["fm_memcpy"]) and shared["ok_fm_memcpy"] in ("✓", "✗")
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert [r["rule"] for r in memory["rows"]] == ["constant", "pushsum", "adpsgd", "dpsgd"]
+    for row in memory["rows"]:
+        assert row["floats"] == 10000 and math.isfinite(row["model_sizes"]) and min(row["mixes"]) > 0, row
     headers = ("(a) raw ms", "(b) fetch ms", "(c) gloo ms", "(d) push ms", "fetch/a", "(fetch+mix)/c", "mix/memcpy")
+    headers += ("(fetch+mix)/memcpy", "model sizes")
     for header in headers + ("(push+fold)/(fetch+mix)",):
         assert header in out
     if plot:

@@ -22,7 +22,12 @@ by round, medians over ``--repeat`` rounds of:
 * (c) ``gloo``: ``torch.distributed.all_reduce`` of the same float32 tensor across
   the two processes (skipped when torch is missing);
 * (d) ``push`` (float32 wire, in the float32 row): a second pair of nodes running ``pushsum``;
-  ``(push+fold)/(fetch+mix)`` compares it with (b) float32, round by round.
+  ``(push+fold)/(fetch+mix)`` compares it with (b) float32, round by round;
+* ``float32+shm``: (b) once more between nodes with shared memory on (every other pair has it off): the fetch
+  reads the peer's segment; ``(fetch+mix)/memcpy`` is its target.
+
+After the timed rows, the memory rows (:mod:`~dpwa.tools.bench.exchange.memory`, ``--no-memory`` skips them):
+per rule, what a node adds beside its model at the largest size, in model sizes.
 
 The table shows absolute figures (medians) and the ratios checked against
 ``TARGETS`` (per round, then the median: a round takes about a second, so load from
@@ -40,6 +45,7 @@ The modules, one concept each:
 * :mod:`~dpwa.tools.bench.exchange.measure` -- one model size: both sides set up, warm-up, the timed rounds;
 * :mod:`~dpwa.tools.bench.exchange.table` -- a row's figures and ratios, ``TARGETS``, the two tables;
 * :mod:`~dpwa.tools.bench.exchange.plot` -- the bar chart of ``--plot``;
+* :mod:`~dpwa.tools.bench.exchange.memory` -- the memory rows: what a node adds beside its model, per rule;
 * :mod:`~dpwa.tools.bench.exchange.control` -- the control channel and the trainer's handle on the peer;
 * :mod:`~dpwa.tools.bench.exchange.peer` -- the peer process: its commands and what it holds per size;
 * :mod:`~dpwa.tools.bench.exchange.pair` -- the model and the cluster file both sides build;

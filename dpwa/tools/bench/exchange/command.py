@@ -22,9 +22,11 @@ from dpwa.node import sharedmem
 from dpwa.tools.bench.exchange.control import running_peer
 from dpwa.tools.bench.exchange.gloo import gloo_group, gloo_usable
 from dpwa.tools.bench.exchange.measure import WARMUP_ROUNDS, measure_size
+from dpwa.tools.bench.exchange.memory import COLUMNS as MEMORY_COLUMNS
+from dpwa.tools.bench.exchange.memory import RULES, STEPS, measure_memory
 from dpwa.tools.bench.exchange.plot import plot_rows
 from dpwa.tools.bench.exchange.table import TARGETS, finite_or_none, render
-from dpwa.tools.bench.report import Report, bench_run_dir
+from dpwa.tools.bench.report import Report, bench_run_dir, render_table
 from dpwa.utils import dtypes
 
 __all__ = ["WIRE_DTYPES", "exchange", "parse_count", "run_exchange"]
@@ -107,6 +109,7 @@ def run_exchange(
               help="The simulated step: a sleep, or one thread computing (it takes a core).")  # fmt: skip
 @click.option("--no-gloo", is_flag=True, help="Skip (c).")
 @click.option("--no-shm", is_flag=True, help="Skip the shared-memory row (b) float32+shm.")
+@click.option("--no-memory", is_flag=True, help="Skip the memory rows (per rule, at the largest --floats).")
 @click.option("--run-dir", default=None, type=click.Path(file_okay=False), help="Default runs/bench-exchange-<time>.")
 @click.option("--plot", is_flag=True, help="Also write exchange.png (needs matplotlib).")
 def exchange(
@@ -117,6 +120,7 @@ def exchange(
     step_kind: str,
     no_gloo: bool,
     no_shm: bool,
+    no_memory: bool,
     run_dir: str | None,
     plot: bool,
 ) -> None:
@@ -150,5 +154,11 @@ def exchange(
     click.echo("")
     click.echo(render(rows))
     click.echo(f"\nwrote {path}")
+    if not no_memory:
+        n = max(floats)
+        click.echo(f"\nmemory: {', '.join(RULES)}, two nodes each, {n:,} floats, {STEPS} steps ...")
+        memory = measure_memory(directory, n)
+        click.echo(render_table(memory, MEMORY_COLUMNS))
+        click.echo(f"wrote {Report('memory', rows=memory, settings={'floats': n, 'steps': STEPS}).write(directory)}")
     if plot:
         click.echo(f"wrote {plot_rows(rows, directory / 'exchange.png')}")
