@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,15 @@ def test_a_reader_refuses_a_segment_of_another_size_token_or_generation() -> Non
         with pytest.raises(WireError) as gen_:
             reader.open("p", ref, 4096, 8)
         assert gen_.value.reason == "shm-gen"
+        fifo = Path(tempfile.mkdtemp()) / "fifo"
+        os.mkfifo(fifo)
+        held = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a forged reply naming a FIFO: never blocks the reader
+        try:
+            with pytest.raises(WireError) as not_a_file:
+                SegmentReader().open("p", SharedRef(pid=ref.pid, fd=held, token=ref.token, until=1e9), 4096, 7)
+            assert not_a_file.value.reason == "shm-token"
+        finally:
+            os.close(held)
         gone = SharedRef(pid=ref.pid, fd=10**6, token=ref.token, until=ref.until)
         with pytest.raises(WireError) as missing:
             SegmentReader().open("p", gone, 4096, 7)
@@ -401,3 +411,34 @@ def test_a_fetch_through_shared_memory_mixes_bit_for_bit_what_the_socket_deliver
         assert got["stats"]["shm_fetched"] == (1 if mode == "auto" else 0)
         results[mode] = x
     assert all(a.tobytes() == b.tobytes() for a, b in zip(results["auto"], results["off"]))
+
+
+def test_a_shared_memory_reply_to_a_node_that_offered_none_is_rejected(tmp_path: Path) -> None:
+    """Shared memory off here: a peer answering with a segment anyway (forged, or misconfigured) is rejected
+    ``shm-unasked`` before anything is opened, and the model stays as it was."""
+    ports = free_ports(2)
+    config = write_cluster(tmp_path / "c.yaml", ports, interpolation="constant", transport={"shared_memory": "off"})
+    fake = FakePeers({"w2": ports[1]})
+    conn = DpwaConnection("w1", str(config), seed=1)
+    layout = Layout.of([np.zeros(1000, np.float32)])
+    segment = Segment("fake", layout.total_bytes)
+    segment.set_gen(3)
+
+    def respond(peer: str, frames: list[bytes]) -> list[list[bytes]]:
+        request = wire.decode_message(frames[0])
+        if not isinstance(request, wire.Fetch):
+            return []
+        assert request.host == ""
+        ref = segment.ref(3, 1e12)
+        return [[wire.encode_state(peer, request.req, clock=1.0, loss=1.0, extras={}, layout=layout, gen=3, shm=ref)]]
+
+    fake.respond = respond
+    try:
+        x = np.zeros(1000, np.float32)
+        conn.update_send([x], 1.0)
+        assert conn.update_wait(1.0) == 0.0 and not x.any()
+        assert conn.stats()["rejected_by_reason"] == {"shm-unasked": 1}
+    finally:
+        conn.close()
+        fake.close()
+        segment.close()

@@ -106,6 +106,7 @@ def _raw(kind: int, body, version: int = wire.PROTOCOL_VERSION, magic: bytes = w
     return struct.pack("<4sHB", magic, version, kind) + data
 
 
+SHM = {"pid": 4242, "fd": 17, "token": "ab" * 16, "until": 12.5}
 GOOD_STATE = {
     "node": "w2",
     "req": 1,
@@ -156,6 +157,18 @@ GOOD_STATE = {
         (_raw(2, {**GOOD_STATE, "front": False}), "header"),
         (_raw(2, {**GOOD_STATE, "front": 1.5}), "header"),
         (_raw(2, {**GOOD_STATE, "front": "3"}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": []}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "pid": 0}}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "fd": -1}}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "fd": True}}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "token": "AB" * 16}}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "token": "ab" * 15}}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "until": "1"}}), "header"),
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "until": 1e400}}), "header"),  # JSON Infinity
+        (_raw(2, {**GOOD_STATE, "shm": SHM}), "header"),  # a shared-memory reply names its generation
+        (_raw(2, {**GOOD_STATE, "gen": 2, "stream": True, "shm": SHM}), "header"),  # and is never streamed
+        (_raw(1, {"node": "w1", "req": 1, "fp": "x", "host": 5}), "header"),
+        (_raw(1, {"node": "w1", "req": 1, "fp": "x", "host": "h" * 65}), "header"),
         (_raw(2, {**GOOD_STATE, "front": 2**64}), "header"),
     ],
 )

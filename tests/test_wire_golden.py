@@ -72,6 +72,18 @@ GOLDEN = {
         wire.encode_members("w1", 5, NEWS, permanent=("w1", "w2"), settled=(9, True), mass=2.0),
         header(8, '{"node":"w1","req":5,"permanent":["w1","w2"],"settled":[9,true],"mass":2.0,' + MEMBERS_JSON + "}"),
     ),
+    "fetch co-located": (
+        wire.encode_fetch("w1", 3, FP, host="0123456789abcdef0123456789abcdef"),
+        header(1, '{"node":"w1","req":3,"fp":"' + FP + '","host":"0123456789abcdef0123456789abcdef"}'),
+    ),
+    "state shared": (
+        wire.encode_state("w2", 3, clock=1.0, loss=2.0, extras={}, layout=LAYOUT, gen=5,
+                          shm=wire.SharedRef(pid=4242, fd=17, token="ab" * 16, until=12.5)),
+        header(2, '{"node":"w2","req":3,"fp":"' + FP + '","clock":1.0,"loss":2.0,"extras":{},"total":56,'
+                  '"chunk":4194304,"nframes":1,"gen":5,"shm":{"pid":4242,"fd":17,"token":"' + "ab" * 16 + '",'
+                  '"until":12.5}}'),
+    ),
+    "release": (wire.encode_release("w1", 3), header(9, '{"node":"w1","req":3}')),
     "chunk tag": (wire.encode_chunk_tag(7, 2), b"DPWC\x07\x00\x00\x00\x00\x00\x00\x00\x02\x00\x00\x00"),
 }  # fmt: skip
 
@@ -80,7 +92,7 @@ def test_every_message_kind_encodes_to_its_recorded_bytes() -> None:
     for name, (encoded, recorded) in GOLDEN.items():
         assert encoded == recorded, name
     kinds = {wire.Kind(encoded[6]).name for name, (encoded, _) in GOLDEN.items() if name != "chunk tag"}
-    assert kinds == {"FETCH", "STATE", "PUSH", "ACK", "SETTLE", "ERROR", "JOIN", "MEMBERS"}
+    assert kinds == {kind.name for kind in wire.Kind}  # every kind has its recorded bytes
     assert {code.value for code in wire.ErrorCode} == {
         "not-ready", "layout-mismatch", "bad-request", "busy", "unsupported", "not-delivered", "join-refused", "left",
     }  # fmt: skip

@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -139,12 +140,15 @@ class SegmentReader:
 
     def _map(self, ref: SharedRef, payload_bytes: int) -> _Mapped:
         path = f"/proc/{ref.pid}/fd/{ref.fd}"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:  # never blocks (a FIFO a forged reply may name), never becomes a controlling terminal
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as exc:
             raise WireError("shm-open", f"cannot open {path}: {exc.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise WireError("shm-token", f"{path} is not a memory file")
+            size = info.st_size
             if size != HEADER_BYTES + payload_bytes:
                 raise WireError("shm-size", f"segment of {size} bytes, expected {HEADER_BYTES + payload_bytes}")
             try:

@@ -52,11 +52,15 @@ class SharedReplies:
         header: wire.State,
         payload: tuple[Layout, PayloadReader, list[tuple[int, int]]],
         finish: Callable[..., None],
+        host_id: str,
     ) -> None:
         """Give ``target`` its verdict (``finish(status, code, detail)``) on a reply whose payload lies in the peer's
         segment (:meth:`take`; ``payload``: the wire layout, its reader and chunk bounds); the loan is given back
-        at once unless the rule is to mix it there (and update_wait still waits for it)."""
+        at once unless the rule is to mix it there (and update_wait still waits for it). A reply to a request that
+        offered no co-location identity (``host_id``: this node's) is rejected ``shm-unasked``."""
         try:
+            if not self.host_for(target.peer, host_id):
+                raise WireError("shm-unasked", "a shared-memory reply to a request that offered none")
             kept = self.take(job, target, header, *payload)
         except WireError as exc:
             self.release(sock, job.req)

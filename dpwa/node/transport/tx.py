@@ -547,7 +547,8 @@ class TxFetcher(threading.Thread):
                     raise WireError("frames", "a shared-memory reply came with payload frames")
                 target.nbytes = received
                 finish = functools.partial(self._finish, job, target)
-                self._shared.answer(sock, job, target, header, (wire_layout, self._reader, self._bounds), finish)
+                payload = (wire_layout, self._reader, self._bounds)
+                self._shared.answer(sock, job, target, header, payload, finish, self._port.host_id)
                 return
             if header.stream:
                 if sock.get(zmq.RCVMORE):
