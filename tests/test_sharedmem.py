@@ -115,6 +115,7 @@ def test_a_reader_refuses_a_segment_of_another_size_token_or_generation() -> Non
         segment.close()
 
 
+@pytest.mark.timing  # counts of fetches in a run of real threads; 30 runs: no failure
 def test_a_pool_never_rewrites_a_leased_segment_while_a_reader_checks_it() -> None:
     """The torn-read check at the pool: a writer publishes generation ``g`` as every element = g, as fast as it
     can; a reader leases the current snapshot, reads it through its segment and finds one generation only."""
@@ -157,6 +158,7 @@ def test_a_pool_never_rewrites_a_leased_segment_while_a_reader_checks_it() -> No
 # --------------------------------------------------------------------------- nodes
 
 
+@pytest.mark.timing  # counts of fetches in a run of real threads; 30 runs: no failure
 def test_co_located_nodes_fetch_through_shared_memory(tmp_path: Path) -> None:
     a, b = pair(tmp_path)
     try:
@@ -196,6 +198,7 @@ def test_shared_memory_off_fetches_over_the_socket(tmp_path: Path) -> None:
         b.close()
 
 
+@pytest.mark.timing  # counts of fetches in a run of real threads; 30 runs: no failure
 def test_a_fetch_never_mixes_a_torn_snapshot_while_the_server_publishes_flat_out(tmp_path: Path) -> None:
     """The writer publishes ``g`` everywhere at every update_send, as fast as it can; the reader zeroes its model
     before each step, so after a mix every element holds the same value -- unless it read a torn snapshot."""
@@ -301,6 +304,7 @@ def test_a_clean_close_closes_every_segment(tmp_path: Path) -> None:
     assert not inodes & mapped_inodes(os.getpid()), "a closed node's segment is still mapped"
 
 
+@pytest.mark.timing  # counts of fetches in a run of real threads; 30 runs: no failure
 def test_a_killed_nodes_segments_are_gone_once_its_restart_is_fetched_from(
     tmp_path: Path, nodes: Callable[..., NodeProcess]
 ) -> None:
