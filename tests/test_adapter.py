@@ -431,7 +431,9 @@ def test_metrics_file_follows_docs_metrics_md(adapters, tmp_path: Path):
             assert isinstance(record[key], types) or (types is float and isinstance(record[key], int)), (key, record)
         assert record["node"] == "w1" and record["step"] == i and record["factor"] == 0.5
         assert record["peer"] == "w2" and record["status"] == "ok" and record["reasons"] == [] and record["bytes"] > 0
-        assert record["mixes"] == i and record["failed"] == 0 and record["bytes_in"] >= i * record["bytes"]
+        # bytes_in adds up every reply's bytes (with shared memory, a header's: its length varies by a few bytes)
+        assert record["mixes"] == i and record["failed"] == 0
+        assert record["bytes_in"] >= sum(r["bytes"] for r in exchanges[:i])
         assert isinstance(record["raw_factor"], float)  # a rule metric
         assert "event" not in record
     assert sum(r["bytes_sent"] for r in exchanges) == exchanges[-1]["bytes_out"]  # per step, adding up

@@ -86,8 +86,9 @@ def test_a_reader_refuses_a_segment_of_another_size_token_or_generation() -> Non
         segment.set_gen(7)
         reader = SegmentReader()
         ref = segment.ref(7, 1e9)
-        payload, gen = reader.open("p", ref, 4096, 7)
-        assert payload.nbytes == 4096 and int(gen[0]) == 7 and not payload.flags.writeable
+        mapped = reader.open("p", ref, 4096, 7)
+        assert mapped.payload.nbytes == 4096 and int(mapped.gen[0]) == 7 and not mapped.payload.flags.writeable
+        assert int(mapped.checked[0]) == 0  # set_gen without checked: nothing attested
         with pytest.raises(WireError) as size:
             SegmentReader().open("p", ref, 4096 + 64, 7)
         assert size.value.reason == "shm-size"
@@ -142,8 +143,7 @@ def test_a_pool_never_rewrites_a_leased_segment_while_a_reader_checks_it() -> No
             assert snapshot is not None and snapshot.segment is not None
             try:
                 ref = snapshot.segment.ref(snapshot.gen, 1e9)
-                payload, _ = reader.open("w", ref, layout.total_bytes, snapshot.gen)
-                values = layout.views(payload)[0]
+                values = layout.views(reader.open("w", ref, layout.total_bytes, snapshot.gen).payload)[0]
                 assert values.min() == values.max(), "a torn snapshot"
                 checked += 1
             finally:
@@ -446,3 +446,31 @@ def test_a_shared_memory_reply_to_a_node_that_offered_none_is_rejected(tmp_path:
         conn.close()
         fake.close()
         segment.close()
+
+
+def test_a_shared_pool_attests_the_snapshots_it_found_finite() -> None:
+    """The pool's checker thread reads each new snapshot once, after the publish (off the trainer's path), and
+    writes its generation into the segment's ``checked`` word only when every value is finite."""
+    layout = Layout.of([np.zeros(10_000, np.float32)])
+    pool = SnapshotPool(layout, shared=True, name="attest")
+    reader = SegmentReader()
+    try:
+        for value, attested in ((1.0, True), (np.nan, False), (2.0, True)):
+            snapshot = pool.publish([np.full(10_000, value, np.float32)], 0.0, 0.0, {})
+            assert snapshot is not None and snapshot.segment is not None
+            assert pool.wait_ready(10.0)  # the checker thread has decided
+            assert snapshot.attested is attested
+            mapped = reader.open("w", snapshot.segment.ref(snapshot.gen, 1e9), layout.total_bytes, snapshot.gen)
+            assert (int(mapped.checked[0]) == snapshot.gen) is attested
+    finally:
+        pool.close()
+    # a pool whose layout holds an index array, or whose wire dtype differs, attests nothing (its readers check)
+    indexed = Layout.of([np.zeros(10, np.float32), np.zeros(4, np.uint16)], bounds=(0, 10))
+    pool = SnapshotPool(indexed, shared=True, name="attest")
+    try:
+        snapshot = pool.publish([np.zeros(10, np.float32), np.zeros(4, np.uint16)], 0.0, 0.0, {})
+        assert snapshot is not None and snapshot.segment is not None and snapshot.attested is False
+        mapped = reader.open("i", snapshot.segment.ref(snapshot.gen, 1e9), indexed.total_bytes, snapshot.gen)
+        assert int(mapped.checked[0]) == 0
+    finally:
+        pool.close()

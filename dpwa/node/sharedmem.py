@@ -6,10 +6,13 @@ by any exit, a SIGKILL included -- the kernel frees it once the last descriptor 
 processes of the same user (and root) can open it, through ``/proc/<pid>/fd/<fd>``: owner-only by
 construction. Its first :data:`HEADER_BYTES` bytes::
 
-    b"DPWASHM1" | token: 16 random bytes | gen: u64 | payload bytes: u64 | (padding to 64)
+    b"DPWASHM1" | token: 16 random bytes | gen: u64 | payload bytes: u64 | checked: u64 | (padding to 64)
 
 then the payload (one snapshot's wire buffer, 64-byte aligned). ``gen`` is 0 while the pool writes the
 buffer and the snapshot's generation once it is published; a reader checks it before and after use.
+``checked`` is the generation whose every value the writer's checker thread found finite after it published
+them (0: not checked yet, or not all finite): a reader that mixes straight from the segment takes that check
+instead of reading the whole model once more.
 
 Two nodes are *co-located* when :func:`host_identity` is equal: the same kernel boot and the same network,
 IPC, PID and mount namespaces, the same user. A node in another network namespace (or container, or machine)
@@ -33,15 +36,25 @@ import numpy as np
 
 from dpwa.node.wire import SharedRef, WireError
 
-__all__ = ["HEADER_BYTES", "MAGIC", "MAX_MAPPED", "Segment", "SegmentReader", "host_identity", "supported"]
+__all__ = [
+    "HEADER_BYTES",
+    "MAGIC",
+    "MAX_MAPPED",
+    "Mapped",
+    "Segment",
+    "SegmentReader",
+    "host_identity",
+    "supported",
+]
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"DPWASHM1"
 HEADER_BYTES = 64
 """The segment's header; the payload starts here (a multiple of 64: the wire's buffer alignment)."""
-_HEADER = struct.Struct("<8s16sQQ")
+_HEADER = struct.Struct("<8s16sQQQ")
 _GEN_OFFSET = 24
+_CHECKED_OFFSET = 40
 MAX_MAPPED = 64
 """The most peer segments a reader keeps mapped (least recently used first out)."""
 
@@ -79,15 +92,21 @@ class Segment:
             os.close(self.fd)
             raise
         self.token = secrets.token_bytes(16)
-        self._map[: _HEADER.size] = _HEADER.pack(MAGIC, self.token, 0, payload_bytes)
+        self._map[: _HEADER.size] = _HEADER.pack(MAGIC, self.token, 0, payload_bytes, 0)
         whole = np.frombuffer(self._map, np.uint8)
         self.payload = whole[HEADER_BYTES:]
         self._gen = whole[_GEN_OFFSET : _GEN_OFFSET + 8].view("<u8")
+        self._checked = whole[_CHECKED_OFFSET : _CHECKED_OFFSET + 8].view("<u8")
         self.closed = False
 
     def set_gen(self, gen: int) -> None:
-        """Say which generation the payload holds (0: being written)."""
+        """Say which generation the payload holds (0: being written); nothing checked yet."""
+        self._checked[0] = 0
         self._gen[0] = gen
+
+    def set_checked(self, gen: int) -> None:
+        """Say that every value of generation ``gen`` (the one held) was found finite."""
+        self._checked[0] = gen
 
     def ref(self, gen: int, until: float) -> SharedRef:
         """How a co-located reader finds this segment, holding ``gen``, lent until ``until`` (monotonic s)."""
@@ -105,6 +124,17 @@ class _Mapped:
     map: mmap.mmap
     payload: np.ndarray
     gen: np.ndarray
+    checked: np.ndarray
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A peer's segment as a reader sees it: the payload (read-only uint8) and the header's words ``gen`` and
+    ``checked`` (live: the writer may change them)."""
+
+    payload: np.ndarray
+    gen: np.ndarray
+    checked: np.ndarray
 
 
 class SegmentReader:
@@ -115,10 +145,9 @@ class SegmentReader:
         self._maps: collections.OrderedDict[tuple[int, int, str], _Mapped] = collections.OrderedDict()
         self._pids: dict[str, int] = {}
 
-    def open(self, peer: str, ref: SharedRef, payload_bytes: int, gen: int) -> tuple[np.ndarray, np.ndarray]:
-        """The payload of the segment ``ref`` names (read-only uint8) and its generation word, after checking it
-        is that segment (token), of ``payload_bytes`` (size) and holds ``gen``. Raises WireError ``shm-open``,
-        ``shm-size``, ``shm-token`` or ``shm-gen``."""
+    def open(self, peer: str, ref: SharedRef, payload_bytes: int, gen: int) -> Mapped:
+        """The segment ``ref`` names, after checking it is that segment (token), of ``payload_bytes`` (size) and
+        holds ``gen``. Raises WireError ``shm-open``, ``shm-size``, ``shm-token`` or ``shm-gen``."""
         former = self._pids.get(peer)
         if former is not None and former != ref.pid:
             self._drop(former)
@@ -136,7 +165,7 @@ class SegmentReader:
             raise WireError("shm-size", f"segment of {mapped.payload.nbytes} payload bytes, expected {payload_bytes}")
         if int(mapped.gen[0]) != gen:
             raise WireError("shm-gen", f"segment holds generation {int(mapped.gen[0])}, the reply names {gen}")
-        return mapped.payload, mapped.gen
+        return Mapped(mapped.payload, mapped.gen, mapped.checked)
 
     def _map(self, ref: SharedRef, payload_bytes: int) -> _Mapped:
         path = f"/proc/{ref.pid}/fd/{ref.fd}"
@@ -157,13 +186,14 @@ class SegmentReader:
                 raise WireError("shm-open", f"cannot map {path}: {exc}") from None
         finally:
             os.close(fd)
-        magic, token, _, announced = _HEADER.unpack_from(segment)
+        magic, token, _, announced, _ = _HEADER.unpack_from(segment)
         if magic != MAGIC or token.hex() != ref.token:
             raise WireError("shm-token", f"{path} is not the segment the reply names")
         if announced != payload_bytes:
             raise WireError("shm-size", f"segment announces {announced} payload bytes, expected {payload_bytes}")
         whole = np.frombuffer(segment, np.uint8)
-        return _Mapped(segment, whole[HEADER_BYTES:], whole[_GEN_OFFSET : _GEN_OFFSET + 8].view("<u8"))
+        words = [whole[at : at + 8].view("<u8") for at in (_GEN_OFFSET, _CHECKED_OFFSET)]
+        return _Mapped(segment, whole[HEADER_BYTES:], *words)
 
     def _drop(self, pid: int) -> None:
         for key in [key for key in self._maps if key[0] == pid]:

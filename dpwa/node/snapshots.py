@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dpwa.node.sharedmem import Segment
-from dpwa.node.wire import CHUNK_BYTES, Layout, PayloadWriter
+from dpwa.node.wire import CHUNK_BYTES, FiniteChecker, Layout, PayloadWriter
 
 __all__ = ["DEFER_S", "GEN_START_BOUND", "POLL_S", "Snapshot", "SnapshotPool", "Tracker", "open_pool"]
 
@@ -89,6 +89,8 @@ class Snapshot:
     trackers: list[Tracker] = field(default_factory=list)
     segment: Segment | None = None
     """The shared-memory segment the wire buffer lies in (co-located peers read it there); None: private memory."""
+    attested: bool | None = False
+    """Whether the pool's checker thread found every value finite (and said so in the segment); None: not yet."""
 
     def busy(self) -> bool:
         """True while a lease is out or a send still references the buffer."""
@@ -121,6 +123,9 @@ class SnapshotPool:
         self.shared = shared
         self._name = name
         self.wire = layout if wire is None else wire
+        # a shared pool whose wire layout is the local one and holds no index array attests its snapshots
+        direct = self.wire is layout  # as _new decides: the snapshot buffer is the wire buffer
+        self._attest = FiniteChecker(layout) if shared and direct and not any(layout.bounds) else None
         self._bounds = self.wire.frame_bounds(chunk)
         self._chunk = chunk
         self._max_size = max_size
@@ -135,11 +140,14 @@ class SnapshotPool:
         self._converter: threading.Thread | None = None
         self._rx_writer: PayloadWriter | None = None
         self._tx_writer: PayloadWriter | None = None
+        self._bg_writer: PayloadWriter | None = None
         if self.wire is not layout:
             self._rx_writer = PayloadWriter(layout, self.wire)
             self._tx_writer = PayloadWriter(layout, self.wire)
             self._bg_writer = PayloadWriter(layout, self.wire)
-            self._converter = threading.Thread(target=self._convert_loop, name=f"dpwa-wire-{name}", daemon=True)
+        if self.wire is not layout or self._attest is not None:
+            role = "wire" if self.wire is not layout else "check"
+            self._converter = threading.Thread(target=self._convert_loop, name=f"dpwa-{role}-{name}", daemon=True)
             self._converter.start()
 
     def _new(self) -> Snapshot:
@@ -185,6 +193,7 @@ class SnapshotPool:
             free.clock, free.loss, free.extras, free.front = clock, loss, dict(extras), front
             self._published += 1
             free.gen = self._published
+            free.attested = None if self._attest is not None else False
             if free.segment is not None:
                 free.segment.set_gen(free.gen)
             self._current = free
@@ -230,18 +239,20 @@ class SnapshotPool:
                 snapshot.ready = index + 1
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds until the current snapshot's wire buffer is complete."""
+        """Wait at most ``timeout`` seconds until the current snapshot's wire buffer is complete (and, in a pool
+        that attests, checked)."""
         deadline = time.monotonic() + timeout
         while True:
             current = self._current
-            if current is None or current.ready >= len(self._bounds):
+            if current is None or (current.ready >= len(self._bounds) and current.attested is not None):
                 return current is not None
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.0005)
 
     def _convert_loop(self) -> None:
-        """Round every newly published snapshot into its wire buffer; give up on one that is no longer current."""
+        """Round every newly published snapshot into its wire buffer, or (a pool that attests) check its values and
+        say in its segment that all are finite; give up on one that is no longer current."""
         try:
             while not self._stop.is_set():
                 if not self._work.wait(POLL_S):
@@ -256,11 +267,31 @@ class SnapshotPool:
                             time.sleep(DEFER_S)
                         if self._stop.is_set() or snapshot is not self._current:
                             break
-                        self._round(snapshot, index, self._bg_writer)
+                        if self._bg_writer is not None:
+                            self._round(snapshot, index, self._bg_writer)
+                        elif not self._check(snapshot, index):
+                            break
+                    else:
+                        self._attested(snapshot)
                 finally:
                     self.release(snapshot)
         except Exception:  # pragma: no cover - a bug: the RX thread still rounds on demand
             log.exception("snapshot converter failed")
+
+    def _check(self, snapshot: Snapshot, index: int) -> bool:
+        """Chunk ``index`` of ``snapshot`` holds only finite values (else the snapshot is not attested)."""
+        assert self._attest is not None
+        start, end = self._bounds[index]
+        if self._attest.all_finite(snapshot.views, start, end):
+            return True
+        snapshot.attested = False
+        return False
+
+    def _attested(self, snapshot: Snapshot) -> None:
+        """Every chunk of the leased ``snapshot`` was checked finite: say so in its segment (attesting pools)."""
+        if self._attest is not None and snapshot.segment is not None:
+            snapshot.segment.set_checked(snapshot.gen)
+            snapshot.attested = True
 
     def release(self, snapshot: Snapshot, tracker: Tracker | None = None) -> None:
         """End a lease; ``tracker`` keeps the buffer busy until ZeroMQ is done with it."""

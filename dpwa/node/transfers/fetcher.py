@@ -132,7 +132,8 @@ class Fetcher:
         it or its loan ends within :data:`LEND_MARGIN_S`; :meth:`give_back` ends the loans once the rule is done."""
         job, self._waited = self._waited, None
         targets = job.targets if job is not None else []
-        self._lent = [(t, job.req) for t in targets if t.loan is not None] if job is not None else []
+        # only an ok target keeps its loan for the rule (the TX thread gives back any other one itself)
+        self._lent = [(t, job.req) for t in targets if t.status == FetchStatus.OK and t.loan is not None]
         peers = []
         for t in targets:
             if t.status != FetchStatus.OK or t.header is None:
@@ -154,9 +155,10 @@ class Fetcher:
         (else counted ``shm_torn`` and logged: a loan outlived), then RELEASE each (TX thread)."""
         lent, self._lent = self._lent, []
         for target, req in lent:
-            assert target.loan is not None
-            word, gen = target.loan
-            target.loan, target.views = None, []
+            loan, target.loan, target.views = target.loan, None, []
+            if loan is None:  # pragma: no cover - given back already
+                continue
+            word, gen = loan
             if int(word[0]) != gen:
                 self.host.stats.add("shm_torn")
                 log.error("node %s: %s rewrote a lent snapshot while it was mixed", self.host.name, target.peer)

@@ -63,20 +63,21 @@ class FiniteChecker:
                 continue
             flat = views[index].reshape(-1)
             for s in range(lo, hi, self._block):
-                e = min(s + self._block, hi)
-                out = self._scratch[: e - s]
-                if code in self._zeros:
-                    if not all_finite_by_dot(flat[s:e], self._zeros[code]):
-                        return False
-                    continue
-                if code == "bf16":
-                    assert self._bits is not None
-                    bf16_isfinite(flat[s:e], out, scratch=self._bits)
-                else:
-                    np.isfinite(flat[s:e], out=out)
-                if not out.all():
+                if not self._block_finite(code, flat[s : min(s + self._block, hi)]):
                     return False
         return True
+
+    def _block_finite(self, code: str, values: np.ndarray) -> bool:
+        """Every element of ``values`` (at most one block, layout code ``code``) is finite."""
+        if code in self._zeros:
+            return all_finite_by_dot(values, self._zeros[code])
+        out = self._scratch[: values.size]
+        if code == "bf16":
+            assert self._bits is not None
+            bf16_isfinite(values, out, scratch=self._bits)
+        else:
+            np.isfinite(values, out=out)
+        return bool(out.all())
 
 
 def all_finite_by_dot(values: np.ndarray, zeros: np.ndarray) -> bool:

@@ -402,7 +402,7 @@ def scale(
         limit = timeout_s if timeout_s is not None else 120.0 + 10.0 * n
         label = f"{n} nodes, shared memory {mode}" + (f", {joining} joining and leaving" if joining else "")
         click.echo(f"  {label} ...", err=True)
-        step_dir = directory / (f"nodes-{n}-churn-{joining}-shm-{mode}" if joining else f"nodes-{n}-shm-{mode}")
+        step_dir = directory / (f"nodes-{n}" + (f"-churn-{joining}" if joining else "") + f"-shm-{mode}")
         try:
             row = run_step(step_dir, n, config.to_dict(), record_every=record_every,
                            timeout_s=limit, sample_s=sample_s, churn=joining, shared_memory=mode)  # fmt: skip
@@ -415,20 +415,10 @@ def scale(
         click.echo(f"  {label}: started in {row['startup_s']:.1f} s, trained in {row['train_s']:.1f} s, "
                    f"{row['total_s']:.1f} s in all", err=True)  # fmt: skip
         rows.append(row)
-    settings = {
-        "nodes": ns,
-        "steps": steps,
-        "hidden": hidden,
-        "batch_size": batch_size,
-        "seed": seed,
-        "record_every": record_every,
-        "sample_s": sample_s,
-        "churn": churn,
-        "shared_memory": shm_modes,
-        "interpolation": "constant 0.5",
-        "spread_buckets": SPREAD_BUCKETS,
-        "command": " ".join(sys.argv),
-    }
+    settings = {"nodes": ns, "steps": steps, "hidden": hidden, "batch_size": batch_size, "seed": seed,
+                "record_every": record_every, "sample_s": sample_s, "churn": churn, "shared_memory": shm_modes,
+                "interpolation": "constant 0.5", "spread_buckets": SPREAD_BUCKETS,
+                "command": " ".join(sys.argv)}  # fmt: skip
     path = Report("scale", rows=rows, settings=settings).write(directory)
     click.echo(render_table(rows, COLUMNS))
     if plot:
