@@ -455,6 +455,9 @@ def test_a_shared_pool_attests_the_snapshots_it_found_finite() -> None:
     pool = SnapshotPool(layout, shared=True, name="attest")
     reader = SegmentReader()
     try:
+        quiet = pool.publish([np.ones(10_000, np.float32)], 0.0, 0.0, {})
+        assert quiet is not None and quiet.attested is False  # nothing lent lately: no reader to spare a check
+        pool.lent()  # the RX thread lent a snapshot: from now on each one is checked
         for value, attested in ((1.0, True), (np.nan, False), (2.0, True)):
             snapshot = pool.publish([np.full(10_000, value, np.float32)], 0.0, 0.0, {})
             assert snapshot is not None and snapshot.segment is not None

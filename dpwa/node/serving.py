@@ -124,6 +124,7 @@ def _lent_reply(
     None when no loan can be made (the caller sends the snapshot)."""
     assert snapshot.segment is not None
     pool.complete(snapshot)  # a narrower wire dtype: every chunk rounded before the reader looks
+    pool.lent()
     until = time.monotonic() + node.timeouts.lend_s
     if not node.loans.lend(request.node, request.req, snapshot, until):
         return None

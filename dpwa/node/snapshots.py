@@ -22,11 +22,17 @@ to a chunk first:
   it waits, so it never competes with the trainer's critical path;
 * the RX thread rounds any chunk not ready yet just before sending it
   (:meth:`SnapshotPool.prepare`), so a fetch never waits for the whole model.
+
+In shared memory (co-located peers read the buffers where they are), a pool whose wire layout is its local one
+runs the same thread as a *checker* while it lends snapshots: it reads each new snapshot once and, when every
+value is finite, says so in the segment's header (:attr:`Snapshot.attested`), so a reader that mixes straight
+from the segment need not read the model again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -39,13 +45,25 @@ import numpy as np
 from dpwa.node.sharedmem import Segment
 from dpwa.node.wire import CHUNK_BYTES, FiniteChecker, Layout, PayloadWriter
 
-__all__ = ["DEFER_S", "GEN_START_BOUND", "POLL_S", "Snapshot", "SnapshotPool", "Tracker", "open_pool"]
+__all__ = [
+    "ATTEST_WHILE_LENT_S",
+    "DEFER_S",
+    "GEN_START_BOUND",
+    "POLL_S",
+    "Snapshot",
+    "SnapshotPool",
+    "Tracker",
+    "open_pool",
+]
 
 log = logging.getLogger(__name__)
 
 GEN_START_BOUND = 1 << 62
 """A pool's first generation is drawn from [1, this]: far below the wire's limit, 2^64 - 1."""
 
+ATTEST_WHILE_LENT_S = 10.0
+"""A pool in shared memory checks (attests) its new snapshots while it lent one this recently; with no co-located
+reader it spends nothing on it."""
 POLL_S = 0.1
 """Longest the converter thread sleeps before it looks at its stop flag."""
 DEFER_S = 0.001
@@ -126,6 +144,7 @@ class SnapshotPool:
         # a shared pool whose wire layout is the local one and holds no index array attests its snapshots
         direct = self.wire is layout  # as _new decides: the snapshot buffer is the wire buffer
         self._attest = FiniteChecker(layout) if shared and direct and not any(layout.bounds) else None
+        self._lent_at = -math.inf  # the last time a snapshot was lent through shared memory (monotonic s)
         self._bounds = self.wire.frame_bounds(chunk)
         self._chunk = chunk
         self._max_size = max_size
@@ -193,7 +212,8 @@ class SnapshotPool:
             free.clock, free.loss, free.extras, free.front = clock, loss, dict(extras), front
             self._published += 1
             free.gen = self._published
-            free.attested = None if self._attest is not None else False
+            lending = time.monotonic() - self._lent_at < ATTEST_WHILE_LENT_S
+            free.attested = None if self._attest is not None and lending else False
             if free.segment is not None:
                 free.segment.set_gen(free.gen)
             self._current = free
@@ -269,8 +289,8 @@ class SnapshotPool:
                             break
                         if self._bg_writer is not None:
                             self._round(snapshot, index, self._bg_writer)
-                        elif not self._check(snapshot, index):
-                            break
+                        elif snapshot.attested is False or not self._check(snapshot, index):
+                            break  # nobody co-located borrows lately, or a value is not finite
                     else:
                         self._attested(snapshot)
                 finally:
@@ -311,6 +331,10 @@ class SnapshotPool:
             for snapshot in self._all:
                 if snapshot.segment is not None:
                     snapshot.segment.close()
+
+    def lent(self) -> None:
+        """A snapshot was just lent through shared memory: attest the next ones (RX thread)."""
+        self._lent_at = time.monotonic()
 
     def complete(self, snapshot: Snapshot) -> None:
         """Make every wire chunk of a leased ``snapshot`` ready (RX thread, before lending it whole)."""
