@@ -78,9 +78,9 @@ def test_pairwise_average_between_two_nodes(tmp_path: Path, dtype: str):
         s = a.stats()
         assert s["fetches_ok"] == 1 and s["mixes"] == 1 and s["bytes_in"] > 0 and s["mean_fetch_ms"] > 0
         # the server counts after its send returns, which may be after the client has the reply
-        wait_until(lambda: b.stats()["served"] == 1, 2, message="w2 counted the reply it served")
+        wait_until(lambda: b.stats()["shm_served"] == 1, 2, message="w2 counted the reply it served")
         # co-located: lent in shared memory (only the header went over the socket), both ends count it
-        assert b.stats()["shm_served"] == 1 and s["shm_fetched"] == 1 and b.stats()["bytes_out"] == 0
+        assert b.stats()["served"] == 1 and s["shm_fetched"] == 1 and b.stats()["bytes_out"] == 0
         assert a.last_exchange["peer"] == "w2" and a.last_exchange["factor"] == 0.5
 
 
