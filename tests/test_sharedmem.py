@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import NodeProcess, free_ports, wait_until, write_cluster
+from conftest import NodeProcess, free_ports, in_threads, wait_until, write_cluster
 from test_hostile import FakePeers
 
 from dpwa import DpwaConnection
@@ -163,11 +163,7 @@ def test_co_located_nodes_fetch_through_shared_memory(tmp_path: Path) -> None:
     a, b = pair(tmp_path)
     try:
         xa, xb = np.ones(100_000, np.float32), np.zeros(100_000, np.float32)
-        threads = [threading.Thread(target=steps, args=(c, x, 20)) for c, x in ((a, xa), (b, xb))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        in_threads(2, lambda i: steps(*((a, xa), (b, xb))[i], 20), timeout=60)
         assert np.ptp(xa) == 0 and np.ptp(xb) == 0  # every mix took the whole of one snapshot
         for mine, theirs in ((a, b), (b, a)):
             fetched = mine.stats()
@@ -187,11 +183,7 @@ def test_shared_memory_off_fetches_over_the_socket(tmp_path: Path) -> None:
     a, b = pair(tmp_path, transport={"shared_memory": "off"})
     try:
         xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
-        threads = [threading.Thread(target=steps, args=(c, x, 5)) for c, x in ((a, xa), (b, xb))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        in_threads(2, lambda i: steps(*((a, xa), (b, xb))[i], 5), timeout=60)
         for conn in (a, b):
             s = conn.stats()
             assert s["fetches_ok"] >= 3 and s.get("shm_fetched", 0) == 0 and s["bytes_in"] > 4000 * s["fetches_ok"]
@@ -291,16 +283,13 @@ def test_a_reply_naming_a_bad_segment_is_refused_counted_and_never_mixed(tmp_pat
 def test_a_clean_close_closes_every_segment(tmp_path: Path) -> None:
     a, b = pair(tmp_path)
     xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
-    threads = [threading.Thread(target=steps, args=(c, x, 5)) for c, x in ((a, xa), (b, xb))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    pairs = [(a, xa), (b, xb)]
+    in_threads(2, lambda i, p=pairs: steps(*p[i], 5), timeout=60)
     inodes = set(memfds(os.getpid(), "w1").values()) | set(memfds(os.getpid(), "w2").values())
     assert len(inodes) >= 4
     a.close()
     b.close()
-    del a, b
+    del a, b, pairs
     gc.collect()
     assert not memfds(os.getpid(), "w1") and not memfds(os.getpid(), "w2")
     assert not inodes & mapped_inodes(os.getpid()), "a closed node's segment is still mapped"
@@ -380,11 +369,7 @@ def test_two_curve_nodes_that_authenticated_each_other_use_shared_memory(tmp_pat
     a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
     try:
         xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
-        threads = [threading.Thread(target=steps, args=(c, x, 5)) for c, x in ((a, xa), (b, xb))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        in_threads(2, lambda i: steps(*((a, xa), (b, xb))[i], 5), timeout=60)
         for conn in (a, b):
             s = conn.stats()
             assert s["fetches_ok"] >= 3 and s["shm_fetched"] == s["fetches_ok"], s
