@@ -125,6 +125,73 @@ def in_threads(n: int, body: Callable[[int], None], timeout: float = 120.0) -> N
     assert not errors, errors
 
 
+@contextlib.contextmanager
+def publishing_flat_out(conn: Any, size: int) -> Iterator[None]:
+    """While the block runs, ``conn`` publishes generation ``g`` as every element = g at each ``update_send``, as
+    fast as it can, in a thread of its own (the writer of the torn-read tests)."""
+    import numpy as np
+
+    stop = threading.Event()
+
+    def write() -> None:
+        x = np.zeros(size, np.float32)
+        g = 0
+        while not stop.is_set():
+            g += 1
+            x.fill(g)
+            conn.update_send([x], 1.0)
+            conn.update_wait(1.0)
+
+    writer = threading.Thread(target=write, name="flat-out-writer")
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join(30)
+    assert not writer.is_alive(), "the writer hung"
+
+
+@contextlib.contextmanager
+def pool_publishing_flat_out(pool: Any, size: int) -> Iterator[dict[str, int]]:
+    """While the block runs, a thread publishes generation ``g`` into ``pool`` as every element = g, as fast as it
+    can; yields its counts, ``published`` and ``skipped`` (publishes that found every buffer busy). The pool is
+    closed after."""
+    import numpy as np
+
+    counts = {"published": 0, "skipped": 0}
+    stop = threading.Event()
+
+    def write() -> None:
+        value = np.zeros(size, np.float32)
+        while not stop.is_set():
+            counts["published"] += 1
+            value.fill(counts["published"])
+            counts["skipped"] += pool.publish([value], 0.0, 0.0, {}) is None
+
+    writer = threading.Thread(target=write, name="flat-out-pool-writer")
+    writer.start()
+    try:
+        wait_until(lambda: counts["published"] > 2, 10)
+        yield counts
+    finally:
+        stop.set()
+        writer.join(10)
+        pool.close()
+    assert not writer.is_alive(), "the writer hung"
+
+
+def mixed_whole(conn: Any, x: Any) -> bool:
+    """One step of a reader that zeroes ``x`` first: True when it mixed a peer in, and then every element holds the
+    same value (a torn snapshot would leave two)."""
+    x.fill(0.0)
+    conn.update_send([x], 1.0)
+    if conn.update_wait(1.0) == 0:
+        return False
+    assert x.min() == x.max() > 0, "a torn snapshot was mixed"
+    return True
+
+
 def traced(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn``; return its result and the peak of Python/numpy memory allocated meanwhile (tracemalloc)."""
     tracemalloc.start()

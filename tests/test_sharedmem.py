@@ -13,14 +13,22 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import NodeProcess, free_ports, in_threads, wait_until, write_cluster
+from conftest import (
+    NodeProcess,
+    free_ports,
+    in_threads,
+    mixed_whole,
+    pool_publishing_flat_out,
+    publishing_flat_out,
+    wait_until,
+    write_cluster,
+)
 from test_hostile import FakePeers
 
 from dpwa import DpwaConnection
@@ -123,21 +131,8 @@ def test_a_pool_never_rewrites_a_leased_segment_while_a_reader_checks_it() -> No
     layout = Layout.of([np.zeros(1 << 18, np.float32)])
     pool = SnapshotPool(layout, shared=True, name="torn")
     reader = SegmentReader()
-    stop = threading.Event()
-    published = [0]
-
-    def write() -> None:
-        value = np.zeros(1 << 18, np.float32)
-        while not stop.is_set():
-            published[0] += 1
-            value.fill(published[0])
-            pool.publish([value], 0.0, 0.0, {})
-
-    writer = threading.Thread(target=write)
-    writer.start()
     checked = 0
-    try:
-        wait_until(lambda: published[0] > 2, 10)
+    with pool_publishing_flat_out(pool, 1 << 18) as counts:
         for _ in range(300):
             snapshot = pool.lease()
             assert snapshot is not None and snapshot.segment is not None
@@ -148,11 +143,7 @@ def test_a_pool_never_rewrites_a_leased_segment_while_a_reader_checks_it() -> No
                 checked += 1
             finally:
                 pool.release(snapshot)
-    finally:
-        stop.set()
-        writer.join(10)
-        pool.close()
-    assert checked == 300 and published[0] > 10
+    assert checked == 300 and counts["published"] > 10
 
 
 # --------------------------------------------------------------------------- nodes
@@ -197,34 +188,13 @@ def test_a_fetch_never_mixes_a_torn_snapshot_while_the_server_publishes_flat_out
     """The writer publishes ``g`` everywhere at every update_send, as fast as it can; the reader zeroes its model
     before each step, so after a mix every element holds the same value -- unless it read a torn snapshot."""
     a, b = pair(tmp_path)
-    stop = threading.Event()
-    size = 1 << 20
-
-    def write() -> None:
-        x = np.zeros(size, np.float32)
-        g = 0
-        while not stop.is_set():
-            g += 1
-            x.fill(g)
-            a.update_send([x], 1.0)
-            a.update_wait(1.0)
-
-    writer = threading.Thread(target=write)
     try:
-        writer.start()
-        x = np.zeros(size, np.float32)
-        mixed = 0
-        for _ in range(60):
-            x.fill(0.0)
-            b.update_send([x], 1.0)
-            if b.update_wait(1.0) > 0:
-                mixed += 1
-                assert x.min() == x.max() > 0, "a torn snapshot was mixed"
+        with publishing_flat_out(a, 1 << 20):
+            x = np.zeros(1 << 20, np.float32)
+            mixed = sum(mixed_whole(b, x) for _ in range(60))
         assert mixed >= 30 and b.stats()["shm_fetched"] >= 30
         assert b.stats().get("shm_torn", 0) == 0
     finally:
-        stop.set()
-        writer.join(30)
         a.close()
         b.close()
 

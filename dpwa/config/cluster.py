@@ -35,7 +35,8 @@ from typing import Any, Protocol
 
 import yaml
 
-from dpwa.rules import RULES, OuterSettings, momentum_hazard
+from dpwa.config.errors import MEMORY, ConfigError, error_in_memory
+from dpwa.rules import RULES, OuterSettings, Transfer, momentum_hazard
 from dpwa.rules.schedules import SCHEDULES
 from dpwa.security.keyfiles import KeyFileError, name_problem, public_path, read_key_file, secret_path
 from dpwa.utils.dtypes import WIRE_DTYPES
@@ -63,6 +64,7 @@ __all__ = [
     "JoinAddress",
     "NodeSpec",
     "SHARED_MEMORY_MODES",
+    "MEMORY_MODES",
     "SecurityConfig",
     "TransportConfig",
     "parse_join",
@@ -70,30 +72,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MEMORY = "<memory>"
 _LOOPBACK = frozenset({"localhost", "127.0.0.1"})  # spellings of one host, for duplicate host:port
-
-
-class ConfigError(ValueError):
-    """Invalid cluster file: ``str(err)`` is ``"<file>:<line>: <key>: <reason>"``.
-
-    ``line`` is 1-based (``None`` when unknown, then ``":<line>"`` is left out);
-    ``key`` is a path such as ``"nodes[1].port"`` (``None`` when no key applies).
-    """
-
-    def __init__(self, reason: str, file: str = MEMORY, line: int | None = None, key: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.file = file
-        self.line = line
-        self.key = key or None
-
-    def __str__(self) -> str:
-        where = self.file if self.line is None else f"{self.file}:{self.line}"
-        return f"{where}: {self.key}: {self.reason}" if self.key else f"{where}: {self.reason}"
-
-    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str, int | None, str | None]]:
-        return type(self), (self.reason, self.file, self.line, self.key)
 
 
 class FileReader(Reader, Protocol):
@@ -155,10 +134,6 @@ class _JoinAddress(Spec):
                 yield "", str(err)
 
 
-def _error_in_memory(key: str, reason: str) -> ConfigError:
-    return ConfigError(reason, MEMORY, None, key)
-
-
 # --------------------------------------------------------------------------- value objects
 
 
@@ -171,7 +146,7 @@ class NodeSpec:
     port: int = setting(lo=1, hi=65535, integer=True)
 
     def __post_init__(self) -> None:
-        validate(self, _error_in_memory)
+        validate(self, error_in_memory)
 
     @property
     def endpoint(self) -> str:
@@ -214,9 +189,9 @@ class SecurityConfig:
     keys: str | None = setting(None, spec=_Directory())
 
     def __post_init__(self) -> None:
-        validate(self, _error_in_memory)
+        validate(self, error_in_memory)
         if self.curve and self.keys is None:
-            raise _error_in_memory("keys", "missing; `curve: true` needs `keys: DIR`, the directory of the key files")
+            raise error_in_memory("keys", "missing; `curve: true` needs `keys: DIR`, the directory of the key files")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,18 +225,25 @@ class _Security(Spec):
 
 
 SHARED_MEMORY_MODES = ("auto", "off")  # transport.shared_memory
+MEMORY_MODES = ("normal", "low")  # transport.memory
 
 
 @dataclasses.dataclass(frozen=True)
 class TransportConfig:
     """The ``transport`` key. ``shared_memory: auto`` (the default): a node answers a co-located peer's fetch with
     its snapshot's shared-memory segment instead of sending it (dpwa/node/sharedmem.py); with ``security.curve``
-    on, only a peer that authenticated as the node it names. ``off``: sockets only."""
+    on, only a peer that authenticated as the node it names. ``off``: sockets only.
+
+    ``memory: normal`` (the default): a pool of snapshot buffers (3, more while all are busy), so publishing never
+    waits for a peer. ``low``: one snapshot buffer, rewritten in place once the sends of the last one ended (the
+    trainer waits for them at most ``timeout_ms``, else peers keep the last snapshot); a co-located reader copies
+    the snapshot out of the segment and gives it back at once instead of mixing from it."""
 
     shared_memory: str = choice("auto", SHARED_MEMORY_MODES)
+    memory: str = choice("normal", MEMORY_MODES, omit_default=True)
 
     def __post_init__(self) -> None:
-        validate(self, _error_in_memory)
+        validate(self, error_in_memory)
 
 
 _OUTER_SHAPE = "a map like {every: 8, lr: 0.7, momentum: 0.9, nesterov: true} ({} for the defaults), or null"
@@ -432,6 +414,12 @@ class ClusterConfig:
                 "wire_dtype",
                 f"interpolation {self.interpolation!r} needs its snapshots bit for bit ({rule.wire_exact}); "
                 "leave wire_dtype at auto",
+            )
+        if self.transport.memory == "low" and rule.transfer is Transfer.EXCHANGE:
+            raise self.error(
+                "transport.memory",
+                f"interpolation {self.interpolation!r} keeps the snapshot of each exchange until both ends mixed it, "
+                "which a single snapshot buffer cannot; use memory: normal",
             )
         hazard = momentum_hazard(self.interpolation, self.schedule) if self.outer and self.outer.momentum else ""
         if hazard:

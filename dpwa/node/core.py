@@ -189,16 +189,17 @@ class Node:
     def setup_layout(self, params: Sequence[np.ndarray]) -> None:
         """The first arrays: the snapshot pool for their layout (:func:`~dpwa.node.snapshots.open_pool`), then the
         transfer's buffers; the layouts are set last (until then the RX thread answers "not ready")."""
-        held = self.transfer.held_snapshots()  # kept leased by the transfer: unsettled pushes, exchanges
         pool = open_pool(
             self.rule.public_arrays(params),
             self.config.wire_dtype,
             bounds=self.rule.public_bounds(),
             name=self.name,
-            held=held,
+            held=self.transfer.held_snapshots(),  # kept leased by the transfer: unsettled pushes, exchanges
             defer=self.exchanging,
             max_messages=REPLY_QUEUE_MESSAGES,
             shared=bool(self.host_id),
+            single=self.config.transport.memory == "low",  # one buffer: waits up to the timeout for its sends
+            drain_s=self.timeouts.exchange_s,
         )
         self.pool = pool
         self.transfer.allocate(pool.layout)

@@ -86,7 +86,8 @@ def serve(node: Served, request: wire.Fetch, user: str | None = None) -> Reply:
         return _error(node, request.req, ErrorCode.LAYOUT, detail)
     snapshot = pool.lease()
     if snapshot is None:
-        return _error(node, request.req, ErrorCode.NOT_READY, "no snapshot published yet", news)
+        why = "rewriting its one snapshot buffer" if pool.rewriting else "no snapshot published yet"
+        return _error(node, request.req, ErrorCode.NOT_READY, why, news)
     reply = None
     try:
         refusal = None

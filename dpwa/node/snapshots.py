@@ -48,6 +48,7 @@ from dpwa.node.wire import CHUNK_BYTES, FiniteChecker, Layout, PayloadWriter
 __all__ = [
     "ATTEST_WHILE_LENT_S",
     "DEFER_S",
+    "DRAIN_POLL_S",
     "GEN_START_BOUND",
     "POLL_S",
     "Snapshot",
@@ -68,6 +69,8 @@ POLL_S = 0.1
 """Longest the converter thread sleeps before it looks at its stop flag."""
 DEFER_S = 0.001
 """How often a deferred converter looks again."""
+DRAIN_POLL_S = 0.0005
+"""How often a one-buffer pool's publish looks whether the sends of its snapshot have ended."""
 
 
 class Tracker(Protocol):
@@ -119,6 +122,11 @@ class Snapshot:
 class SnapshotPool:
     """``size`` buffers allocated up front, growing to ``max_size`` only when all are busy.
 
+    A pool of one buffer (``max_size`` 1: ``transport.memory: low``) rewrites it in place: :meth:`publish` refuses
+    new leases (:meth:`lease` returns None: a requester is told "not ready"), waits at most ``drain_s`` seconds for
+    the sends and loans of the current snapshot to end, then copies; when they do not end in time it keeps the
+    current snapshot (counted in ``skipped``) and leases resume.
+
     ``wire``: the layout snapshots travel in, when it differs from ``layout`` (a narrower
     ``wire_dtype``); the pool then runs a converter thread named ``dpwa-wire-<name>`` until
     :meth:`close`, which waits between chunks while ``defer()`` returns True. ``shared``: every wire buffer
@@ -136,8 +144,12 @@ class SnapshotPool:
         name: str = "node",
         defer: Callable[[], bool] | None = None,
         shared: bool = False,
+        drain_s: float = 1.0,
     ) -> None:
         self.layout = layout
+        self._drain_s = drain_s
+        self._rewriting = False
+        """A one-buffer pool is rewriting its current snapshot: no new lease until it is published again."""
         self.shared = shared
         self._name = name
         self.wire = layout if wire is None else wire
@@ -149,7 +161,7 @@ class SnapshotPool:
         self._chunk = chunk
         self._max_size = max_size
         self._lock = threading.Lock()
-        self._all: list[Snapshot] = [self._new() for _ in range(size)]
+        self._all: list[Snapshot] = [self._new() for _ in range(min(size, max_size))]
         self._current: Snapshot | None = None
         self._published = secrets.randbelow(GEN_START_BOUND)  # the first publish is 1 more: see Snapshot.gen
         self.skipped = 0
@@ -184,6 +196,11 @@ class SnapshotPool:
         frames = [memoryview(wire[s:e]) for s, e in self._bounds]
         return Snapshot(buffer, views, frames, readonly, self.wire.views(wire), 0, segment=segment)
 
+    @property
+    def rewriting(self) -> bool:
+        """A one-buffer pool is rewriting its snapshot: :meth:`lease` answers None until it is published."""
+        return self._rewriting
+
     def __len__(self) -> int:
         return len(self._all)
 
@@ -197,10 +214,16 @@ class SnapshotPool:
                 free = self._new()
                 self._all.append(free)
                 log.debug("snapshot pool grew to %d buffers", len(self._all))
-            if free is None:
+            if free is None and self._max_size == 1:
+                self._rewriting = True  # lease() answers None from here
+                free = self._current
+            elif free is None:
                 self.skipped += 1
                 return None
-            free.leases += 1  # keep it ours while copying outside the lock
+            else:
+                free.leases += 1  # keep it ours while copying outside the lock
+        if self._rewriting and not self._drained(free):
+            return None
         if free.segment is not None:
             free.segment.set_gen(0)  # being written
         for dst, src in zip(free.views, arrays):
@@ -209,6 +232,7 @@ class SnapshotPool:
             if free.wire_views is not None:
                 free.ready = 0  # no other thread touches a buffer that is neither current nor leased
             free.leases -= 1
+            self._rewriting = False
             free.clock, free.loss, free.extras, free.front = clock, loss, dict(extras), front
             self._published += 1
             free.gen = self._published
@@ -221,11 +245,30 @@ class SnapshotPool:
             self._work.set()
         return free
 
+    def _drained(self, snapshot: Snapshot | None) -> bool:
+        """A one-buffer pool's :meth:`publish`: wait at most ``drain_s`` seconds until no send or loan holds the
+        current ``snapshot``, then lease it to the writer (True); or give up (counted in ``skipped``), leases
+        allowed again."""
+        assert snapshot is not None
+        deadline = time.monotonic() + self._drain_s
+        while True:
+            with self._lock:
+                if not snapshot.busy():
+                    snapshot.leases += 1
+                    return True
+                if time.monotonic() >= deadline:
+                    self._rewriting = False
+                    self.skipped += 1
+                    return False
+            time.sleep(DRAIN_POLL_S)
+
     def lease(self) -> Snapshot | None:
-        """The current snapshot, leased until ``release``; None before the first publish."""
+        """The current snapshot, leased until ``release``; None before the first publish and while a one-buffer
+        pool rewrites it."""
         with self._lock:
-            if self._current is not None:
-                self._current.leases += 1
+            if self._current is None or self._rewriting:
+                return None
+            self._current.leases += 1
             return self._current
 
     def prepare(self, snapshot: Snapshot, upto: int) -> None:
@@ -285,7 +328,7 @@ class SnapshotPool:
                     for index in range(len(self._bounds)):
                         while self._defer is not None and self._defer() and not self._stop.is_set():
                             time.sleep(DEFER_S)
-                        if self._stop.is_set() or snapshot is not self._current:
+                        if self._stop.is_set() or snapshot is not self._current or self._rewriting:
                             break
                         if self._bg_writer is not None:
                             self._round(snapshot, index, self._bg_writer)
@@ -351,10 +394,13 @@ def open_pool(
     max_messages: int,
     bounds: tuple[int, ...] | None = None,
     shared: bool = False,
+    single: bool = False,
+    drain_s: float = 1.0,
 ) -> SnapshotPool:
     """The pool a node publishes ``params`` through: their layout (``bounds``: of their index arrays), travelling
     as ``wire_dtype`` says (:meth:`~dpwa.node.wire.Layout.on_wire`), with room for ``held`` snapshots kept
-    leased beyond the pool's own six (pushes, exchanges); ``shared``: in shared-memory segments.
+    leased beyond the pool's own six (pushes, exchanges); ``shared``: in shared-memory segments. ``single``: one
+    buffer, rewritten in place once its sends end (waiting at most ``drain_s`` seconds; ``transport.memory: low``).
 
     ValueError when one reply of that layout would take more than ``max_messages`` messages (a node's reply
     queue)."""
@@ -365,7 +411,8 @@ def open_pool(
             f"a model of {wire.total_bytes / 2**30:.1f} GiB on the wire needs more messages per reply "
             f"than a node queues ({max_messages}); exchange a part of it, or a narrower wire_dtype"
         )
-    pool = SnapshotPool(layout, max_size=6 + held, wire=wire, name=name, defer=defer, shared=shared)
+    size, most = (1, 1) if single else (3, 6 + held)
+    pool = SnapshotPool(layout, size, most, wire=wire, name=name, defer=defer, shared=shared, drain_s=drain_s)
     log.info(
         "node %s: %d arrays, %.1f MB per snapshot, %.1f MB on the wire (wire_dtype %s)",
         name,

@@ -25,6 +25,7 @@ COUNTERS = (
     "stale_replies",  # messages of no fetch in flight (late replies, stray chunks, other ERRORs), discarded
     "mixes",  # update_wait calls that mixed at least one peer in
     "served",  # snapshots sent to requesters
+    "fetches_held",  # FETCHes the RX thread held back while the node rewrote its one snapshot (transport.memory low)
     "serve_dropped",  # replies dropped because a requester's queue was full
     "requests_rejected",  # malformed requests received by the RX thread
     "auth_denied",  # connections to the RX thread refused by CURVE authentication (security.curve)

@@ -21,6 +21,7 @@ from dpwa.node.inbox import PushReceiver
 from dpwa.node.loans import Loans
 from dpwa.node.membership import Membership
 from dpwa.node.pushes import Push
+from dpwa.node.snapshots import SnapshotPool
 from dpwa.node.states import PushStatus
 from dpwa.node.stats import NodeStats
 from dpwa.node.timeouts import Timeouts
@@ -53,6 +54,8 @@ class Wired(Protocol):
 
     host_id: str
     loans: Loans
+
+    pool: SnapshotPool | None
 
     def serve(self, request: wire.Fetch, user: str | None) -> Reply: ...
 
@@ -89,6 +92,10 @@ class TransportLink:
 
     def serve(self, request: wire.Fetch, user: str | None) -> Reply:
         return self._node.serve(request, user)
+
+    def rewriting(self) -> bool:
+        pool = self._node.pool
+        return pool is not None and pool.rewriting
 
     def give_back(self, release: wire.Release, user: str | None) -> None:
         self._node.give_back(release, user)

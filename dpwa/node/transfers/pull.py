@@ -32,7 +32,9 @@ class PullTransfer(TransferPattern):
     def start(self, snapshot: Snapshot | None) -> None:
         planned = self.fetcher.plan()
         if planned is not None:
-            self.fetcher.submit(self.fetcher.job(*planned, lend=True))
+            # transport.memory low: the peer's one buffer is lent only while this node copies it out
+            lend = self.host.config.transport.memory != "low"
+            self.fetcher.submit(self.fetcher.job(*planned, lend=lend))
 
     def collect(self, upto: int | None) -> Arrival:
         targets, fetched = self.fetcher.collect()

@@ -83,6 +83,11 @@ class NodePort(Protocol):
         requester's CURVE identity (None without CURVE)."""
         ...
 
+    def rewriting(self) -> bool:
+        """The node is rewriting its one snapshot buffer (``transport.memory: low``): a FETCH served now would be
+        declined "not ready", so the RX thread holds it back a moment (any thread)."""
+        ...
+
     def give_back(self, release: wire.Release, user: str | None) -> None:
         """A RELEASE: the requester is done with the snapshot lent to its request (RX thread)."""
         ...

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -34,12 +35,19 @@ from dpwa.node.transport.sockets import (
 from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Kind, WireError
 from dpwa.utils.socket_thread import POLL_MS, SocketThread
 
-__all__ = ["EXPIRE_EVERY_S", "Reply", "RxServer"]
+__all__ = ["EXPIRE_EVERY_S", "HOLD_S", "MAX_HELD", "Reply", "RxServer"]
 
 log = logging.getLogger(__name__)
 
 EXPIRE_EVERY_S = 0.01
 """How often (seconds, at most) the RX thread frees the inbox slots of pushes that stalled."""
+HOLD_S = 0.2
+"""Longest the RX thread holds back a FETCH that came while the node rewrites its one snapshot buffer
+(``transport.memory: low``) before it serves it anyway (declined "not ready" if the rewrite still goes on)."""
+MAX_HELD = 64
+"""Most FETCHes held back at once (a header each); one more is served at once."""
+HELD_POLL_MS = 1
+"""How long the RX thread polls while it holds a FETCH back."""
 
 
 class RxServer(SocketThread):
@@ -71,6 +79,8 @@ class RxServer(SocketThread):
         self._pushes = port.inbox
         self._node = node
         self._next_tick = 0.0
+        self._held_fetches: deque[tuple[bytes, wire.Fetch, str | None, float]] = deque()
+        """FETCHes held back while the node rewrites its one snapshot: (identity, header, user, serve by)."""
         common_options(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, sndhwm)
@@ -92,13 +102,20 @@ class RxServer(SocketThread):
         """The endpoint the ROUTER is bound to."""
 
     def _poll_ms(self) -> int:
-        """10 ms with an inbox (its stalled pushes expire on time), else POLL_MS."""
+        """1 ms while a FETCH is held back, 10 ms with an inbox (its stalled pushes expire on time), else POLL_MS."""
+        if self._held_fetches:
+            return HELD_POLL_MS
         return 10 if self._pushes is not None else POLL_MS
 
     def _tick(self) -> None:
-        """Expire pushes that stalled and shared-memory loans past their deadline (every :data:`EXPIRE_EVERY_S` at
-        most)."""
+        """Serve the held-back FETCHes once the rewrite ended (or they were held :data:`HOLD_S`); expire pushes that
+        stalled and shared-memory loans past their deadline (every :data:`EXPIRE_EVERY_S` at most)."""
         now = time.monotonic()
+        if self._held_fetches:
+            rewriting = self._port.rewriting()
+            while self._held_fetches and (not rewriting or self._held_fetches[0][3] <= now):
+                identity, header, user, _ = self._held_fetches.popleft()
+                self._serve(self._sock, identity, header, user)
         if now < self._next_tick:
             return
         self._next_tick = now + EXPIRE_EVERY_S
@@ -153,6 +170,10 @@ class RxServer(SocketThread):
             return
         if header.kind is not Kind.FETCH:
             self._push_message(sock, identity, header, head)
+            return
+        if len(self._held_fetches) < MAX_HELD and self._port.rewriting():
+            self._held_fetches.append((identity, header, user_id(head), time.monotonic() + HOLD_S))
+            self._port.count("fetches_held", 1)
             return
         self._serve(sock, identity, header, user_id(head))
 

@@ -1,0 +1,200 @@
+"""``transport: {memory: low}``: one snapshot buffer per node, rewritten in place (dpwa/node/snapshots.py).
+
+What is checked: the pool waits for the sends of its one snapshot before it rewrites it, refuses new leases
+meanwhile (a requester is told "not ready"), and keeps the snapshot when they outlast the wait; no lease ever sees
+a half-rewritten snapshot, and no mix between two nodes takes one, over the socket or through shared memory; the
+node holds one snapshot buffer and one receive buffer; the config key. What this saves is measured by the memory
+rows of ``dpwa bench exchange`` (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import free_ports, mixed_whole, pool_publishing_flat_out, publishing_flat_out, wait_until, write_cluster
+
+from dpwa import DpwaConnection
+from dpwa.config import ConfigError, load_config, parse_config
+from dpwa.node import sharedmem
+from dpwa.node.snapshots import SnapshotPool
+from dpwa.node.transport import rx
+from dpwa.node.wire import Layout
+
+
+def one_buffer_pool(size: int, drain_s: float, **kwargs: object) -> SnapshotPool:
+    return SnapshotPool(Layout.of([np.zeros(size, np.float32)]), 1, 1, drain_s=drain_s, **kwargs)  # type: ignore
+
+
+def test_a_one_buffer_pool_waits_for_the_sends_of_its_snapshot_then_rewrites_it() -> None:
+    pool = one_buffer_pool(8, drain_s=10.0)
+    try:
+        first = pool.publish([np.full(8, 1.0, np.float32)], 1.0, 0.0, {})
+        assert first is not None and len(pool) == 1
+        held = pool.lease()  # a send in flight
+        assert held is first
+        done: list[object] = []
+        writer = threading.Thread(target=lambda: done.append(pool.publish([np.full(8, 2.0, np.float32)], 2.0, 0, {})))
+        writer.start()
+        wait_until(lambda: pool.rewriting, 5, message="the writer waits for the send")
+        assert pool.lease() is None  # no new lease while it waits: a requester is told "not ready"
+        assert (held.views[0] == 1.0).all() and not done  # the leased snapshot is untouched
+        pool.release(held)
+        writer.join(10)
+        assert done == [first] and (first.views[0] == 2.0).all() and first.gen == held.gen
+        assert not pool.rewriting and pool.lease() is first and pool.skipped == 0
+    finally:
+        pool.close()
+
+
+def test_a_one_buffer_pool_keeps_its_snapshot_when_the_sends_outlast_the_wait() -> None:
+    pool = one_buffer_pool(8, drain_s=0.05)
+    try:
+        first = pool.publish([np.full(8, 1.0, np.float32)], 1.0, 0.0, {})
+        assert first is not None
+        gen = first.gen
+        held = pool.lease()
+        assert pool.publish([np.full(8, 2.0, np.float32)], 2.0, 0.0, {}) is None
+        assert pool.skipped == 1 and not pool.rewriting
+        assert (first.views[0] == 1.0).all() and first.gen == gen and first.clock == 1.0
+        again = pool.lease()  # leases resume: peers keep getting the last snapshot
+        assert again is first
+        pool.release(again)
+        pool.release(held)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    ("wire", "shared"),
+    [(None, False), ("float16", False), (None, True)],
+    ids=["float32", "float16-converter", "shared-memory"],
+)
+def test_a_one_buffer_pool_never_lets_a_lease_see_a_half_rewritten_snapshot(wire: str | None, shared: bool) -> None:
+    """A writer publishes generation ``g`` as every element = g as fast as it can; a reader leases the current
+    snapshot, and every lease it gets holds one generation only (in the wire buffer too, which the converter
+    thread rounds in the background and the reader completes)."""
+    if shared and not sharedmem.supported():
+        pytest.skip("needs memfd_create and /proc (Linux)")
+    layout = Layout.of([np.zeros(1 << 16, np.float32)])
+    pool = SnapshotPool(layout, 1, 1, wire=layout.on_wire(wire), shared=shared, drain_s=10.0, name="low")
+    checked = 0
+    deadline = time.monotonic() + 30.0
+    with pool_publishing_flat_out(pool, 1 << 16) as counts:
+        while checked < 300:
+            assert time.monotonic() < deadline, f"{checked} leases in 30 s"
+            snapshot = pool.lease()
+            if snapshot is None:  # being rewritten
+                continue
+            try:
+                pool.complete(snapshot)
+                values = snapshot.views[0] if snapshot.wire_views is None else snapshot.wire_views[0]
+                assert values.min() == values.max(), "a torn snapshot"
+                checked += 1
+            finally:
+                pool.release(snapshot)
+    assert counts["published"] > 10 and counts["skipped"] == 0  # the reader's leases are short: never skipped
+
+
+@pytest.mark.parametrize("shared_memory", ["auto", "off"])
+def test_two_low_memory_nodes_never_mix_a_torn_snapshot(tmp_path: Path, shared_memory: str) -> None:
+    """The writer publishes ``g`` everywhere at every update_send, as fast as it can; the reader zeroes its model
+    before each step, so after a mix every element holds one value -- unless it read a torn snapshot. The reader
+    runs until it mixed 20 times (fetches that find the writer rewriting are declined "not ready")."""
+    if shared_memory == "auto" and not sharedmem.supported():
+        pytest.skip("needs memfd_create and /proc (Linux)")
+    transport = {"shared_memory": shared_memory, "memory": "low"}
+    config = write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation="constant", transport=transport)
+    a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
+    try:
+        with publishing_flat_out(a, 1 << 18):
+            x = np.zeros(1 << 18, np.float32)
+            mixed = 0
+            deadline = time.monotonic() + 60.0
+            while mixed < 20:
+                assert time.monotonic() < deadline, (mixed, b.stats())
+                mixed += mixed_whole(b, x)
+        for conn in (a, b):
+            assert conn.stats()["snapshot_buffers"] == 1
+        assert len(b._node.transfer.fetcher.slots) == 1  # and one receive buffer
+        s = b.stats()
+        assert s.get("shm_torn", 0) == 0 and s["fetches_rejected"] == 0
+        if shared_memory == "auto":  # copied out of the segment and given back at once, never mixed from it
+            assert s["shm_fetched"] == s["fetches_ok"] >= 20
+            wait_until(lambda: a.stats().get("shm_released", 0) == s["shm_fetched"], 5, message="loans given back")
+        else:
+            assert s.get("shm_fetched", 0) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("hold_s", [30.0, 0.05], ids=["served-once-published", "declined-after-the-hold"])
+def test_a_fetch_that_comes_while_the_snapshot_is_rewritten_is_held_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hold_s: float
+) -> None:
+    """``a`` waits to rewrite its one buffer (a send of it still in flight: a lease the test holds); ``b``'s FETCH
+    that comes meanwhile is held back by ``a``'s RX thread, and served the new snapshot once it is published --
+    or, held longer than ``HOLD_S``, declined "not ready" with the rewrite still going on."""
+    monkeypatch.setattr(rx, "HOLD_S", hold_s)
+    transport = {"shared_memory": "off", "memory": "low"}
+    config = write_cluster(
+        tmp_path / "c.yaml", free_ports(2), interpolation="constant", timeout_ms=20_000, transport=transport
+    )
+    a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
+    try:
+        xb = np.zeros(1000, np.float32)
+        b.update_send([xb], 1.0)  # b publishes; its fetch of a finds nothing yet
+        b.update_wait(1.0)
+        a.update_send([np.full(1000, 1.0, np.float32)], 1.0)
+        a.update_wait(1.0)
+        pool = a._node.pool
+        assert pool is not None
+        send = pool.lease()  # a send of the snapshot 1.0 in flight
+        rewrite = threading.Thread(target=a.update_send, args=([np.full(1000, 3.0, np.float32)], 1.0))
+        rewrite.start()
+        try:
+            wait_until(lambda: pool.rewriting, 10, message="a waits to rewrite its snapshot")
+            xb.fill(0.0)
+            b.update_send([xb], 1.0)
+            wait_until(lambda: a.stats().get("fetches_held", 0) == 1, 10, message="b's fetch held back")
+            if hold_s < 1:
+                factor = b.update_wait(1.0)
+                assert factor == 0.0 and (xb == 0).all() and b.stats()["fetches_not_ready"] >= 1
+                assert b.stats()["refused_by_reason"].get("not-ready", 0) >= 1
+                pool.release(send)
+            else:
+                pool.release(send)
+                factor = b.update_wait(1.0)
+                assert factor > 0 and (xb == 1.5).all()  # the new snapshot (3.0), never the one being rewritten
+        finally:
+            rewrite.join(30)
+        a.update_wait(1.0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_memory_key_takes_normal_or_low(tmp_path: Path) -> None:
+    nodes = "nodes: [{name: a, host: 127.0.0.1, port: 5000}]\n"
+    assert parse_config(nodes).transport.memory == "normal"
+    assert parse_config(nodes + "transport: {memory: low}\n").transport.memory == "low"
+    path = tmp_path / "bad.yaml"
+    path.write_text(nodes + "transport: {memory: tiny}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}:2: transport.memory: unknown value 'tiny'; allowed: normal, low"
+
+
+def test_an_exchange_rule_refuses_low_memory(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "nodes: [{name: a, host: 127.0.0.1, port: 5000}]\ninterpolation: adpsgd\ntransport:\n  memory: low\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert (info.value.file, info.value.line, info.value.key) == (str(path), 4, "transport.memory")
+    assert "adpsgd" in info.value.reason and "memory: normal" in info.value.reason
