@@ -118,17 +118,11 @@ def lends_to(node: Served, request: wire.Fetch, user: str | None, snapshot: Snap
     )
 
 
-def _lent_reply(
-    node: Served, request: wire.Fetch, snapshot: Snapshot, layout: Layout, pool: SnapshotPool, news: MemberNews
-) -> Reply | None:
-    """The STATE reply naming ``snapshot``'s segment (leased; the loan keeps it until RELEASE or its deadline), or
-    None when no loan can be made (the caller sends the snapshot)."""
-    assert snapshot.segment is not None
-    pool.complete(snapshot)  # a narrower wire dtype: every chunk rounded before the reader looks
-    pool.lent()
-    until = time.monotonic() + node.timeouts.lend_s
-    if not node.loans.lend(request.node, request.req, snapshot, until):
-        return None
+def _served_header(
+    node: Served, request: wire.Fetch, snapshot: Snapshot, layout: Layout, news: MemberNews, **fields: Any
+) -> tuple[bytes, dict[str, Any]]:
+    """The STATE header of ``snapshot`` for ``request`` (``fields``: how it travels, ``stream`` or ``shm``) and the
+    extras the rule's ``on_serve`` handed out with it (``on_request`` first, if the request carried extras)."""
     with node.state_lock:
         if request.extras:
             node.rule.on_request(node.state, request.extras)
@@ -143,12 +137,26 @@ def _lent_reply(
         layout=layout,
         gen=snapshot.gen,
         front=snapshot.front,
-        shm=snapshot.segment.ref(snapshot.gen, until),
+        **fields,
     )
     try:
-        header = encode(news=news)
+        return encode(news=news), given
     except ValueError:  # the member table does not fit a header: its digest goes alone
-        header = encode(news=MemberNews(news.digest))
+        return encode(news=MemberNews(news.digest)), given
+
+
+def _lent_reply(
+    node: Served, request: wire.Fetch, snapshot: Snapshot, layout: Layout, pool: SnapshotPool, news: MemberNews
+) -> Reply | None:
+    """The STATE reply naming ``snapshot``'s segment (leased; the loan keeps it until RELEASE or its deadline), or
+    None when no loan can be made (the caller sends the snapshot)."""
+    assert snapshot.segment is not None
+    pool.complete(snapshot)  # a narrower wire dtype: every chunk rounded before the reader looks
+    pool.lent()
+    until = time.monotonic() + node.timeouts.lend_s
+    if not node.loans.lend(request.node, request.req, snapshot, until):
+        return None
+    header, given = _served_header(node, request, snapshot, layout, news, shm=snapshot.segment.ref(snapshot.gen, until))
 
     def lent(went: bool) -> None:
         if not went:  # never sent: the loan ends now, and the rule gets back what on_serve handed out
@@ -175,27 +183,8 @@ def _state_reply(
 ) -> Reply:
     """The STATE reply of ``snapshot`` (leased): the rule's ``on_serve`` extras ride along, given back by
     ``on_serve_failed`` when the reply is never sent; the lease ends when the send has."""
-    with node.state_lock:
-        if request.extras:
-            node.rule.on_request(node.state, request.extras)
-        given = node.rule.on_serve(node.state)
     stream = request.stream and wire.can_stream(request.req)
-    encode = functools.partial(
-        wire.encode_state,
-        node.name,
-        request.req,
-        clock=snapshot.clock,
-        loss=snapshot.loss,
-        extras={**snapshot.extras, **given},
-        layout=layout,
-        stream=stream,
-        gen=snapshot.gen,
-        front=snapshot.front,
-    )
-    try:
-        header = encode(news=news)
-    except ValueError:  # the member table does not fit a header: its digest goes alone
-        header = encode(news=MemberNews(news.digest))
+    header, given = _served_header(node, request, snapshot, layout, news, stream=stream)
 
     def sent(tracker: Any) -> None:
         pool.release(snapshot, tracker)
