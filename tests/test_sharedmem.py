@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -171,10 +172,22 @@ def test_co_located_nodes_fetch_through_shared_memory(tmp_path: Path) -> None:
 
 
 def test_shared_memory_off_fetches_over_the_socket(tmp_path: Path) -> None:
+    """Both trainers step until each node has 3 good fetches (how many of a fixed number of steps find the peer
+    published depends on how the threads start): all over the socket."""
     a, b = pair(tmp_path, transport={"shared_memory": "off"})
+
+    def fetched() -> bool:
+        return all(conn.stats()["fetches_ok"] >= 3 for conn in (a, b))
+
+    def train(conn: DpwaConnection, x: np.ndarray) -> None:
+        deadline = time.monotonic() + 30.0
+        while not fetched():
+            assert time.monotonic() < deadline, (a.stats()["fetches_ok"], b.stats()["fetches_ok"])
+            steps(conn, x, 1)
+
     try:
         xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
-        in_threads(2, lambda i: steps(*((a, xa), (b, xb))[i], 5), timeout=60)
+        in_threads(2, lambda i: train(*((a, xa), (b, xb))[i]), timeout=60)
         for conn in (a, b):
             s = conn.stats()
             assert s["fetches_ok"] >= 3 and s.get("shm_fetched", 0) == 0 and s["bytes_in"] > 4000 * s["fetches_ok"]
@@ -322,7 +335,7 @@ def test_a_snapshot_is_lent_only_to_a_co_located_plain_fetch_and_with_curve_to_t
         assert lends_to(plain, fetch(), None, snapshot)
         assert not lends_to(plain, fetch(host=""), None, snapshot)  # the requester has it off
         assert not lends_to(plain, fetch(host="0" * 32), None, snapshot)  # another machine or namespace
-        assert not lends_to(plain, fetch(exchange=3), None, snapshot)  # an exchange's pair goes over the socket
+        assert lends_to(plain, fetch(exchange=3), None, snapshot)  # an exchange's reply too (its push: the socket)
         assert not lends_to(off, fetch(), None, snapshot)  # this node has it off
         assert not lends_to(plain, fetch(), None, SimpleNamespace(segment=None))
         assert lends_to(curve, fetch(), "w1", snapshot)  # CURVE: authenticated as the node it names
@@ -434,3 +447,38 @@ def test_a_shared_pool_attests_the_snapshots_it_found_finite() -> None:
         assert int(mapped.checked[0]) == 0
     finally:
         pool.close()
+
+
+def test_an_exchange_through_shared_memory_mixes_both_ends_bit_for_bit_as_the_socket(tmp_path: Path) -> None:
+    """AD-PSGD: ``b`` exchanges with ``a`` (its push over the socket, ``a``'s reply lent in shared memory), then
+    ``a`` mixes its half and exchanges back; both ends hold the same bits co-located or not."""
+    rng = np.random.default_rng(7)
+    start = {
+        n: [rng.standard_normal(1_200_000, dtype=np.float32), rng.standard_normal(77, dtype=np.float32)] for n in "ab"
+    }
+    results = {}
+    for mode in ("auto", "off"):
+        config = write_cluster(
+            tmp_path / f"{mode}.yaml",
+            free_ports(2),
+            timeout_ms=5000,
+            interpolation="adpsgd",
+            transport={"shared_memory": mode},
+        )
+        a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
+        xa, xb = [x.copy() for x in start["a"]], [x.copy() for x in start["b"]]
+        try:
+            a.update_send(xa, 1.0)  # a publishes; its exchange finds b not ready
+            a.update_wait(1.0)
+            b.update_send(xb, 1.0)  # b's push goes into a's inbox, a's snapshot comes back
+            assert b.update_wait(1.0) == 0.5
+            wait_until(lambda a=a: a.stats()["exchanges_committed"] == 1, 10, message="a learns the commit")
+            a.update_send(xa, 1.0)  # a's half of b's exchange, and its own exchange with b
+            a.update_wait(1.0)
+            assert a.stats()["mixes"] == 1 and b.stats()["shm_fetched"] == (1 if mode == "auto" else 0)
+            assert a.stats().get("shm_fetched", 0) == (1 if mode == "auto" else 0)
+        finally:
+            a.close()
+            b.close()
+        results[mode] = xa + xb
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(results["auto"], results["off"]))

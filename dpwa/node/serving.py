@@ -107,13 +107,12 @@ def serve(node: Served, request: wire.Fetch, user: str | None = None) -> Reply:
 
 def lends_to(node: Served, request: wire.Fetch, user: str | None, snapshot: Snapshot) -> bool:
     """Whether ``request`` gets ``snapshot`` lent in shared memory: shared memory on here, the requester
-    co-located (the same identity), a plain fetch (an exchange's pair travels over the socket), and with CURVE
-    on, a requester that authenticated as the node it names."""
+    co-located (the same identity), and with CURVE on, a requester that authenticated as the node it names. An
+    exchange's reply is lent too (its pair, the push, still travels over the socket)."""
     return (
         bool(node.host_id)
         and request.host == node.host_id
         and snapshot.segment is not None
-        and request.exchange < 0
         and (node.security is None or user == request.node)
     )
 
