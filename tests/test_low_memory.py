@@ -189,12 +189,36 @@ def test_the_memory_key_takes_normal_or_low(tmp_path: Path) -> None:
     assert str(info.value) == f"{path}:2: transport.memory: unknown value 'tiny'; allowed: normal, low"
 
 
-def test_an_exchange_rule_refuses_low_memory(tmp_path: Path) -> None:
-    path = tmp_path / "c.yaml"
-    path.write_text(
-        "nodes: [{name: a, host: 127.0.0.1, port: 5000}]\ninterpolation: adpsgd\ntransport:\n  memory: low\n"
-    )
-    with pytest.raises(ConfigError) as info:
-        load_config(path)
-    assert (info.value.file, info.value.line, info.value.key) == (str(path), 4, "transport.memory")
-    assert "adpsgd" in info.value.reason and "memory: normal" in info.value.reason
+@pytest.mark.parametrize("shared_memory", ["off", "auto"])
+def test_an_adpsgd_exchange_in_one_buffer_mixes_the_same_bits_as_with_a_pool(
+    tmp_path: Path, shared_memory: str
+) -> None:
+    """``b`` exchanges with ``a``; ``a`` then publishes (a one-buffer ``a`` rewrites the snapshot it served, the
+    exchange keeping ``push - served`` instead) and mixes its half: both ends hold the same bits as with a pool."""
+    if shared_memory == "auto" and not sharedmem.supported():
+        pytest.skip("needs memfd_create and /proc (Linux)")
+    rng = np.random.default_rng(11)
+    start = {n: [rng.standard_normal(s, dtype=np.float32) for s in (300_000, 77)] for n in "ab"}
+    results = {}
+    for memory in ("normal", "low"):
+        transport = {"shared_memory": shared_memory, "memory": memory}
+        config = write_cluster(
+            tmp_path / f"{memory}.yaml", free_ports(2), timeout_ms=5000, interpolation="adpsgd", transport=transport
+        )
+        a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
+        xa, xb = [x.copy() for x in start["a"]], [x.copy() for x in start["b"]]
+        try:
+            a.update_send(xa, 1.0)  # a publishes; its exchange finds b not ready
+            a.update_wait(1.0)
+            b.update_send(xb, 1.0)  # b's push waits in a's inbox, paired with the snapshot a serves back
+            assert b.update_wait(1.0) == 0.5
+            wait_until(lambda a=a: a.stats()["exchanges_committed"] == 1, 10, message="a learns the commit")
+            a.update_send(xa, 1.0)  # publishes over the served snapshot (low), then a's own exchange with b
+            a.update_wait(1.0)  # a's half of b's exchange, and of its own
+            assert a.stats()["mixes"] == 1 and a.stats()["snapshots_skipped"] == 0
+            assert a.stats()["snapshot_buffers"] == (1 if memory == "low" else 3)
+        finally:
+            a.close()
+            b.close()
+        results[memory] = xa + xb
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(results["low"], results["normal"]))

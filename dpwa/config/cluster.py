@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import yaml
 
 from dpwa.config.errors import MEMORY, ConfigError, error_in_memory
-from dpwa.rules import RULES, OuterSettings, Transfer, momentum_hazard
+from dpwa.rules import RULES, OuterSettings, momentum_hazard
 from dpwa.rules.schedules import SCHEDULES
 from dpwa.security.keyfiles import KeyFileError, name_problem, public_path, read_key_file, secret_path
 from dpwa.utils.dtypes import WIRE_DTYPES
@@ -414,12 +414,6 @@ class ClusterConfig:
                 "wire_dtype",
                 f"interpolation {self.interpolation!r} needs its snapshots bit for bit ({rule.wire_exact}); "
                 "leave wire_dtype at auto",
-            )
-        if self.transport.memory == "low" and rule.transfer is Transfer.EXCHANGE:
-            raise self.error(
-                "transport.memory",
-                f"interpolation {self.interpolation!r} keeps the snapshot of each exchange until both ends mixed it, "
-                "which a single snapshot buffer cannot; use memory: normal",
             )
         hazard = momentum_hazard(self.interpolation, self.schedule) if self.outer and self.outer.momentum else ""
         if hazard:

@@ -189,7 +189,7 @@ class Node:
     def setup_layout(self, params: Sequence[np.ndarray]) -> None:
         """The first arrays: the snapshot pool for their layout (:func:`~dpwa.node.snapshots.open_pool`), then the
         transfer's buffers; the layouts are set last (until then the RX thread answers "not ready")."""
-        pool = open_pool(
+        self.pool = pool = open_pool(
             self.rule.public_arrays(params),
             self.config.wire_dtype,
             bounds=self.rule.public_bounds(),
@@ -200,8 +200,8 @@ class Node:
             shared=bool(self.host_id),
             single=self.config.transport.memory == "low",  # one buffer: waits up to the timeout for its sends
             drain_s=self.timeouts.exchange_s,
+            unpair=self.transfer.unpair,
         )
-        self.pool = pool
         self.transfer.allocate(pool.layout)
         self.wire_layout, self.layout = pool.wire, pool.layout
 

@@ -21,6 +21,8 @@ Rules of the inbox:
   that is here, oldest first (a late push is folded with the next round's), an exchange rule's one
   per sender, its oldest, so a push that lands while its sender's previous one is unmixed waits one
   step instead of being refused (a jitter buffer for two clocks that drift);
+* an exchange keeps the snapshot served to it (a lease) until it is mixed; a node with one snapshot buffer
+  that rewrites it first (:meth:`PushReceiver.unpair`) leaves the slot holding ``push - served`` instead;
 * per sender, the round a push names (``extras["round"]``, the sender's step) is remembered once
   the push has its verdict, taken or refused: :meth:`PushReceiver.wait_rounds` is SGP's wait for
   the in-neighbours of a round;
@@ -75,6 +77,8 @@ class InboxSlot:
     deadline: float = 0.0
     served: Any = None
     """An exchange: the snapshot (leased) this node served to the sender's fetch: the other half of the pair."""
+    difference: bool = False
+    """An exchange whose buffer holds ``push - served`` (:meth:`PushReceiver.unpair`); ``served`` is then None."""
 
 
 _UNSETTLED = frozenset({SlotState.RECEIVING, SlotState.HELD, SlotState.SERVED})
@@ -311,6 +315,19 @@ class PushReceiver:
             slot.served = snapshot
             return True
 
+    def unpair(self, snapshot: Any) -> int:
+        """Trainer thread, before a node with one snapshot buffer rewrites ``snapshot``: every exchange paired with
+        it keeps ``push - snapshot`` in its own buffer instead (what its mix adds) and gives the lease back.
+        Returns how many."""
+        with self._lock:
+            paired = [s for s in self._slots if s.served is snapshot]
+            for slot in paired:
+                for mine, served in zip(slot.views, snapshot.readonly):
+                    np.subtract(mine, served, out=mine)
+                slot.served, slot.difference = None, True
+                self._release(snapshot)
+            return len(paired)
+
     def settle(self, identity: bytes, header: Settle, user: str | None) -> bytes:
         """A SETTLE from ``header.node`` about its push ``header.req``: the ACK or ERROR to send back."""
         sender, seq = header.node, header.req
@@ -390,7 +407,7 @@ class PushReceiver:
             self._release(slot.served)
         _move(slot, SlotState.FREE)
         slot.sender, slot.identity, slot.seq = "", b"", -1
-        slot.header, slot.served, slot.next_chunk = None, None, 0
+        slot.header, slot.served, slot.next_chunk, slot.difference = None, None, 0, False
 
     # ------------------------------------------------------------ trainer thread
 

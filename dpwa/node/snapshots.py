@@ -145,9 +145,11 @@ class SnapshotPool:
         defer: Callable[[], bool] | None = None,
         shared: bool = False,
         drain_s: float = 1.0,
+        unpair: Callable[[Snapshot], None] | None = None,
     ) -> None:
         self.layout = layout
         self._drain_s = drain_s
+        self._unpair = unpair
         self._rewriting = False
         """A one-buffer pool is rewriting its current snapshot: no new lease until it is published again."""
         self.shared = shared
@@ -252,6 +254,8 @@ class SnapshotPool:
         assert snapshot is not None
         deadline = time.monotonic() + self._drain_s
         while True:
+            if self._unpair is not None:  # the exchanges that hold it let go (new ones wait: no lease now)
+                self._unpair(snapshot)
             with self._lock:
                 if not snapshot.busy():
                     snapshot.leases += 1
@@ -396,11 +400,13 @@ def open_pool(
     shared: bool = False,
     single: bool = False,
     drain_s: float = 1.0,
+    unpair: Callable[[Snapshot], None] | None = None,
 ) -> SnapshotPool:
     """The pool a node publishes ``params`` through: their layout (``bounds``: of their index arrays), travelling
     as ``wire_dtype`` says (:meth:`~dpwa.node.wire.Layout.on_wire`), with room for ``held`` snapshots kept
     leased beyond the pool's own six (pushes, exchanges); ``shared``: in shared-memory segments. ``single``: one
-    buffer, rewritten in place once its sends end (waiting at most ``drain_s`` seconds; ``transport.memory: low``).
+    buffer, rewritten in place once its sends end (waiting at most ``drain_s`` seconds; ``transport.memory: low``),
+    after ``unpair`` let the exchanges paired with it go.
 
     ValueError when one reply of that layout would take more than ``max_messages`` messages (a node's reply
     queue)."""
@@ -412,7 +418,9 @@ def open_pool(
             f"than a node queues ({max_messages}); exchange a part of it, or a narrower wire_dtype"
         )
     size, most = (1, 1) if single else (3, 6 + held)
-    pool = SnapshotPool(layout, size, most, wire=wire, name=name, defer=defer, shared=shared, drain_s=drain_s)
+    pool = SnapshotPool(
+        layout, size, most, wire=wire, name=name, defer=defer, shared=shared, drain_s=drain_s, unpair=unpair
+    )
     log.info(
         "node %s: %d arrays, %.1f MB per snapshot, %.1f MB on the wire (wire_dtype %s)",
         name,

@@ -65,11 +65,13 @@ class AdpsgdRule(Rule):
         mixed: list[str] = []
         for peer in peers:
             reference = peer.reference if peer.reference is not None else self._published
-            if reference is None:  # pragma: no cover - an exchange always follows a publish
+            if peer.difference:  # the inbox took the difference already (one snapshot buffer)
+                reference = None
+            elif reference is None:  # pragma: no cover - an exchange always follows a publish
                 continue
             add_difference_(arrays, peer.arrays, reference, a)
             own.clock = mix_clock(own.clock, peer.state.clock, a)
-            if peer.reference is None:
+            if peer.reference is None and not peer.difference:
                 self.active += 1
             else:
                 self.passive += 1

@@ -102,6 +102,9 @@ class PeerSnapshot:
     reference: Sequence[np.ndarray] | None = None
     """An exchange (AD-PSGD) received in the inbox: this node's own snapshot that the peer got in return,
     the model the difference is taken against. None for a fetched reply or a push."""
+    difference: bool = False
+    """An exchange whose ``arrays`` already hold ``peer - reference`` (taken when a node with one snapshot buffer
+    rewrote the snapshot it had served: ``transport.memory: low``); ``reference`` is then None."""
     repeat: bool = False
     """A fetched reply that holds the same snapshot this node fetched from the peer last time (the peer has
     published nothing since): mixing it again would count the same model twice. Rules with a ``repeats``

@@ -173,23 +173,25 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
 
 
 def add_difference_(
-    x: Sequence[np.ndarray], peer: Sequence[np.ndarray], reference: Sequence[np.ndarray], a: float
+    x: Sequence[np.ndarray], peer: Sequence[np.ndarray], reference: Sequence[np.ndarray] | None, a: float
 ) -> None:
-    """In place: ``x <- x + a*(peer - reference)`` (AD-PSGD's half step toward the pair's average).
+    """In place: ``x <- x + a*(peer - reference)`` (AD-PSGD's half step toward the pair's average); ``reference``
+    None: ``peer`` already holds the difference (for float32/float64 the same bits as subtracting here).
 
     Block by block with block-sized scratch; float16/bfloat16 computed in float32 and rounded once.
     ``a == 0`` leaves ``x`` untouched. All arrays are validated before any is written.
     """
     a = _check_factor(a)
     check_pairs(x, peer)
-    check_pairs(x, reference, "reference")
+    if reference is not None:
+        check_pairs(x, reference, "reference")
     if a == 0.0:
         return
     scratch = Scratch()
-    for xa, pa, ra in zip(x, peer, reference):
+    for xa, pa, ra in zip(x, peer, reference if reference is not None else [None] * len(peer)):
         if xa.size == 0:
             continue
-        xv, pv, rv = _flat(xa), _flat(pa), _flat(ra)
+        xv, pv, rv = _flat(xa), _flat(pa), None if ra is None else _flat(ra)
         c = compute_dtype(xa.dtype)
         ac = c.type(a)
         half = is_half(xa.dtype)
@@ -198,15 +200,19 @@ def add_difference_(
             n = stop - start
             if half:
                 diff = widen(pv[start:stop], scratch.get(c, n, 0))
-                np.subtract(diff, widen(rv[start:stop], scratch.get(c, n, 1)), out=diff)
+                if rv is not None:
+                    np.subtract(diff, widen(rv[start:stop], scratch.get(c, n, 1)), out=diff)
                 acc = widen(xv[start:stop], scratch.get(c, n, 1))
                 np.multiply(diff, ac, out=diff)
                 np.add(acc, diff, out=acc)
                 narrow(acc, xv[start:stop], diff)
             else:
                 diff = scratch.get(c, n, 0)
-                np.subtract(pv[start:stop], rv[start:stop], out=diff)
-                np.multiply(diff, ac, out=diff)
+                if rv is not None:
+                    np.subtract(pv[start:stop], rv[start:stop], out=diff)
+                    np.multiply(diff, ac, out=diff)
+                else:
+                    np.multiply(pv[start:stop], ac, out=diff)
                 np.add(xv[start:stop], diff, out=xv[start:stop])
 
 

@@ -109,6 +109,9 @@ class TransferPattern(ABC):
         """How many peers one fetch of this pattern may ask (one receive buffer each); at least 1, to bootstrap."""
         return 1
 
+    def unpair(self, snapshot: Snapshot) -> None:  # noqa: B027 - optional step
+        """Before a one-buffer pool rewrites ``snapshot`` (any thread that publishes): let go of it."""
+
     def allocate(self, layout: Layout) -> None:
         """The first publish: allocate the buffers replies (and pushes) land in."""
         self.fetcher.allocate(layout, self.receive_buffers())

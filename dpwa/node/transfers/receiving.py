@@ -68,12 +68,15 @@ class InboxTransfer(TransferPattern):
         assert header is not None
         self.host.note_front(header.front)
         reference = slot.served.readonly if slot.served is not None else None
-        return PeerSnapshot(
-            NodeState(slot.sender, header.clock, header.loss, dict(header.extras)), slot.views, reference
-        )
+        state = NodeState(slot.sender, header.clock, header.loss, dict(header.extras))
+        return PeerSnapshot(state, slot.views, reference, difference=slot.difference)
 
     def fields(self, arrival: Arrival) -> dict[str, Any]:
         return {"received": len(arrival.received)}
+
+    def unpair(self, snapshot: Snapshot) -> None:
+        """Before ``snapshot`` is rewritten in place: the exchanges paired with it keep their difference."""
+        self.inbox.unpair(snapshot)
 
     def pair_exchange(self, sender: str, seq: int, snapshot: Snapshot) -> Refusal | None:
         """Keep ``snapshot`` (a lease of its own) as the pair of the held push of ``sender``'s exchange ``seq``."""

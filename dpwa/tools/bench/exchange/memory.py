@@ -4,7 +4,7 @@ For each rule of :data:`RULES` and each ``transport.memory`` mode of :data:`MODE
 loopback (``python -m dpwa.tools.bench.exchange.memory``, default settings otherwise, shared memory on) each
 build the benchmark's model (:func:`make_model`), measure their memory, connect, run :data:`STEPS` rounds of
 ``update_send`` / ``update_wait`` with no training, measure again, and close once both measured (``low`` with a
-push rule: also one inbox slot, :data:`LOW_PUSH_INBOX`). The figure is
+push or exchange rule: also one inbox slot, :data:`LOW_PUSH_INBOX`). The figure is
 the growth of the *proportional* set size (``Pss`` of ``/proc/self/smaps_rollup``: a page shared by k processes
 counts 1/k in each, so a peer's segment a node reads is not counted twice), the larger of the two nodes. Less
 the node's fixed cost (the same pair with a :data:`FIXED_FLOATS`-float model: about 1 MB), in model sizes, it
@@ -36,20 +36,20 @@ __all__ = [
     "RULES",
     "STEPS",
     "TARGET_MODEL_SIZES",
-    "fits_low_memory",
     "measure_memory",
     "memory_row",
 ]
 
 RULES = ("constant", "pushsum", "adpsgd", "dpsgd")
 MODES = ("normal", "low")
-"""``transport.memory``: a pool of snapshot buffers, or one rewritten in place (not for an exchange rule)."""
+"""``transport.memory``: a pool of snapshot buffers, or one rewritten in place."""
 STEPS = 30
 TARGET_MODEL_SIZES = 2.0
 """A node's memory beside its model: the published snapshot and one receive buffer."""
 START_TIMEOUT_S = 60.0
 LOW_PUSH_INBOX = {"inbox_slots": 1, "inbox_per_sender": 1}
-"""A push rule's low-memory setting beside ``transport.memory: low``: one inbox slot (each is a model)."""
+"""A push or exchange rule's low-memory setting beside ``transport.memory: low``: one inbox slot (each is a
+model)."""
 TOLERANCE = 0.01
 """How far over the target a figure may lie and still meet it: pages, alignment and the allocator (2 x 100 MB
 buffers measure 2.004 model sizes)."""
@@ -109,11 +109,6 @@ def _worker(name: str, config: str, floats: int, steps: int, out: str, peer_out:
         conn.close()
 
 
-def fits_low_memory(rule: str) -> bool:
-    """Whether ``rule`` runs with ``transport.memory: low`` (an exchange rule keeps its snapshots leased)."""
-    return RULES_BY_NAME[rule].transfer is not Transfer.EXCHANGE
-
-
 def memory_row(
     rule: str, mode: str, floats: int, nodes: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -146,7 +141,7 @@ def _run_pair(directory: Path, rule: str, mode: str, floats: int, steps: int) ->
         "interpolation": rule,
         "timeout_ms": max(5000.0, floats * 4 / 1e6 * 200),
         "transport": {"memory": mode},
-        **(LOW_PUSH_INBOX if mode == "low" and RULES_BY_NAME[rule].transfer is Transfer.PUSH else {}),
+        **(LOW_PUSH_INBOX if mode == "low" and RULES_BY_NAME[rule].transfer is not Transfer.PULL else {}),
     }
     config = directory / f"memory-{rule}-{mode}-{floats}.yaml"
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -182,7 +177,7 @@ def measure_memory(
     """One row per rule and mode (two pairs of node processes each, one after the other)."""
     directory.mkdir(parents=True, exist_ok=True)
     rows = []
-    for rule, mode in ((r, m) for m in modes for r in rules if m != "low" or fits_low_memory(r)):
+    for rule, mode in ((r, m) for m in modes for r in rules):
         fixed = _run_pair(directory, rule, mode, FIXED_FLOATS, steps)
         rows.append(memory_row(rule, mode, floats, _run_pair(directory, rule, mode, floats, steps), fixed))
     return rows
