@@ -11,6 +11,7 @@ from conftest import traced_peak
 
 from dpwa.rules.mixing import (
     BLOCK,
+    add_difference_,
     apply_divergence,
     interpolate_,
     interpolate_elementwise_,
@@ -419,3 +420,15 @@ def test_relative_distance_is_the_norm_of_the_difference_over_the_norm_of_x(dtyp
     if dtype == "float32":  # squares of large finite float32 values would overflow float32: computed in float64
         big = np.finfo(np.float32).max / 2
         assert relative_distance([np.full(4, big, np.float32)], [np.full(4, -big, np.float32)]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_add_difference_of_a_difference_taken_first_is_the_same_bits(dtype: type) -> None:
+    """``x + a*(p - r)`` against ``x + a*d`` with ``d = p - r`` taken first (``reference`` None: what an exchange
+    keeps when a one-buffer node rewrote the snapshot it served), across block boundaries; and it moves x."""
+    rng = np.random.default_rng(4)
+    x, p, r = (rng.standard_normal(2 * BLOCK + 17).astype(dtype) for _ in range(3))
+    direct, folded = x.copy(), x.copy()
+    add_difference_([direct], [p], [r], 0.5)
+    add_difference_([folded], [p - r], None, 0.5)
+    assert folded.tobytes() == direct.tobytes() and not np.array_equal(direct, x)
