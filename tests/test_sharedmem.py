@@ -80,6 +80,23 @@ def steps(conn: DpwaConnection, x: np.ndarray, n: int, before: Callable[[int], N
     return factors
 
 
+def step_until_fetched(a: DpwaConnection, b: DpwaConnection, xa: np.ndarray, xb: np.ndarray, n: int) -> None:
+    """Both trainers step until each node has ``n`` good fetches, within 30 s (how many of a fixed number of
+    free-running steps find the peer published and answering in time depends on how the threads run)."""
+
+    def fetched() -> bool:
+        return all(conn.stats()["fetches_ok"] >= n for conn in (a, b))
+
+    def train(i: int) -> None:
+        conn, x = ((a, xa), (b, xb))[i]
+        deadline = time.monotonic() + 30.0
+        while not fetched():
+            assert time.monotonic() < deadline, (a.stats()["fetches_ok"], b.stats()["fetches_ok"])
+            steps(conn, x, 1)
+
+    in_threads(2, train, timeout=60)
+
+
 # --------------------------------------------------------------------------- the segment and its reader
 
 
@@ -150,12 +167,11 @@ def test_a_pool_never_rewrites_a_leased_segment_while_a_reader_checks_it() -> No
 # --------------------------------------------------------------------------- nodes
 
 
-@pytest.mark.timing  # counts of fetches in a run of real threads; 30 runs: no failure
 def test_co_located_nodes_fetch_through_shared_memory(tmp_path: Path) -> None:
     a, b = pair(tmp_path)
     try:
         xa, xb = np.ones(100_000, np.float32), np.zeros(100_000, np.float32)
-        in_threads(2, lambda i: steps(*((a, xa), (b, xb))[i], 20), timeout=60)
+        step_until_fetched(a, b, xa, xb, 15)
         assert np.ptp(xa) == 0 and np.ptp(xb) == 0  # every mix took the whole of one snapshot
         for mine, theirs in ((a, b), (b, a)):
             fetched = mine.stats()
@@ -172,22 +188,10 @@ def test_co_located_nodes_fetch_through_shared_memory(tmp_path: Path) -> None:
 
 
 def test_shared_memory_off_fetches_over_the_socket(tmp_path: Path) -> None:
-    """Both trainers step until each node has 3 good fetches (how many of a fixed number of steps find the peer
-    published depends on how the threads start): all over the socket."""
     a, b = pair(tmp_path, transport={"shared_memory": "off"})
-
-    def fetched() -> bool:
-        return all(conn.stats()["fetches_ok"] >= 3 for conn in (a, b))
-
-    def train(conn: DpwaConnection, x: np.ndarray) -> None:
-        deadline = time.monotonic() + 30.0
-        while not fetched():
-            assert time.monotonic() < deadline, (a.stats()["fetches_ok"], b.stats()["fetches_ok"])
-            steps(conn, x, 1)
-
     try:
         xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
-        in_threads(2, lambda i: train(*((a, xa), (b, xb))[i]), timeout=60)
+        step_until_fetched(a, b, xa, xb, 3)
         for conn in (a, b):
             s = conn.stats()
             assert s["fetches_ok"] >= 3 and s.get("shm_fetched", 0) == 0 and s["bytes_in"] > 4000 * s["fetches_ok"]
