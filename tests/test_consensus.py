@@ -11,15 +11,15 @@ distance to it.
 Two figures, relative to the centres' mean distance to their mean: the *bias*, how far the nodes' mean is from
 the minimizer, and the *spread*, how far the farthest node is from the nodes' mean. Measured (6 nodes, 3
 dimensions, ROUNDS rounds, seeds 0-2, clean and with 5% of the messages lost in the first third): every
-averaging rule has a bias below 0.03 (push-sum, AD-PSGD, D-PSGD, group: below 0.006, their mixing keeps the
-sum; the pull rules on random peers 0.024-0.029, the drift of one-sided averaging; gradient tracking 2e-13
-clean and 2e-9 with losses, its running sums keep the tracker's sum) and a spread below 0.044 (push-sum on
-random peers, whose weight floor holds some mass back; CHOCO with int8 compression 0.041-0.052: its consensus
-step 0.5 trails the decaying local steps; on the directed ring CHOCO int8 0.029-0.040 and D-PSGD 0.007-0.010),
+averaging rule has a bias below 0.03 (push-sum, AD-PSGD, D-PSGD, group: below 0.01, their mixing keeps the
+sum; the pull rules on random peers 0.010-0.020, the drift of one-sided averaging; gradient tracking 2e-13
+clean and 2e-9 with losses, its running sums keep the tracker's sum) and a spread below 0.053 (push-sum on
+random peers 0.033-0.050, whose weight floor holds some mass back; CHOCO with int8 compression 0.041-0.052: its
+consensus step 0.5 trails the decaying local steps; on the directed ring CHOCO int8 0.029-0.040 and D-PSGD 0.007-0.010),
 so BIAS_TOL = 0.04 and SPREAD_TOL = 0.06. The rules that do not
-average by design have a larger bias, recorded here and on the Mixing rules page: ``loss`` 0.80-1.11 (it pulls
-toward the nodes with the lowest loss), ``leader`` 0.77-1.08 (toward the best node), ``gem`` 0.051-0.076 (its
-element-wise factors weight each node by its own motion).
+average by design have a larger bias, recorded here and on the Mixing rules page: ``loss`` 0.51-1.11 (it pulls
+toward the nodes with the lowest loss), ``leader`` 0.77-1.08 (toward the best node); ``gem`` (its element-wise
+factors weight each node by its own motion) 0.011-0.114 over seeds 0-11, a mean compared with the pull rule's.
 """
 
 from __future__ import annotations
@@ -66,7 +66,11 @@ AVERAGING: list[tuple[str, str, Any]] = [
     ("choco", "neighbours", ChocoSettings(compressor="int8")),
     ("choco", "neighbours", ChocoSettings(compressor="int8", graph="directed-ring")),
 ]
-NOT_AVERAGING = [("loss", "random", None), ("leader", "leader", None), ("gem", "random", None)]
+NOT_AVERAGING = [("loss", "random", None), ("leader", "leader", None)]
+GEM_SEEDS = range(6)
+"""GEM's bias varies with the seed far more than the others' (0.011-0.114 over seeds 0-11, 1,500 rounds): one seed
+can land among the averaging rules (0.027 at seed 4, 0.011 at seed 9), so its bias is compared as a mean over
+seeds against the pull rule it extends."""
 
 
 def consensus_error(
@@ -160,6 +164,22 @@ def test_a_rule_that_does_not_average_reaches_another_point_and_it_is_recorded(
     record_property("spread", spread)
     assert bias > BIAS_TOL, "this rule averages after all: move it to AVERAGING and fix the docs"
     assert spread < bias, "the nodes are not even near one point"
+
+
+@pytest.mark.slow
+def test_gem_weighs_the_nodes_by_their_motion_a_bias_the_pull_rule_does_not_have(
+    record_property: Callable[[str, object], None],
+) -> None:
+    """GEM is ``constant`` with element-wise factors from each node's own motion: over the same seeds (exact: the
+    simulator), its mean bias is more than twice the plain pull rule's (measured 0.045 against 0.017), and its
+    nodes still meet (spread below the averaging rules' bound)."""
+    gem = [consensus_error("gem", "random", None, seed) for seed in GEM_SEEDS]
+    pull = [consensus_error("constant", "random", None, seed) for seed in GEM_SEEDS]
+    gem_bias, pull_bias = float(np.mean([b for _, _, b in gem])), float(np.mean([b for _, _, b in pull]))
+    record_property("gem_bias", gem_bias)
+    record_property("constant_bias", pull_bias)
+    assert gem_bias > 2.0 * pull_bias, (gem_bias, pull_bias)
+    assert max(spread for _, spread, _ in gem) < SPREAD_TOL
 
 
 @pytest.mark.xfail(strict=True, reason="AD-PSGD on an even ring in lock-step: each node is in two exchanges a step")
