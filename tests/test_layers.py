@@ -102,6 +102,8 @@ NO_TORCH = [
     "dpwa.tools.plot",
     "dpwa.tools.simulation",
     "dpwa.tools.tensorboard",
+    "dpwa.cli.simulate",
+    "dpwa.tools.sim.runner",
 ]
 """Modules that load neither torch nor matplotlib nor an optional extra (tensorboardX) when imported (`dpwa
 validate`, `dpwa run`, `dpwa plot`

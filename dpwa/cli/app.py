@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "plot": "dpwa.cli.plot:plot",
     "bench": "dpwa.cli.bench:bench",
     "keys": "dpwa.cli.keys:keys",
+    "simulate": "dpwa.cli.simulate:simulate_command",
 }
 """Subcommands implemented in other modules of :mod:`dpwa.cli`; one line each."""
 

@@ -119,7 +119,7 @@ class FlowControl:
         slot (at most one probe per call) and its next probe is pushed back by
         its current backoff, so a probe in flight is not repeated.  The other
         slots go to the up peers with the largest ``score + randint(10, 1000)``
-        (ties broken uniformly at random).
+        (ties broken uniformly at random; one slot among equal scores: a uniform choice, the same law).
         Returns ``[]`` for ``k == 0``, or when no peer is up and none is due.
         """
         if k < 0:
@@ -141,9 +141,12 @@ class FlowControl:
         count = len(self._names) if up is None else up.size
         if need <= 0 or count == 0:
             return chosen
-        key = self._draws.integers(JITTER[0], JITTER[1] + 1, size=count) + (
-            self._score if up is None else self._score[up]
-        )
+        scores = self._score if up is None else self._score[up]
+        if need == 1 and scores[0] == scores.min() == scores.max():  # all equal: by symmetry, one uniformly
+            pick = int(self._draws.integers(count))
+            chosen.append(self._names[pick if up is None else int(up[pick])])
+            return chosen
+        key = self._draws.integers(JITTER[0], JITTER[1] + 1, size=count) + scores
         ties = self._draws.random(count)
         if need == 1:
             top = np.flatnonzero(key == key.max())

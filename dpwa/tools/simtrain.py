@@ -29,7 +29,7 @@ from dpwa.tools.mixture import DataSpec, MixtureData, gaussian_mixture
 from dpwa.tools.simulation import SimNode, Simulation
 from dpwa.utils.partition import class_histogram, partition_indices
 
-__all__ = ["SimTrainResult", "accuracy", "one_process", "simulate_training"]
+__all__ = ["SimTrainResult", "accuracy", "one_process", "simulate_training", "softmax_sgd_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ def accuracy(w: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray) -> floa
     return float(np.mean(np.argmax(x @ w + b, axis=1) == y))
 
 
-def _loss_and_step(w: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray, lr: float) -> float:
+def softmax_sgd_step(w: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray, lr: float) -> float:
     """One SGD step on the mean cross-entropy of ``softmax(x W + b)``, in place; the batch's loss before it."""
     logits = x @ w + b
     logits -= logits.max(axis=1, keepdims=True)
@@ -100,7 +100,7 @@ def simulate_training(
         k = node.step
         step_lr = 0.5 * lr * (1.0 + math.cos(math.pi * k / rounds))
         idx = batches.next(node.name)
-        loss = _loss_and_step(node.arrays[0], node.arrays[1], data.x_train[idx], data.y_train[idx], step_lr)
+        loss = softmax_sgd_step(node.arrays[0], node.arrays[1], data.x_train[idx], data.y_train[idx], step_lr)
         losses[node.name] = loss
         return loss
 

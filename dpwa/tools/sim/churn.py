@@ -1,0 +1,48 @@
+"""Churn: nodes that crash, restart, join and leave at given simulated times.
+
+``--churn crash:w3@2s,restart:w3@5s,leave:w7@4s,join:w65@3s``. A crash stops a node at once: it answers
+nothing, what its inbox held and its pushes in flight are lost with it, and its peers find out as on the network
+(timeouts, then flow control marks it down). A restart brings it back with the state it had at the crash (as
+from a checkpoint written every step). A leave is clean: the node hands what its rule holds to a member (push-sum:
+its whole weight, one last push) and every member forgets it. A join adds a member that copies a live node's
+model (a bootstrap) and starts training; every member adds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+
+from dpwa.tools.sim.units import parse_duration
+
+__all__ = ["ChurnEvent", "ChurnKind", "parse_churn"]
+
+
+class ChurnKind(enum.StrEnum):
+    """What happens to the node."""
+
+    CRASH = "crash"
+    RESTART = "restart"
+    LEAVE = "leave"
+    JOIN = "join"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChurnEvent:
+    """``kind`` happens to ``node`` at ``at_s`` simulated seconds."""
+
+    kind: ChurnKind
+    node: str
+    at_s: float
+
+
+def parse_churn(text: str) -> list[ChurnEvent]:
+    """Comma-separated ``KIND:NODE@TIME`` items, sorted by time; ValueError names the bad item."""
+    events = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = re.fullmatch(r"([a-z]+):([A-Za-z0-9_.-]+)@(.+)", item)
+        if match is None or match.group(1) not in set(ChurnKind):
+            raise ValueError(f"churn {item!r}: expected KIND:NODE@TIME with KIND one of {', '.join(ChurnKind)}")
+        events.append(ChurnEvent(ChurnKind(match.group(1)), match.group(2), parse_duration(match.group(3))))
+    return sorted(events, key=lambda e: e.at_s)

@@ -1,0 +1,587 @@
+"""An event-driven simulation of an asynchronous dpwa cluster: every node's loop on simulated time.
+
+Each node does what a trainer with a dpwa connection does, through the same objects: ``update_send`` (``clock +=
+1``, publish a copy of ``rule.public_arrays``, ``rule.on_publish``, pick the round's peers with
+:func:`~dpwa.node.transfers.fetcher.round_peers` -- the schedule, or flow control -- and start the rule's
+transfer), its local step (``step_times``), then ``update_wait``: wait for the round's fetches (each one ends by
+its reply, a refusal, or the deadline ``timeout_s`` after it was sent), for all but ``rule.overlap`` of its
+pushes' verdicts, and on a fixed push schedule for the in-neighbours' pushes of the round (at most ``timeout_s``);
+then ``rule.mix`` on what arrived, and straight on to the next ``update_send``.
+
+Messages travel on a :class:`~dpwa.tools.sim.links.Network`: a request and a refusal or an ACK are a header
+(:data:`HEADER_BYTES`), a reply or a push a header plus the snapshot. A server answers with the snapshot it
+published last (``rule.on_request``, ``rule.on_serve`` at the moment the request lands). A push lands in the
+receiver's inbox unless it holds ``inbox_slots`` models, or ``inbox_per_sender`` from that sender (then it is
+refused ``busy`` and comes back to its sender, mass and all); the sender's :class:`~dpwa.node.pushes.PushLedger`
+settles it, and a push with no answer by its deadline is settled by a query one round trip later, as the TX thread
+does. An exchange (AD-PSGD) holds the fetcher's snapshot in the server's inbox until the fetcher's commit lands
+(it sends it when the reply arrives in time; an abort when it does not). Flow control sees every outcome on
+simulated time. Deterministic: one seed, one result, bit for bit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dpwa.metrics import DECLINED_CODES
+from dpwa.node.peers import FlowControl
+from dpwa.node.pushes import Push
+from dpwa.node.states import PUSH_FLOW_EFFECT, PushStatus
+from dpwa.node.transfers.fetcher import round_peers
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
+from dpwa.rules.schedules import Round, Schedule
+from dpwa.tools.sim.links import Network
+from dpwa.tools.sim.members import Fetch, FetchStatus, InboxEntry, Member, Phase
+
+__all__ = ["HEADER_BYTES", "ClusterSettings", "EventSimulation", "StepRecord"]
+
+HEADER_BYTES = 250
+"""A message's JSON header (request, refusal, ACK, commit; and in front of every reply and push)."""
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """The cluster file's settings the simulation acts on."""
+
+    timeout_s: float = 2.5
+    fetch_probability: float = 1.0
+    inbox_slots: int = 4
+    inbox_per_sender: int = 2
+    wire_itemsize: int = 0
+    """Bytes per element on the wire (``wire_dtype``); 0: each array's own."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One ``update_wait``: what the node's metrics line says of it."""
+
+    member: Member
+    time: float
+    wait_s: float
+    outcome: MixOutcome
+    peers: tuple[str, ...]
+    status: str
+    pushes: dict[str, float]
+    """Push rules: ``pushed`` (this step), ``delivered`` and ``returned`` (verdicts since the last step), ``push_ms``
+    (the slowest delivered one, send to ACK); empty for the others."""
+
+
+Train = Callable[[Sequence[Member]], Sequence[float]]
+"""The local steps of members whose steps end at one simulated time (their ``arrays`` in place, in one batch where
+the model allows it; each member's step depends on its own arrays and data stream alone); their batches' losses."""
+
+
+class EventSimulation:
+    """The cluster (module doc-string). ``arrays[i]``: node ``i``'s parameters (used in place); ``rule()`` and
+    ``schedule()`` make one of each per node; ``step_time(member)``: its next step's seconds; ``train``: its local
+    step; ``on_step``: called after every ``update_wait``; a node stops after ``steps`` steps."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        arrays: Sequence[list[np.ndarray]],
+        rule: Callable[[], Rule],
+        schedule: Callable[[], Schedule],
+        *,
+        network: Network,
+        step_time: Callable[[Member], float],
+        train: Train,
+        steps: int,
+        settings: ClusterSettings = ClusterSettings(),
+        seed: int = 0,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        self.now = 0.0
+        self.network = network
+        self.settings = settings
+        self.steps = int(steps)
+        self.seed = seed
+        self._rule, self._schedule = rule, schedule
+        self._step_time, self._train, self._on_step = step_time, train, on_step
+        self._queue: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._order = itertools.count()
+        self._seq = itertools.count(1)
+        self.members: dict[str, Member] = {}
+        self.names: tuple[str, ...] = tuple(names)
+        self.admitted = len(self.names)
+        """Members ever admitted: push-sum's bound on the cluster's mass (one unit each)."""
+        for name, params in zip(names, arrays):
+            self._add(name, params)
+
+    # ------------------------------------------------------------ the loop
+
+    def at(self, time: float, action: Callable[..., None], *args: Any) -> None:
+        """Run ``action(*args)`` at simulated ``time`` (events at one time run in the order they were planned)."""
+        heapq.heappush(self._queue, (time, next(self._order), action, args))
+
+    def start(self) -> None:
+        """Every member calls its first ``update_send`` at time 0."""
+        for member in list(self.members.values()):
+            if member.phase is Phase.IDLE:
+                self.at(0.0, self._send, member, member.epoch)
+
+    def run(self, until: float = float("inf")) -> bool:
+        """Process events up to simulated time ``until``; True when none is left (every node finished)."""
+        queue = self._queue
+        while queue:
+            if queue[0][0] > until:
+                return False
+            time, _, action, args = heapq.heappop(queue)
+            self.now = time
+            if action == self._computed:  # the steps that end now, trained in one batch, then mixed in order
+                batch = [args]
+                while queue and queue[0][0] == time and queue[0][2] == self._computed:
+                    batch.append(heapq.heappop(queue)[3])
+                self._computed_batch(batch)
+            else:
+                action(*args)
+        return True
+
+    def rounds_done(self) -> int:
+        """The least step among the members still training (``steps`` once all are done)."""
+        live = [m.step for m in self.members.values() if m.phase in (Phase.COMPUTING, Phase.WAITING)]
+        return min(live) if live else self.steps
+
+    # ------------------------------------------------------------ members
+
+    def _add(self, name: str, params: list[np.ndarray]) -> Member:
+        index = len(self.members)
+        rule = self._rule()
+        rng = random.Random(self.seed * 7919 + index)
+        peers = [n for n in self.names if n != name]
+        member = Member(
+            index=index,
+            name=name,
+            rule=rule,
+            schedule=self._schedule(),
+            flow=FlowControl(peers, rng, now=lambda: self.now),
+            state=NodeState(name, extras=rule.initial_extras(name, self.names)),
+            arrays=params,
+            rng=rng,
+            names=self.names,
+        )
+        self.members[name] = member
+        self.network.grow(index + 1)
+        return member
+
+    def live(self) -> list[Member]:
+        """The members that answer (training, or finished and lingering)."""
+        return [m for m in self.members.values() if m.alive]
+
+    # ------------------------------------------------------------ update_send
+
+    def _send(self, m: Member, epoch: int) -> None:
+        if epoch != m.epoch or m.phase not in (Phase.IDLE, Phase.WAITING, Phase.DOWN):
+            return
+        m.move(Phase.COMPUTING)
+        m.state.clock += 1
+        public = m.rule.public_arrays(m.arrays)
+        m.published = [np.array(a, copy=True) for a in public]
+        for a in m.published:
+            a.flags.writeable = False
+        m.published_state = NodeState(m.name, m.state.clock, m.state.loss, dict(m.state.extras))
+        m.gen += 1
+        m.rule.on_publish(m.state, m.published)
+        m.fetches, m.round_sent, m.pushed = [], self.now, 0
+        if m.rng.random() < self.settings.fetch_probability:
+            chosen, _ = round_peers(m)
+            if m.rule.transfer is Transfer.PUSH:
+                self._push(m, chosen)
+            else:
+                self._fetch(m, chosen)
+        m.step += 1
+        self.at(self.now + self._step_time(m), self._computed, m, m.epoch)
+        if m.fetches:
+            self.at(self.now + self.settings.timeout_s, self._fetch_deadline, m, m.step, m.epoch)
+
+    def snapshot_bytes(self, arrays: Sequence[np.ndarray]) -> int:
+        """Bytes of ``arrays`` on the wire (the wire dtype's itemsize for floating arrays, when one is set)."""
+        size = self.settings.wire_itemsize
+        return sum(a.size * (min(size, a.itemsize) if size and a.dtype.kind == "f" else a.itemsize) for a in arrays)
+
+    def _fetch(self, m: Member, chosen: Sequence[str]) -> None:
+        exchange = m.rule.transfer is Transfer.EXCHANGE
+        extras = m.rule.request_extras(m.state)
+        size = HEADER_BYTES + (self.snapshot_bytes(m.published or []) if exchange else 0)
+        for peer in chosen:
+            fetch = Fetch(peer, self.now)
+            m.fetches.append(fetch)
+            server = self.members[peer]
+            arrival = self.network.send(m.index, server.index, size, self.now)
+            if arrival is not None:
+                self.at(arrival, self._request, server, m, fetch, extras, m.epoch)
+
+    def _push(self, m: Member, chosen: Sequence[str]) -> None:
+        ready = [p for p in chosen if not m.ledger.busy(p)]
+        if not ready or m.published_state is None or m.published is None:
+            m.count("pushes_skipped")
+            return
+        shares = m.rule.push_shares(m.state, len(ready))
+        m.pushed = len(ready)
+        st = m.published_state
+        size = HEADER_BYTES + self.snapshot_bytes(m.published)
+        for peer, given in zip(ready, shares):
+            push = Push(peer, next(self._seq), {**given, "round": m.step}, (st.clock, st.loss, m.published),
+                        self.now + self.settings.timeout_s, started=self.now)  # fmt: skip
+            m.ledger.open(push)
+            message = PeerSnapshot(NodeState(m.name, st.clock, st.loss, {**st.extras, **push.given}),
+                                   [np.array(a) for a in m.published])  # fmt: skip
+            target = self.members[peer]
+            arrival = self.network.send(m.index, target.index, size, self.now)
+            if arrival is not None:
+                self.at(arrival, self._push_lands, target, m, push, message, m.epoch)
+            self.at(push.deadline, self._push_deadline, m, push, m.epoch)
+
+    # ------------------------------------------------------------ the server's side
+
+    def _answer(self, server: Member, m: Member, action: Callable[..., None], *args: Any) -> None:
+        """A header-only message from ``server`` to ``m`` that runs ``action(*args)`` when it lands."""
+        arrival = self.network.send(server.index, m.index, HEADER_BYTES, self.now)
+        if arrival is not None:
+            self.at(arrival, action, *args)
+
+    def _request(self, s: Member, m: Member, fetch: Fetch, extras: dict[str, Any], epoch: int) -> None:
+        if s.phase is Phase.LEFT:
+            self._answer(s, m, self._refused, m, fetch, "left", epoch)
+            return
+        if not s.alive:
+            return  # no answer: the fetcher times out
+        if s.published is None or s.published_state is None:
+            self._answer(s, m, self._refused, m, fetch, "not-ready", epoch)
+            return
+        exchange = m.rule.transfer is Transfer.EXCHANGE
+        if exchange and not self._admits(s, m.name):
+            self._answer(s, m, self._refused, m, fetch, "busy", epoch)
+            return
+        if extras:
+            s.rule.on_request(s.state, extras)
+        given = s.rule.on_serve(s.state)
+        st = s.published_state
+        reply = PeerSnapshot(NodeState(s.name, st.clock, st.loss, {**st.extras, **given}), s.published)
+        if exchange and m.published is not None and m.published_state is not None:
+            mine = m.published_state
+            message = PeerSnapshot(NodeState(m.name, mine.clock, mine.loss, dict(mine.extras)),
+                                   [np.array(a) for a in m.published], reference=s.published)  # fmt: skip
+            fetch.held = InboxEntry(m.name, message, m.step, committed=False)
+            s.inbox.append(fetch.held)
+        arrival = self.network.send(s.index, m.index, HEADER_BYTES + self.snapshot_bytes(s.published), self.now)
+        if arrival is not None:
+            self.at(arrival, self._replied, m, fetch, reply, s.gen, epoch)
+
+    def _admits(self, s: Member, sender: str) -> bool:
+        """Whether ``s``'s inbox has room for one more model from ``sender``."""
+        mine = sum(1 for e in s.inbox if e.sender == sender)
+        return len(s.inbox) < self.settings.inbox_slots and mine < self.settings.inbox_per_sender
+
+    def _push_lands(self, s: Member, m: Member, push: Push, message: PeerSnapshot, epoch: int) -> None:
+        if s.phase is Phase.LEFT:
+            self._answer(s, m, self._verdict, m, push, PushStatus.REFUSED, "left", epoch)
+            return
+        if not s.alive:
+            return  # no answer: the sender settles it by a query after its deadline
+        s.latest_round[m.name] = max(s.latest_round.get(m.name, -1), int(push.given["round"]))
+        if not self._admits(s, m.name):
+            self._answer(s, m, self._verdict, m, push, PushStatus.REFUSED, "busy", epoch)
+        else:
+            s.inbox.append(InboxEntry(m.name, message, int(push.given["round"]), committed=True))
+            s.accepted.add(push.seq)
+            self._answer(s, m, self._verdict, m, push, PushStatus.DELIVERED, "", epoch)
+        self._try_mix(s)  # a node waiting for its in-neighbours' pushes
+
+    def _settle_exchange(self, m: Member, s: Member, entry: InboxEntry, commit: bool) -> None:
+        """The fetcher's word on an exchange (a SETTLE: commit, or abort), sent again every ``timeout_s`` until one
+        lands, as the TX thread asks until it has an answer; a server that crashed meanwhile lost the exchange."""
+        arrival = self.network.send(m.index, s.index, HEADER_BYTES, self.now)
+        if arrival is not None:
+            self.at(arrival, self._committed if commit else self._aborted, s, entry, s.epoch)
+        elif s.alive:
+            self.at(self.now + self.settings.timeout_s, self._settle_exchange, m, s, entry, commit)
+
+    def _committed(self, s: Member, entry: InboxEntry, epoch: int) -> None:
+        if epoch == s.epoch and entry in s.inbox:
+            entry.committed = True
+
+    def _aborted(self, s: Member, entry: InboxEntry, epoch: int) -> None:
+        if epoch == s.epoch and entry in s.inbox and not entry.committed:
+            s.inbox.remove(entry)
+
+    # ------------------------------------------------------------ the fetcher's side
+
+    def _replied(self, m: Member, fetch: Fetch, reply: PeerSnapshot, gen: int, epoch: int) -> None:
+        server = self.members[fetch.peer]
+        if epoch != m.epoch or fetch.status is not FetchStatus.PENDING:
+            if fetch.held is not None:  # too late: the fetcher had given up and aborted it
+                self._settle_exchange(m, server, fetch.held, commit=False)
+            return
+        fetch.status, fetch.arrived = FetchStatus.OK, self.now
+        m.flow.success(fetch.peer)
+        repeat = m.last_gen.get(fetch.peer) == gen
+        m.last_gen[fetch.peer] = gen
+        st = reply.state
+        arrays = [np.array(a) for a in reply.arrays]
+        fetch.reply = PeerSnapshot(NodeState(st.name, st.clock, st.loss, dict(st.extras)), arrays, repeat=repeat)
+        if fetch.held is not None:
+            self._settle_exchange(m, server, fetch.held, commit=True)
+        self._try_mix(m)
+
+    def _refused(self, m: Member, fetch: Fetch, code: str, epoch: int) -> None:
+        if epoch != m.epoch or fetch.status is not FetchStatus.PENDING:
+            return
+        fetch.status, fetch.code = FetchStatus.REFUSED, code
+        if code not in DECLINED_CODES:
+            m.flow.failure(fetch.peer)
+        m.count(f"refused_{code}")
+        self._try_mix(m)
+
+    def _fetch_deadline(self, m: Member, step: int, epoch: int) -> None:
+        if epoch != m.epoch or step != m.step:
+            return
+        for fetch in m.fetches:
+            if fetch.status is FetchStatus.PENDING:
+                fetch.status = FetchStatus.TIMEOUT
+                m.flow.failure(fetch.peer)
+                m.count("timeouts")
+                if fetch.held is not None:
+                    server = self.members[fetch.peer]
+                    self._settle_exchange(m, server, fetch.held, commit=False)
+        self._try_mix(m)
+
+    def _verdict(self, m: Member, push: Push, status: PushStatus, code: str, epoch: int) -> None:
+        if epoch != m.epoch:
+            return
+        if m.ledger.settle(push, status, code):
+            push.ms = (self.now - push.started) * 1000.0
+            effect = PUSH_FLOW_EFFECT[status]
+            m.flow.record(push.peer, effect)
+        self._try_mix(m)
+
+    def _push_deadline(self, m: Member, push: Push, epoch: int) -> None:
+        """No verdict by the deadline: unknown; the receiver is asked (a query and its answer, a round trip) until
+        one answer lands: delivered if it took the push, refused if not (what it carried comes back)."""
+        if epoch != m.epoch or m.ledger.open_push(push.peer) is not push:
+            return
+        if push.status is PushStatus.SENDING:
+            m.ledger.mark_unknown(push)
+            m.flow.failure(push.peer)
+        target = self.members[push.peer]
+        if target.alive or target.phase is Phase.LEFT:  # one that left still answers: refused, it never took it
+            there = self.network.send(m.index, target.index, HEADER_BYTES, self.now)
+            back = None if there is None else self.network.send(target.index, m.index, HEADER_BYTES, there)
+            if back is not None:
+                status = PushStatus.DELIVERED if push.seq in target.accepted else PushStatus.REFUSED
+                self.at(back, self._verdict, m, push, status, "" if status is PushStatus.DELIVERED else "settle", epoch)
+        self.at(self.now + self.settings.timeout_s, self._push_deadline, m, push, epoch)  # asked again if need be
+        self._try_mix(m)
+
+    # ------------------------------------------------------------ update_wait
+
+    def _computed(self, m: Member, epoch: int) -> None:
+        """The end of ``m``'s local step (run by :meth:`run` through :meth:`_computed_batch`)."""
+        self._computed_batch([(m, epoch)])
+
+    def _computed_batch(self, batch: Sequence[tuple[Member, int]]) -> None:
+        """Train every member of ``batch`` whose step ends now (one call of ``train``), then each one's
+        ``update_wait`` in the order its step was planned: a step touches only its own member's arrays, so this is
+        the order of events one by one."""
+        members = [m for m, epoch in batch if epoch == m.epoch and m.phase is Phase.COMPUTING]
+        if not members:
+            return
+        for m, loss in zip(members, self._train(members)):
+            m.state.loss = float(loss)
+        for m in members:
+            self._wait(m)
+
+    def _wait(self, m: Member) -> None:
+        m.move(Phase.WAITING)
+        m.waiting_since = self.now
+        owed = self._owed(m)
+        if owed:
+            self.at(self.now + self.settings.timeout_s, self._sources_deadline, m, m.step, m.epoch)
+        self._try_mix(m)
+
+    def _owed(self, m: Member) -> dict[str, int]:
+        """On a fixed push schedule: the in-neighbours whose push of round ``step - 1 - overlap`` has not come."""
+        if m.rule.transfer is not Transfer.PUSH:
+            return {}
+        awaited = m.step - 1 - m.rule.overlap
+        if awaited < 0:
+            return {}
+        sources = m.schedule.sources(Round(m.name, m.names, awaited, m.state))
+        if not sources:
+            return {}
+        window = 2 * max(1, int(np.ceil(np.log2(max(2, len(m.names)))))) + m.rule.overlap + 2
+        window *= m.schedule.period
+        owed = {}
+        for s in sources:
+            latest = m.latest_round.get(s, -1)
+            in_step = latest >= max(0, awaited - window) or (latest < 0 and awaited < window)
+            if s != m.name and m.flow.is_up(s) and in_step and latest < awaited:
+                owed[s] = awaited
+        return owed
+
+    def _sources_deadline(self, m: Member, step: int, epoch: int) -> None:
+        if epoch == m.epoch and step == m.step and m.phase is Phase.WAITING:
+            m.count("sources_late", len(self._owed(m)))
+            self._mix(m)
+
+    def _try_mix(self, m: Member) -> None:
+        """``update_wait`` returns once its fetches ended, at most ``overlap`` pushes await their verdict (or their
+        deadlines passed) and the owed in-neighbours' pushes came."""
+        if m.phase is not Phase.WAITING:
+            return
+        if any(f.status is FetchStatus.PENDING for f in m.fetches):
+            return
+        sending = sum(1 for p in m.ledger.unresolved() if p.status is PushStatus.SENDING)
+        if sending > m.rule.overlap or self._owed(m):
+            return
+        self._mix(m)
+
+    def _mix(self, m: Member) -> None:
+        peers = [f.reply for f in m.fetches if f.reply is not None]
+        for f in m.fetches:
+            if f.status is FetchStatus.TIMEOUT:
+                m.rule.on_reply_lost(m.state, None)
+        peers += self._drain(m)
+        pushes = {"pushed": float(m.pushed), "delivered": 0.0, "returned": 0.0, "push_ms": 0.0}
+        for push in m.ledger.collect():
+            if push.status is PushStatus.REFUSED:
+                peers.append(m.push_of(push))
+                m.count("pushes_returned")
+                pushes["returned"] += 1
+            elif push.status is PushStatus.DELIVERED:
+                pushes["delivered"] += 1
+                pushes["push_ms"] = max(pushes["push_ms"], push.ms)
+        outcome = m.rule.mix(m.state, m.arrays, peers)
+        others = tuple(p.state.name for p in peers if p.state.name != m.name)
+        if others and (outcome.peers or any(not p.repeat for p in peers if p.state.name != m.name)):
+            m.count("mixes")
+        statuses = [f.status.value for f in m.fetches] or (["pushed"] if m.rule.transfer is Transfer.PUSH else [])
+        if self._on_step is not None:
+            push = pushes if m.rule.transfer is Transfer.PUSH else {}
+            record = StepRecord(m, self.now, self.now - m.waiting_since, outcome, others, ",".join(statuses), push)
+            self._on_step(record)
+        if m.leaving:
+            self._hand_off(m, self.now)
+        elif m.step >= self.steps:
+            m.move(Phase.FINISHED)
+        else:
+            self._send(m, m.epoch)
+
+    def _drain(self, m: Member) -> list[PeerSnapshot]:
+        """The inbox's models to mix now: every push (oldest first); an exchange rule's committed ones, one per
+        sender (its oldest)."""
+        if m.rule.transfer is Transfer.PUSH:
+            taken = [e for e in m.inbox if e.committed]
+        else:
+            seen: set[str] = set()
+            taken = []
+            for e in m.inbox:
+                if e.committed and e.sender not in seen:
+                    seen.add(e.sender)
+                    taken.append(e)
+        for e in taken:
+            m.inbox.remove(e)
+        return [e.message for e in taken]
+
+    # ------------------------------------------------------------ churn (dpwa.tools.sim.churn)
+
+    def crash(self, name: str) -> None:
+        """``name`` stops at once: it answers nothing; its inbox and its pushes in flight are lost with it."""
+        m = self.members[name]
+        if not m.alive and m.phase is not Phase.IDLE:
+            return
+        if m.phase in (Phase.COMPUTING, Phase.WAITING):  # the step under way is lost: the restart does it again
+            m.step -= 1
+            m.state.clock -= 1
+        m.move(Phase.DOWN)
+        m.epoch += 1
+        m.inbox.clear()
+        for push in m.ledger.unresolved():
+            m.ledger.abandon(push.peer)
+        m.ledger.collect()
+        m.published = m.published_state = None
+        m.fetches = []
+
+    def restart(self, name: str) -> None:
+        """``name`` comes back with the parameters and rule state it had at the crash (its step under way, if any,
+        not counted: it trains it again), and trains on."""
+        m = self.members[name]
+        if m.phase is Phase.DOWN:
+            self.at(self.now, self._send, m, m.epoch)
+
+    def leave(self, name: str) -> None:
+        """``name`` leaves cleanly, between two steps: it settles its pushes (at most two timeouts), folds in what
+        arrived, hands what its rule holds (``rule.hand_off``; push-sum: its whole weight) to one member in a last
+        push, and every member forgets it. From then on it refuses requests and pushes (``left``)."""
+        m = self.members[name]
+        if m.phase is Phase.LEFT or m.leaving:
+            return
+        m.leaving = True
+        if m.phase not in (Phase.COMPUTING, Phase.WAITING):  # else: after this step's update_wait
+            self._hand_off(m, self.now)
+
+    def _hand_off(self, m: Member, since: float) -> None:
+        if m.alive and m.ledger.unresolved() and self.now < since + 2 * self.settings.timeout_s:
+            self.at(self.now + self.settings.timeout_s, self._hand_off, m, since)
+            return
+        given = None
+        if m.alive:
+            back = [m.push_of(p) for p in m.ledger.collect() if p.status is PushStatus.REFUSED]
+            peers = self._drain(m) + back
+            if peers:
+                m.rule.mix(m.state, m.arrays, peers)
+            given = m.rule.hand_off(m.state)
+        heir = m.flow.choose(1) if given is not None else []
+        if heir and given is not None:
+            extras = {**m.state.extras, **given}
+            message = PeerSnapshot(
+                NodeState(m.name, m.state.clock, m.state.loss, extras), [np.array(a) for a in m.arrays]
+            )
+            self._deliver(m, self.members[heir[0]], InboxEntry(m.name, message, m.step, committed=True))
+        m.move(Phase.LEFT)
+        self.names = tuple(n for n in self.names if n != m.name)
+        for other in self.members.values():
+            if other is not m and other.phase is not Phase.LEFT:
+                other.flow.remove(m.name)
+                self._members_changed(other)
+
+    def _deliver(self, m: Member, target: Member, entry: InboxEntry) -> None:
+        """The hand-off push, sent again every ``timeout_s`` until it lands (the ledger would ask until it knows)."""
+        arrival = self.network.send(
+            m.index, target.index, HEADER_BYTES + self.snapshot_bytes(entry.message.arrays), self.now
+        )
+        if arrival is not None:
+            self.at(arrival, self._handed, target, entry)
+        else:
+            self.at(self.now + self.settings.timeout_s, self._deliver, m, target, entry)
+
+    def _handed(self, target: Member, entry: InboxEntry) -> None:
+        if target.alive:  # one that crashed meanwhile loses it, as any push-sum loses a dead member's mass
+            target.inbox.append(entry)
+
+    def join(self, name: str, params: list[np.ndarray]) -> Member:
+        """A new member ``name`` with ``params`` (the caller copies a live node's: a bootstrap) starts training now;
+        every member adds it."""
+        if name in self.members:
+            raise ValueError(f"{name} is a member already")
+        self.names = (*self.names, name)
+        self.admitted += 1
+        member = self._add(name, params)
+        for other in self.members.values():
+            if other.phase is not Phase.LEFT:
+                if other is not member:
+                    other.flow.add(name)
+                self._members_changed(other)
+        self.at(self.now, self._send, member, member.epoch)
+        return member
+
+    def _members_changed(self, m: Member) -> None:
+        m.names = self.names
+        m.rule.on_members(m.name, self.names, float(self.admitted))

@@ -1,0 +1,301 @@
+"""``dpwa simulate`` (dpwa/tools/sim): the event-driven simulator on the rules' own code.
+
+What timing cannot change is asserted: the models' parts (units, step times, the link model's arithmetic), that
+one seed gives one result bit for bit, that in lock-step the event simulator computes exactly what the synchronous
+simulator (tests/test_consensus.py's) computes, that a dead peer costs exactly one timeout, that push-sum's mass
+and AD-PSGD's sum survive lost messages and churn, and the command's files and errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dpwa.config import ClusterConfig
+from dpwa.rules import make_rule
+from dpwa.rules.schedules import make_schedule
+from dpwa.tools.plot import series
+from dpwa.tools.sim.churn import ChurnKind, parse_churn
+from dpwa.tools.sim.engine import HEADER_BYTES, ClusterSettings, EventSimulation
+from dpwa.tools.sim.links import LinkModel, Network
+from dpwa.tools.sim.members import Member, Phase
+from dpwa.tools.sim.problems import make_problem
+from dpwa.tools.sim.runner import SimOptions, simulate
+from dpwa.tools.sim.timing import StepTimes, parse_step_time, parse_straggler
+from dpwa.tools.sim.units import parse_duration, parse_rate
+from dpwa.tools.simulation import Simulation
+
+# --------------------------------------------------------------------------- the parts
+
+
+def test_units_parse_and_bad_ones_say_what_was_expected() -> None:
+    assert parse_duration("50ms") == pytest.approx(0.05) and parse_duration("2") == 2.0
+    assert parse_duration("200us") == pytest.approx(2e-4)
+    assert parse_rate("1gbit") == pytest.approx(1.25e8) and parse_rate("10GB/s") == pytest.approx(1e10)
+    assert parse_step_time("lognormal:20ms:0.5") == (pytest.approx(0.02), 0.5)
+    assert parse_straggler("0.1:4") == (0.1, 4.0)
+    for bad in ("fast", "5 parsecs", "-1ms"):
+        with pytest.raises(ValueError, match="duration"):
+            parse_duration(bad)
+    with pytest.raises(ValueError, match="above 0"):
+        parse_rate("0gbit")
+    with pytest.raises(ValueError, match="SHARE:FACTOR"):
+        parse_straggler("4")
+    with pytest.raises(ValueError, match="KIND:NODE@TIME"):
+        parse_churn("explode:w1@2s")
+    assert [(e.kind, e.node, e.at_s) for e in parse_churn("restart:w3@5s, crash:w3@2s")] == [
+        (ChurnKind.CRASH, "w3", 2.0),
+        (ChurnKind.RESTART, "w3", 5.0),
+    ]
+
+
+def test_step_times_stragglers_and_lognormal() -> None:
+    times = StepTimes(0.05, 0.0, 0.1, 4.0).table(100, 10, seed=3)
+    slow = np.all(times == 0.2, axis=1)
+    assert slow.sum() == 10 and np.all(times[~slow] == 0.05)
+    assert np.array_equal(StepTimes(0.05, 0.0, 0.1, 4.0).stragglers(100, 3), slow)
+    noisy = StepTimes(0.05, 0.5).table(2000, 50, seed=0)
+    assert noisy.mean() == pytest.approx(0.05, rel=0.01)  # a lognormal of mean 1 times the base
+    assert np.array_equal(noisy[:3], StepTimes(0.05, 0.5).table(3, 50, seed=0))  # a node's row: its own stream
+
+
+def test_a_node_link_queues_the_senders_messages_a_pair_link_does_not() -> None:
+    rng = np.random.default_rng(0)
+    node = Network(LinkModel(latency_s=0.001, bandwidth=1000.0, per="node"), rng, 3)
+    assert node.send(0, 1, 100, 0.0) == pytest.approx(0.101)  # 0.1 s on the wire, 1 ms latency
+    assert node.send(0, 2, 100, 0.0) == pytest.approx(0.201)  # behind the first on 0's uplink
+    assert node.send(2, 1, 100, 0.0) == pytest.approx(0.201)  # behind the first on 1's downlink
+    link = Network(LinkModel(latency_s=0.001, bandwidth=1000.0, per="link"), rng, 3)
+    assert link.send(0, 1, 100, 0.0) == link.send(0, 2, 100, 0.0) == link.send(2, 1, 100, 0.0) == pytest.approx(0.101)
+    assert link.send(0, 1, 100, 0.0) == pytest.approx(0.201)  # the same pair: queued
+    assert node.bytes_sent.tolist() == [200, 0, 100] and node.messages == 3
+    lossy = Network(LinkModel(loss=0.25), np.random.default_rng(1), 2)
+    arrived = [lossy.send(0, 1, 10, 0.0) is not None for _ in range(4000)]
+    assert lossy.lost == arrived.count(False) and 0.22 < lossy.lost / 4000 < 0.28
+
+
+# --------------------------------------------------------------------------- the engine
+
+CLEAN = LinkModel()
+FAST = ClusterSettings(timeout_s=0.1)
+
+
+def _engine(
+    rule: str,
+    n: int,
+    *,
+    schedule: str | None = None,
+    start: list[np.ndarray] | None = None,
+    train: Any = None,
+    steps: int = 40,
+    link: LinkModel = CLEAN,
+    settings: ClusterSettings = FAST,
+    step_s: float = 0.05,
+    seed: int = 0,
+    records: list[Any] | None = None,
+) -> EventSimulation:
+    from dpwa.rules import RULES
+
+    starts = start if start is not None else [np.full(3, float(i)) for i in range(n)]
+    return EventSimulation(
+        [f"w{i + 1}" for i in range(n)],
+        [[a.copy()] for a in starts],
+        lambda: make_rule(rule, None, 0.0),
+        lambda: make_schedule(schedule or RULES[rule].default_schedule, None),
+        network=Network(link, np.random.default_rng([seed, 1]), n),
+        step_time=lambda m: step_s,
+        train=train if train is not None else (lambda members: [1.0 for _ in members]),
+        steps=steps,
+        settings=settings,
+        seed=seed,
+        on_step=(lambda r: records.append((r.member.name, r.member.step, r.time, r.wait_s)))
+        if records is not None
+        else None,
+    )
+
+
+def test_in_lock_step_the_event_simulator_computes_what_the_round_simulator_does() -> None:
+    """Fixed step times, replies far faster than a step: every node publishes, fetches and mixes at the same
+    instants as the synchronous simulator's rounds, with the same rule, schedule and flow-control objects and
+    seeds: the parameters agree bit for bit after 60 steps of a local step and a mix."""
+    n, steps, centres = 6, 60, np.random.default_rng(5).normal(scale=3.0, size=(6, 3))
+
+    def local(index: int, x: np.ndarray) -> None:
+        x -= 0.1 * (x - centres[index])
+
+    event = _engine(
+        "constant", n, steps=steps, train=lambda members: [local(m.index, m.arrays[0]) or 1.0 for m in members]
+    )
+    event.start()
+    assert event.run()
+    rounds = Simulation([[np.full(3, float(i))] for i in range(n)], lambda: make_rule("constant", None, 0.0),
+                        lambda: make_schedule("random", None), seed=0)  # fmt: skip
+    for _ in range(steps):
+        rounds.run_round(1.0, train=lambda node: local(rounds.names.index(node.name), node.arrays[0]))
+    for name in rounds.names:
+        assert np.array_equal(event.members[name].arrays[0], rounds[name].arrays[0]), name
+    assert len({float(m.arrays[0][0]) for m in event.members.values()}) > 1  # not trivially equal: they differ
+
+
+def test_a_crashed_peer_costs_one_timeout_per_fetch_until_flow_control_marks_it_down() -> None:
+    """w2 dies before w1's first request lands: each fetch of it waits the whole timeout (0.1 s, of which the
+    0.05 s step hides half), three in a row mark it down, and then w1 trains alone with no wait until the probe."""
+    records: list[Any] = []
+    sim = _engine("constant", 2, steps=12, records=records, link=LinkModel(latency_s=0.01))
+    sim.start()
+    sim.at(0.005, sim.crash, "w2")
+    sim.run()
+    waits = [round(wait, 9) for name, _, _, wait in records if name == "w1"]
+    assert waits[:3] == [0.05, 0.05, 0.05]
+    assert waits[3:] == [0.0] * 9  # down: not fetched (its first probe is due 1 s later, after the run)
+    assert not sim.members["w1"].flow.is_up("w2")
+    assert sim.members["w1"].counters["timeouts"] == 3 and sim.members["w2"].phase is Phase.DOWN
+
+
+def _mass(sim: EventSimulation) -> float:
+    """Push-sum's weight: held by the members, in their inboxes, and in refused pushes not folded back yet."""
+    total = 0.0
+    for m in sim.members.values():
+        if m.phase is Phase.LEFT:
+            continue
+        total += float(m.state.extras["weight"])
+        total += sum(float(e.message.state.extras.get("w_given", 0.0)) for e in m.inbox)
+        total += sum(float(p.given.get("w_given", 0.0)) for p in m.ledger.collect() if p.status.value == "refused")
+    return total
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.1])
+def test_push_sum_keeps_its_mass_through_lost_messages_a_full_inbox_and_a_clean_leave(loss: float) -> None:
+    """Lost pushes and ACKs are settled by queries, refused ones come back, a leaving node hands its weight on:
+    once the cluster is quiet the weights (with what sits in inboxes) still sum to the number of nodes."""
+    settings = ClusterSettings(timeout_s=0.1, inbox_slots=1, inbox_per_sender=1)
+    sim = _engine("pushsum", 8, steps=60, link=LinkModel(loss=loss), settings=settings)
+    sim.start()
+    sim.at(1.0, sim.leave, "w5")
+    assert sim.run()
+    returned = sum(m.counters.get("pushes_returned", 0.0) for m in sim.members.values())
+    assert returned > 0  # the one-slot inboxes did refuse pushes
+    assert _mass(sim) == pytest.approx(8.0, abs=1e-9)
+    assert sim.members["w5"].phase is Phase.LEFT and all("w5" not in m.names for m in sim.live())
+
+
+def test_adpsgd_keeps_the_sum_of_the_models_through_lost_messages() -> None:
+    """Both ends of an exchange move by opposite amounts, and a lost reply aborts it on both: with no local steps
+    the sum of the models is what it was, while they meet."""
+    rng = np.random.default_rng(2)
+    start = [rng.normal(size=3) for _ in range(8)]
+    sim = _engine("adpsgd", 8, steps=80, start=start, link=LinkModel(loss=0.1))
+    sim.start()
+    assert sim.run()
+    final = np.array([m.arrays[0] for m in sim.members.values()])
+    assert np.allclose(final.sum(axis=0), np.sum(start, axis=0), atol=1e-9)
+    spread = np.linalg.norm(final - final.mean(axis=0), axis=1).max()
+    assert spread < 0.05 * np.linalg.norm(np.array(start) - np.mean(start, axis=0), axis=1).max()
+    assert sim.network.lost > 0
+
+
+def test_churn_a_restart_resumes_a_join_trains_a_leave_stops() -> None:
+    records: list[Any] = []
+    sim = _engine("constant", 4, steps=40, records=records)
+    sim.start()
+    sim.at(0.5, sim.crash, "w2")
+    sim.at(1.0, sim.restart, "w2")
+    sim.at(0.3, sim.leave, "w3")
+    sim.at(0.4, lambda: sim.join("w5", [sim.members["w1"].arrays[0].copy()]))
+    assert sim.run()
+    steps = {name: [step for who, step, _, _ in records if who == name] for name in ("w1", "w2", "w3", "w5")}
+    assert steps["w2"] == list(range(1, 41)) and steps["w5"] == list(range(1, 41))
+    assert len(steps["w3"]) < 10 and sim.members["w3"].phase is Phase.LEFT
+    w2_times = [t for who, _, t, _ in records if who == "w2"]
+    assert max(b - a for a, b in zip(w2_times, w2_times[1:])) >= 0.5  # down for half a second
+    assert set(sim.members["w1"].names) == {"w1", "w2", "w4", "w5"}
+
+
+# --------------------------------------------------------------------------- runs and the command
+
+
+def _options(**kwargs: Any) -> SimOptions:
+    config = ClusterConfig(interpolation=kwargs.pop("rule", "constant"), timeout_ms=100.0)
+    return SimOptions(config, **kwargs)
+
+
+def test_the_same_seed_gives_the_same_run_bit_for_bit_and_another_seed_another(tmp_path: Path) -> None:
+    options = dict(nodes=12, steps=30, model="logistic", partition="dirichlet:0.1",
+                   step_times=StepTimes(0.05, 0.3, 0.25, 4.0), link=LinkModel(loss=0.05))  # fmt: skip
+    a = simulate(_options(**options), tmp_path / "a")
+    b = simulate(_options(**options), tmp_path / "b")
+    c = simulate(_options(seed=1, **options), tmp_path / "c")
+    assert np.array_equal(a.final_params, b.final_params) and not np.array_equal(a.final_params, c.final_params)
+    for f in (tmp_path / "a").glob("*.metrics.jsonl"):
+        assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes()
+    assert a.evaluations == b.evaluations
+
+
+def test_the_logistic_model_learns_the_shipped_digits() -> None:
+    """16 nodes, 100 steps, iid: the mean model is far above chance (0.1) on the held-out digits (0.94 measured)."""
+    result = simulate(_options(nodes=16, steps=100, model="logistic"))
+    summary = result.summary()
+    assert summary["accuracy"] > 0.85 and summary["mixes_per_step"] == 1.0
+    assert summary["bytes_per_step"] == HEADER_BYTES * 2 + 650 * 4  # a request, a reply of 650 float32
+    problem = make_problem("logistic", 1024, "dirichlet:0.1", 0)
+    assert min(len(s) for s in problem.shards) >= 1 and problem.x_test.shape == (360, 64)
+
+
+def test_the_command_writes_a_run_dpwa_plot_reads_and_prints_the_table(tmp_path: Path) -> None:
+    config = tmp_path / "rules.yaml"
+    config.write_text("interpolation: pushsum\ntimeout_ms: 100\n")
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "dpwa.cli", "simulate", "--nodes", "8", "--steps", "20", "--config", str(config),
+               "--model", "quadratic", "--partition", "dirichlet:0.5", "--straggler", "0.25:3", "--churn",
+               "crash:w2@0.2s,restart:w2@0.4s", "--run-dir", str(run_dir)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for key in ("loss (mean model)", "consensus distance", "bytes sent", "mixes per step", "simulated wall time"):
+        assert key in done.stdout
+    assert "100.0%" in done.stderr  # the progress line
+    summary = json.loads((run_dir / "simulation.json").read_text())["summary"]
+    assert summary["node_steps"] == 8 * 20 and math.isfinite(summary["loss"])
+    records = [json.loads(line) for line in (run_dir / "w1.metrics.jsonl").read_text().splitlines()]
+    columns = series(records, 0.0)
+    assert columns["step"] == list(range(1, 21)) and len(columns["push_ms"]) > 0 and columns["distance"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--straggler", "lots"], "SHARE:FACTOR"),
+        (["--bandwidth", "fast"], "rate"),
+        (["--partition", "sideways"], "partition"),
+        (["--nodes", "1"], "at least 2"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line_and_no_traceback(args: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "dpwa.cli", "simulate", *args], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_bad_config_names_the_file_key_and_line(tmp_path: Path) -> None:
+    config = tmp_path / "rules.yaml"
+    config.write_text("interpolation: constant\ntimeout_ms: -5\n")
+    done = subprocess.run([sys.executable, "-m", "dpwa.cli", "simulate", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert str(config) in done.stderr and "timeout_ms" in done.stderr and ":2" in done.stderr
+
+
+def test_every_member_is_a_host_round_peers_accepts() -> None:
+    """The member carries what :func:`round_peers` reads (the node's own peer choice runs on it)."""
+    sim = _engine("constant", 3, steps=1)
+    member: Member = sim.members["w1"]
+    from dpwa.node.transfers.fetcher import round_peers
+
+    chosen, wanted = round_peers(member)  # type: ignore[arg-type]
+    assert wanted and len(chosen) == 1 and chosen[0] in ("w2", "w3")
