@@ -13,9 +13,11 @@ BENCHMARKS: dict[str, str] = {
     "exchange": "dpwa.tools.bench.exchange:exchange",
     "train": "dpwa.tools.bench.train:train",
     "scale": "dpwa.tools.bench.scale:scale",
+    "simulate": "dpwa.tools.bench.simulate:simulate",
 }
 
 
 @click.group("bench", cls=LazyGroup, lazy=BENCHMARKS, context_settings={"help_option_names": ["-h", "--help"]})
 def bench() -> None:
-    """Benchmarks: exchange (data path vs raw pyzmq and gloo), train (dpwa vs DDP, stragglers), scale (N nodes)."""
+    """Benchmarks: exchange (data path vs raw pyzmq and gloo), train (dpwa vs DDP, stragglers), scale (N nodes),
+    simulate (the simulator's cost from 64 to 4,096 nodes)."""

@@ -121,11 +121,11 @@ class EventSimulation:
         """Run ``action(*args)`` at simulated ``time`` (events at one time run in the order they were planned)."""
         heapq.heappush(self._queue, (time, next(self._order), action, args))
 
-    def start(self) -> None:
-        """Every member calls its first ``update_send`` at time 0."""
-        for member in list(self.members.values()):
+    def start(self, offsets: Sequence[float] = ()) -> None:
+        """Every member calls its first ``update_send``: member ``i`` at ``offsets[i]`` seconds (0 if none given)."""
+        for i, member in enumerate(list(self.members.values())):
             if member.phase is Phase.IDLE:
-                self.at(0.0, self._send, member, member.epoch)
+                self.at(float(offsets[i]) if i < len(offsets) else 0.0, self._send, member, member.epoch)
 
     def run(self, until: float = float("inf")) -> bool:
         """Process events up to simulated time ``until``; True when none is left (every node finished)."""

@@ -56,6 +56,12 @@ class SimOptions:
     batch_size: int = 16
     evaluations: int = 20
     """About how many times the mean model is evaluated during the run."""
+    node_step_s: tuple[float, ...] = ()
+    """Each node's fixed step time (measured on a real run), instead of ``step_times``' table."""
+    node_start_s: tuple[float, ...] = ()
+    """When each node starts (its first ``update_send``), in seconds; () : all at 0."""
+    record_every: int = 0
+    """Keep every node's parameters every this many of its steps (:attr:`SimResult.snapshots`); 0: none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +89,8 @@ class SimResult:
     sim_time: float
     wall_s: float
     final_params: np.ndarray
+    snapshots: dict[int, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
+    """With ``record_every``: at each such step, every node's parameters after that step's ``update_wait``."""
 
     def summary(self) -> dict[str, Any]:
         """The numbers of the summary table."""
@@ -136,14 +144,21 @@ def _finite(value: Any) -> Any:
 class _Recorder:
     """Turns each ``update_wait`` into a metrics line (the ``dpwa run`` format) and counts the node steps."""
 
-    def __init__(self, metrics: _Metrics) -> None:
+    def __init__(self, metrics: _Metrics, params: np.ndarray, record_every: int) -> None:
         self.metrics = metrics
+        self.params, self.record_every = params, record_every
+        self.snapshots: dict[int, dict[str, np.ndarray]] = {}
         self.steps = 0
+        self.last_time = 0.0
+        """The simulated time of the latest ``update_wait`` (the run's simulated wall time, at the end)."""
         self.network: Network | None = None
 
     def __call__(self, r: StepRecord) -> None:
         m = r.member
         self.steps += 1
+        self.last_time = max(self.last_time, r.time)
+        if self.record_every and m.step % self.record_every == 0:
+            self.snapshots.setdefault(m.step, {})[m.name] = self.params[m.index].copy()
         sent = int(self.network.bytes_sent[m.index]) if self.network is not None else 0
         fetch_ms = [1000.0 * (f.arrived - f.sent) for f in m.fetches if f.reply is not None]
         record = {
@@ -174,12 +189,12 @@ def simulate(
         run_dir.mkdir(parents=True, exist_ok=True)
         for old in run_dir.glob("*.metrics.jsonl"):
             old.unlink()
-    recorder = _Recorder(metrics)
+    recorder = _Recorder(metrics, params, options.record_every)
     sim = _cluster(options, problem, params, capacity, recorder)
     recorder.network = sim.network
     for event in options.churn:
         sim.at(event.at_s, _churn, sim, event, problem, params)
-    sim.start()
+    sim.start(options.node_start_s)
     evaluations = _run(sim, options, problem, params, metrics, progress, recorder)
     metrics.flush()
     live = [m for m in sim.members.values() if m.phase.value != "left"]
@@ -190,9 +205,10 @@ def simulate(
         bytes_sent=int(sim.network.bytes_sent.sum()),
         messages=sim.network.messages,
         lost=sim.network.lost,
-        sim_time=sim.now,
+        sim_time=recorder.last_time,
         wall_s=time.perf_counter() - started,
         final_params=params[[m.index for m in live]].copy(),
+        snapshots=recorder.snapshots,
     )
     if run_dir is not None:
         _write_summary(run_dir, options, result)
@@ -207,6 +223,8 @@ def _cluster(
     cfg, n = options.config, options.nodes
     lr = options.lr if options.lr is not None else problem.default_lr
     times = options.step_times.table(capacity, options.steps, options.seed)
+    if options.node_step_s:
+        times[: len(options.node_step_s)] = np.array(options.node_step_s)[:, None]
 
     def train(members: Sequence[Member]) -> np.ndarray:
         steps = np.array([m.step - 1 for m in members], dtype=np.float64)
