@@ -12,14 +12,14 @@ Two figures, relative to the centres' mean distance to their mean: the *bias*, h
 the minimizer, and the *spread*, how far the farthest node is from the nodes' mean. Measured (6 nodes, 3
 dimensions, ROUNDS rounds, seeds 0-2, clean and with 5% of the messages lost in the first third): every
 averaging rule has a bias below 0.03 (push-sum, AD-PSGD, D-PSGD, group: below 0.01, their mixing keeps the
-sum; the pull rules on random peers 0.010-0.020, the drift of one-sided averaging; gradient tracking 2e-13
+sum; the pull rules on random peers 0.008-0.051, the drift of one-sided averaging; gradient tracking 2e-13
 clean and 2e-9 with losses, its running sums keep the tracker's sum) and a spread below 0.053 (push-sum on
 random peers 0.033-0.050, whose weight floor holds some mass back; CHOCO with int8 compression 0.041-0.052: its
 consensus step 0.5 trails the decaying local steps; on the directed ring CHOCO int8 0.029-0.040 and D-PSGD 0.007-0.010),
 so BIAS_TOL = 0.04 and SPREAD_TOL = 0.06. The rules that do not
-average by design have a larger bias, recorded here and on the Mixing rules page: ``loss`` 0.51-1.11 (it pulls
+average by design have a larger bias, recorded here and on the Mixing rules page: ``loss`` 0.71-1.12 (it pulls
 toward the nodes with the lowest loss), ``leader`` 0.77-1.08 (toward the best node); ``gem`` (its element-wise
-factors weight each node by its own motion) 0.011-0.114 over seeds 0-11, a mean compared with the pull rule's.
+factors weight each node by its own motion) 0.024-0.118 over seeds 0-29, a mean compared with the pull rule's.
 """
 
 from __future__ import annotations
@@ -47,6 +47,20 @@ SPREAD_TOL = 0.06
 SEEDS = (0, 1, 2)
 SEED_PARAMS = [0, *(pytest.param(seed, marks=pytest.mark.slow) for seed in SEEDS[1:])]  # the fast subset: seed 0
 LOSS_RATE = 0.05  # of the messages lost (a fetch's reply times out; a push is refused) in the first third
+RANDOM_PEERS: dict[tuple[str, str], tuple[float, float]] = {
+    ("constant", "random"): (0.08, SPREAD_TOL),
+    ("clock", "random"): (0.08, SPREAD_TOL),
+    ("pushsum", "random"): (BIAS_TOL, 0.17),
+}
+"""(bias, spread) bounds of the cases whose figures depend on flow control's random choice of peers, set from seeds
+0-29, clean and lossy (2026-11-27): the one-sided pull rules' bias has mean 0.018-0.020 and a tail to 0.054 (seeds
+2 and 23; seeds 0-2 alone showed at most 0.051); push-sum on random peers keeps its bias below 0.017 but its spread
+reaches 0.112 (its weight floor holds mass back). Bounds 1.5x the largest."""
+
+
+def bounds(case: tuple[str, str, Any]) -> tuple[float, float]:
+    """The (bias, spread) bounds of an averaging case: BIAS_TOL and SPREAD_TOL unless RANDOM_PEERS widens them."""
+    return RANDOM_PEERS.get((case[0], case[1]), (BIAS_TOL, SPREAD_TOL))
 
 AVERAGING: list[tuple[str, str, Any]] = [
     ("constant", "random", None),
@@ -68,8 +82,8 @@ AVERAGING: list[tuple[str, str, Any]] = [
 ]
 NOT_AVERAGING = [("loss", "random", None), ("leader", "leader", None)]
 GEM_SEEDS = range(6)
-"""GEM's bias varies with the seed far more than the others' (0.011-0.114 over seeds 0-11, 1,500 rounds): one seed
-can land among the averaging rules (0.027 at seed 4, 0.011 at seed 9), so its bias is compared as a mean over
+"""GEM's bias varies with the seed far more than the others' (0.024-0.118 over seeds 0-29, mean 0.067, 1,500
+rounds): 7 of the 30 seeds land among the averaging rules (below 0.04), so its bias is compared as a mean over
 seeds against the pull rule it extends."""
 
 
@@ -138,7 +152,8 @@ def test_an_averaging_rule_reaches_the_minimizer_of_the_average_objective(
     _, spread, bias = consensus_error(*case, seed)
     record_property("bias", bias)
     record_property("spread", spread)
-    assert bias < BIAS_TOL and spread < SPREAD_TOL, (bias, spread)
+    bias_tol, spread_tol = bounds(case)
+    assert bias < bias_tol and spread < spread_tol, (bias, spread)
 
 
 @pytest.mark.slow
@@ -151,7 +166,8 @@ def test_lost_messages_do_not_move_the_consensus_point(
     less; either way the point stays the unweighted mean."""
     _, spread, bias = consensus_error(*case, seed, loss_rate=LOSS_RATE)
     record_property("bias", bias)
-    assert bias < BIAS_TOL and spread < SPREAD_TOL, (bias, spread)
+    bias_tol, spread_tol = bounds(case)
+    assert bias < bias_tol and spread < spread_tol, (bias, spread)
 
 
 @pytest.mark.parametrize("case", NOT_AVERAGING, ids=_id)
@@ -171,7 +187,7 @@ def test_gem_weighs_the_nodes_by_their_motion_a_bias_the_pull_rule_does_not_have
     record_property: Callable[[str, object], None],
 ) -> None:
     """GEM is ``constant`` with element-wise factors from each node's own motion: over the same seeds (exact: the
-    simulator), its mean bias is more than twice the plain pull rule's (measured 0.045 against 0.017), and its
+    simulator), its mean bias is more than twice the plain pull rule's (measured 0.066 against 0.021), and its
     nodes still meet (spread below the averaging rules' bound)."""
     gem = [consensus_error("gem", "random", None, seed) for seed in GEM_SEEDS]
     pull = [consensus_error("constant", "random", None, seed) for seed in GEM_SEEDS]

@@ -8,6 +8,7 @@ and AD-PSGD's sum survive lost messages and churn, and the command's files and e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -265,6 +266,12 @@ def test_the_command_writes_a_run_dpwa_plot_reads_and_prints_the_table(tmp_path:
     records = [json.loads(line) for line in (run_dir / "w1.metrics.jsonl").read_text().splitlines()]
     columns = series(records, 0.0)
     assert columns["step"] == list(range(1, 21)) and len(columns["push_ms"]) > 0 and columns["distance"]
+    if importlib.util.find_spec("tensorboardX") is not None:  # the dpwa[tensorboard] extra: its export reads it too
+        from dpwa.launcher.rundir import RunDir
+        from dpwa.tools.tensorboard import write_tensorboard
+
+        written = write_tensorboard(RunDir(run_dir))
+        assert len(written) == 8 and all(any(d.glob("events.out.tfevents.*")) for d in written)
 
 
 @pytest.mark.parametrize(
