@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,19 +21,9 @@ from pathlib import Path
 
 import yaml
 
+from dpwa.tools.bench.procs import free_ports
 from dpwa.tools.sim import worker
 from dpwa.tools.sim.validation import Comparison, compare
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def real_run(n: int, steps: int, seed: int, where: Path) -> Comparison:

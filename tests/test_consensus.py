@@ -62,6 +62,7 @@ def bounds(case: tuple[str, str, Any]) -> tuple[float, float]:
     """The (bias, spread) bounds of an averaging case: BIAS_TOL and SPREAD_TOL unless RANDOM_PEERS widens them."""
     return RANDOM_PEERS.get((case[0], case[1]), (BIAS_TOL, SPREAD_TOL))
 
+
 AVERAGING: list[tuple[str, str, Any]] = [
     ("constant", "random", None),
     ("constant", "exponential", None),
