@@ -30,15 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.metrics import DECLINED_CODES
 from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push
-from dpwa.node.states import PUSH_FLOW_EFFECT, PushStatus
+from dpwa.node.states import PUSH_FLOW_EFFECT, FetchStatus, PushStatus, SlotState
 from dpwa.node.transfers.fetcher import round_peers
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
 from dpwa.rules.schedules import Round, Schedule
 from dpwa.tools.sim.links import Network
-from dpwa.tools.sim.members import Fetch, FetchStatus, InboxEntry, Member, Phase
+from dpwa.tools.sim.members import Fetch, InboxEntry, Member, Phase
 
 __all__ = ["HEADER_BYTES", "ClusterSettings", "EventSimulation", "StepRecord"]
 
@@ -269,7 +268,7 @@ class EventSimulation:
             mine = m.published_state
             message = PeerSnapshot(NodeState(m.name, mine.clock, mine.loss, dict(mine.extras)),
                                    [np.array(a) for a in m.published], reference=s.published)  # fmt: skip
-            fetch.held = InboxEntry(m.name, message, m.step, committed=False)
+            fetch.held = InboxEntry(m.name, message, m.step).move(SlotState.HELD, SlotState.SERVED)
             s.inbox.append(fetch.held)
         arrival = self.network.send(s.index, m.index, HEADER_BYTES + self.snapshot_bytes(s.published), self.now)
         if arrival is not None:
@@ -290,7 +289,7 @@ class EventSimulation:
         if not self._admits(s, m.name):
             self._answer(s, m, self._verdict, m, push, PushStatus.REFUSED, "busy", epoch)
         else:
-            s.inbox.append(InboxEntry(m.name, message, int(push.given["round"]), committed=True))
+            s.inbox.append(InboxEntry(m.name, message, int(push.given["round"])).move(SlotState.FULL))
             s.accepted.add(push.seq)
             self._answer(s, m, self._verdict, m, push, PushStatus.DELIVERED, "", epoch)
         self._try_mix(s)  # a node waiting for its in-neighbours' pushes
@@ -305,12 +304,12 @@ class EventSimulation:
             self.at(self.now + self.settings.timeout_s, self._settle_exchange, m, s, entry, commit)
 
     def _committed(self, s: Member, entry: InboxEntry, epoch: int) -> None:
-        if epoch == s.epoch and entry in s.inbox:
-            entry.committed = True
+        if epoch == s.epoch and entry in s.inbox and entry.state is SlotState.SERVED:
+            entry.move(SlotState.COMMITTED)
 
     def _aborted(self, s: Member, entry: InboxEntry, epoch: int) -> None:
-        if epoch == s.epoch and entry in s.inbox and not entry.committed:
-            s.inbox.remove(entry)
+        if epoch == s.epoch and entry in s.inbox and entry.state is SlotState.SERVED:
+            s.inbox.remove(entry.move(SlotState.FREE))
 
     # ------------------------------------------------------------ the fetcher's side
 
@@ -320,8 +319,8 @@ class EventSimulation:
             if fetch.held is not None:  # too late: the fetcher had given up and aborted it
                 self._settle_exchange(m, server, fetch.held, commit=False)
             return
-        fetch.status, fetch.arrived = FetchStatus.OK, self.now
-        m.flow.success(fetch.peer)
+        fetch.arrived = self.now
+        m.flow.record(fetch.peer, fetch.end(FetchStatus.OK))
         repeat = m.last_gen.get(fetch.peer) == gen
         m.last_gen[fetch.peer] = gen
         st = reply.state
@@ -334,9 +333,7 @@ class EventSimulation:
     def _refused(self, m: Member, fetch: Fetch, code: str, epoch: int) -> None:
         if epoch != m.epoch or fetch.status is not FetchStatus.PENDING:
             return
-        fetch.status, fetch.code = FetchStatus.REFUSED, code
-        if code not in DECLINED_CODES:
-            m.flow.failure(fetch.peer)
+        m.flow.record(fetch.peer, fetch.end(FetchStatus.REFUSED, code))
         m.count(f"refused_{code}")
         self._try_mix(m)
 
@@ -345,8 +342,7 @@ class EventSimulation:
             return
         for fetch in m.fetches:
             if fetch.status is FetchStatus.PENDING:
-                fetch.status = FetchStatus.TIMEOUT
-                m.flow.failure(fetch.peer)
+                m.flow.record(fetch.peer, fetch.end(FetchStatus.TIMEOUT))
                 m.count("timeouts")
                 if fetch.held is not None:
                     server = self.members[fetch.peer]
@@ -478,16 +474,16 @@ class EventSimulation:
         """The inbox's models to mix now: every push (oldest first); an exchange rule's committed ones, one per
         sender (its oldest)."""
         if m.rule.transfer is Transfer.PUSH:
-            taken = [e for e in m.inbox if e.committed]
+            taken = [e for e in m.inbox if e.ready]
         else:
             seen: set[str] = set()
             taken = []
             for e in m.inbox:
-                if e.committed and e.sender not in seen:
+                if e.ready and e.sender not in seen:
                     seen.add(e.sender)
                     taken.append(e)
         for e in taken:
-            m.inbox.remove(e)
+            m.inbox.remove(e.move(SlotState.MIXING, SlotState.FREE))
         return [e.message for e in taken]
 
     # ------------------------------------------------------------ churn (dpwa.tools.sim.churn)
@@ -544,7 +540,7 @@ class EventSimulation:
             message = PeerSnapshot(
                 NodeState(m.name, m.state.clock, m.state.loss, extras), [np.array(a) for a in m.arrays]
             )
-            self._deliver(m, self.members[heir[0]], InboxEntry(m.name, message, m.step, committed=True))
+            self._deliver(m, self.members[heir[0]], InboxEntry(m.name, message, m.step).move(SlotState.FULL))
         m.move(Phase.LEFT)
         self.names = tuple(n for n in self.names if n != m.name)
         for other in self.members.values():

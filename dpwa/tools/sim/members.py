@@ -18,10 +18,11 @@ import numpy as np
 
 from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push, PushLedger
+from dpwa.node.states import FETCH_MOVES, SLOT_MOVES, FetchStatus, FlowEffect, SlotState, fetch_effect, moves
 from dpwa.rules.base import NodeState, PeerSnapshot, Rule
 from dpwa.rules.schedules import Schedule
 
-__all__ = ["PHASE_MOVES", "Fetch", "FetchStatus", "InboxEntry", "Member", "Phase"]
+__all__ = ["PHASE_MOVES", "Fetch", "InboxEntry", "Member", "Phase"]
 
 
 class Phase(enum.Enum):
@@ -52,15 +53,6 @@ PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
 """The moves a phase may make; any other is a bug in the simulator (it raises)."""
 
 
-class FetchStatus(enum.Enum):
-    """One fetch of a round."""
-
-    PENDING = "pending"
-    OK = "ok"
-    TIMEOUT = "timeout"
-    REFUSED = "refused"
-
-
 @dataclasses.dataclass(eq=False)
 class Fetch:
     """One peer fetched this round (a pull, or an exchange's request carrying the fetcher's snapshot)."""
@@ -74,15 +66,38 @@ class Fetch:
     held: InboxEntry | None = None
     """An exchange: the server's inbox entry holding this fetcher's snapshot until the commit."""
 
+    def end(self, status: FetchStatus, code: str = "") -> FlowEffect:
+        """The fetch's one verdict (the node's :data:`~dpwa.node.states.FETCH_MOVES`); what it does to the peer's
+        flow-control score (:func:`~dpwa.node.states.fetch_effect`, the node's table)."""
+        if not moves(FETCH_MOVES, self.status, status):
+            raise RuntimeError(f"fetch of {self.peer}: no move from {self.status.value} to {status.value}")
+        self.status, self.code = status, code
+        return fetch_effect(status, code)
+
 
 @dataclasses.dataclass(eq=False)
 class InboxEntry:
-    """A model this node did not ask for: a push (committed on arrival) or an exchange's (held until the commit)."""
+    """A model this node did not ask for, in one slot of its inbox, whose :class:`~dpwa.node.states.SlotState`
+    moves along the node's :data:`~dpwa.node.states.SLOT_MOVES`: a push ``receiving -> full``, an exchange's
+    ``receiving -> held -> served -> committed``; ``mixing`` at ``update_wait``, then ``free`` (gone)."""
 
     sender: str
     message: PeerSnapshot
     round: int
-    committed: bool
+    state: SlotState = SlotState.RECEIVING
+
+    def move(self, *states: SlotState) -> InboxEntry:
+        """Go through ``states`` in turn; RuntimeError for a move the node's table does not list."""
+        for state in states:
+            if not moves(SLOT_MOVES, self.state, state):
+                raise RuntimeError(f"inbox slot of {self.sender}: no move from {self.state.value} to {state.value}")
+            self.state = state
+        return self
+
+    @property
+    def ready(self) -> bool:
+        """Mixable at the next ``update_wait``: a push arrived whole, or an exchange both sides committed."""
+        return self.state in (SlotState.FULL, SlotState.COMMITTED)
 
 
 @dataclasses.dataclass(eq=False)
