@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--nodes", default="16,256,1024")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rules", default=",".join(RULES))
+    parser.add_argument("--partitions", default="iid,dirichlet:0.1", help="run only these (a split of the work)")
     parser.add_argument("--out", type=Path, default=Path("runs/sim-table"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -39,7 +40,7 @@ def main() -> int:
         for rule in args.rules.split(","):
             for partition, share in CONDITIONS:
                 key = f"{rule}|{n}|{partition}|{share}"
-                if key in cells:
+                if key in cells or partition not in args.partitions.split(","):
                     continue
                 started = time.time()
                 options = SimOptions(

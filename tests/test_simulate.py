@@ -98,20 +98,21 @@ def _engine(
     steps: int = 40,
     link: LinkModel = CLEAN,
     settings: ClusterSettings = FAST,
-    step_s: float = 0.05,
+    step_s: float | Any = 0.05,
     seed: int = 0,
     records: list[Any] | None = None,
+    floats: int = 3,
 ) -> EventSimulation:
     from dpwa.rules import RULES
 
-    starts = start if start is not None else [np.full(3, float(i)) for i in range(n)]
+    starts = start if start is not None else [np.full(floats, float(i)) for i in range(n)]
     return EventSimulation(
         [f"w{i + 1}" for i in range(n)],
         [[a.copy()] for a in starts],
         lambda: make_rule(rule, None, 0.0),
         lambda: make_schedule(schedule or RULES[rule].default_schedule, None),
         network=Network(link, np.random.default_rng([seed, 1]), n),
-        step_time=lambda m: step_s,
+        step_time=step_s if callable(step_s) else (lambda m: step_s),
         train=train if train is not None else (lambda members: [1.0 for _ in members]),
         steps=steps,
         settings=settings,
@@ -200,6 +201,52 @@ def test_adpsgd_keeps_the_sum_of_the_models_through_lost_messages() -> None:
     spread = np.linalg.norm(final - final.mean(axis=0), axis=1).max()
     assert spread < 0.05 * np.linalg.norm(np.array(start) - np.mean(start, axis=0), axis=1).max()
     assert sim.network.lost > 0
+
+
+def test_push_sum_mass_survives_pushes_slower_than_their_deadline() -> None:
+    """Slow links: pushes still on the wire at their deadline. The query about one is answered where and when it
+    lands (behind the push on the sender's link: delivered), never guessed at the sender, so no mass is counted
+    twice (deciding at the sender answered ``refused`` and gave the mass back while the push landed: 52 of 4)."""
+    slow = LinkModel(latency_s=0.001, bandwidth=1e5)  # 16 kB of float64 take 0.16 s, past the 0.1 s deadline
+    sim = _engine("pushsum", 4, steps=20, link=slow, floats=2000)
+    sim.start()
+    assert sim.run()
+    assert _mass(sim) == pytest.approx(4.0, abs=1e-9)
+
+
+def test_a_push_to_a_node_that_never_restarts_ends_and_the_run_finishes() -> None:
+    """The receiver crashed for good: the sender asks it every timeout, counting failures (flow control marks it
+    down), and gives the push up once nobody trains any more; the run ends."""
+    sim = _engine("pushsum", 3, steps=20)
+    sim.start()
+    sim.at(0.12, sim.crash, "w2")
+    assert sim.run(until=60.0)
+    assert not any(m.ledger.unresolved() for m in sim.members.values())
+    assert not sim.members["w1"].flow.is_up("w2") or not sim.members["w3"].flow.is_up("w2")
+
+
+def test_adpsgd_nodes_that_finished_refuse_exchanges_so_the_sum_holds() -> None:
+    """Half the nodes step twice as slowly: the fast ones finish first and linger, refusing exchanges (``busy``)
+    as a closing inbox does, so no exchange is left half-mixed and the sum of the models holds."""
+    rng = np.random.default_rng(4)
+    start = [rng.normal(size=3) for _ in range(6)]
+    sim = _engine("adpsgd", 6, steps=40, start=start, step_s=lambda m: 0.05 if m.index % 2 else 0.11)
+    sim.start()
+    assert sim.run()
+    final = np.array([m.arrays[0] for m in sim.members.values()])
+    assert np.allclose(final.sum(axis=0), np.sum(start, axis=0), atol=1e-9)
+    assert sum(m.counters.get("refused_busy", 0.0) for m in sim.members.values()) > 0
+
+
+def test_a_leaving_node_mixes_its_last_step_once() -> None:
+    records: list[Any] = []
+    settings = ClusterSettings(timeout_s=0.1)
+    sim = _engine("pushsum", 6, steps=40, link=LinkModel(loss=0.3), settings=settings, records=records)
+    sim.start()
+    sim.at(0.5, sim.leave, "w2")
+    assert sim.run()
+    steps = [step for name, step, _, _ in records if name == "w2"]
+    assert steps == list(range(1, len(steps) + 1)) and sim.members["w2"].phase is Phase.LEFT
 
 
 def test_churn_a_restart_resumes_a_join_trains_a_leave_stops() -> None:

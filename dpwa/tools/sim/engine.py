@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from dpwa.node.inbox import HOLD_TIMEOUTS
 from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push
 from dpwa.node.states import PUSH_FLOW_EFFECT, FetchStatus, PushStatus, SlotState
@@ -256,7 +257,7 @@ class EventSimulation:
             self._answer(s, m, self._refused, m, fetch, "not-ready", epoch)
             return
         exchange = m.rule.transfer is Transfer.EXCHANGE
-        if exchange and not self._admits(s, m.name):
+        if exchange and (s.closing or not self._admits(s, m.name)):
             self._answer(s, m, self._refused, m, fetch, "busy", epoch)
             return
         if extras:
@@ -270,6 +271,7 @@ class EventSimulation:
                                    [np.array(a) for a in m.published], reference=s.published)  # fmt: skip
             fetch.held = InboxEntry(m.name, message, m.step).move(SlotState.HELD, SlotState.SERVED)
             s.inbox.append(fetch.held)
+            self.at(self.now + HOLD_TIMEOUTS * self.settings.timeout_s, self._aborted, s, fetch.held, s.epoch)
         arrival = self.network.send(s.index, m.index, HEADER_BYTES + self.snapshot_bytes(s.published), self.now)
         if arrival is not None:
             self.at(arrival, self._replied, m, fetch, reply, s.gen, epoch)
@@ -283,13 +285,13 @@ class EventSimulation:
         if s.phase is Phase.LEFT:
             self._answer(s, m, self._verdict, m, push, PushStatus.REFUSED, "left", epoch)
             return
-        if not s.alive:
-            return  # no answer: the sender settles it by a query after its deadline
+        if not s.alive or push.seq in s.closed:
+            return  # no answer (the sender settles it by a query), or a push its query already closed: stale
         s.latest_round[m.name] = max(s.latest_round.get(m.name, -1), int(push.given["round"]))
-        if not self._admits(s, m.name):
+        if s.closing or not self._admits(s, m.name):
             self._answer(s, m, self._verdict, m, push, PushStatus.REFUSED, "busy", epoch)
         else:
-            s.inbox.append(InboxEntry(m.name, message, int(push.given["round"])).move(SlotState.FULL))
+            s.inbox.append(InboxEntry(m.name, message, int(push.given["round"]), push.seq).move(SlotState.FULL))
             s.accepted.add(push.seq)
             self._answer(s, m, self._verdict, m, push, PushStatus.DELIVERED, "", epoch)
         self._try_mix(s)  # a node waiting for its in-neighbours' pushes
@@ -316,9 +318,7 @@ class EventSimulation:
     def _replied(self, m: Member, fetch: Fetch, reply: PeerSnapshot, gen: int, epoch: int) -> None:
         server = self.members[fetch.peer]
         if epoch != m.epoch or fetch.status is not FetchStatus.PENDING:
-            if fetch.held is not None:  # too late: the fetcher had given up and aborted it
-                self._settle_exchange(m, server, fetch.held, commit=False)
-            return
+            return  # too late: the fetcher gave up (and aborted an exchange at its deadline), or it crashed
         fetch.arrived = self.now
         m.flow.record(fetch.peer, fetch.end(FetchStatus.OK))
         repeat = m.last_gen.get(fetch.peer) == gen
@@ -359,22 +359,37 @@ class EventSimulation:
         self._try_mix(m)
 
     def _push_deadline(self, m: Member, push: Push, epoch: int) -> None:
-        """No verdict by the deadline: unknown; the receiver is asked (a query and its answer, a round trip) until
-        one answer lands: delivered if it took the push, refused if not (what it carried comes back)."""
+        """No verdict by the deadline: unknown; the receiver is asked (a query, answered where it lands) every
+        ``timeout_s`` until an answer comes; each query left unanswered counts a flow-control failure, as the TX
+        thread's. A receiver that stays down is given up (the push ``lost``, its mass with it) once nobody trains
+        any more: a real node forgets a dead member after ``forget_after_s``."""
         if epoch != m.epoch or m.ledger.open_push(push.peer) is not push:
             return
         if push.status is PushStatus.SENDING:
             m.ledger.mark_unknown(push)
-            m.flow.failure(push.peer)
+        m.flow.failure(push.peer)
         target = self.members[push.peer]
         if target.alive or target.phase is Phase.LEFT:  # one that left still answers: refused, it never took it
             there = self.network.send(m.index, target.index, HEADER_BYTES, self.now)
-            back = None if there is None else self.network.send(target.index, m.index, HEADER_BYTES, there)
-            if back is not None:
-                status = PushStatus.DELIVERED if push.seq in target.accepted else PushStatus.REFUSED
-                self.at(back, self._verdict, m, push, status, "" if status is PushStatus.DELIVERED else "settle", epoch)
+            if there is not None:
+                self.at(there, self._query_lands, target, m, push, epoch)
+        elif not any(o.phase in (Phase.COMPUTING, Phase.WAITING) for o in self.members.values()):
+            m.ledger.abandon(push.peer)
+            m.count("pushes_lost")
+            return
         self.at(self.now + self.settings.timeout_s, self._push_deadline, m, push, epoch)  # asked again if need be
         self._try_mix(m)
+
+    def _query_lands(self, target: Member, m: Member, push: Push, epoch: int) -> None:
+        """The receiver answers a query about ``push`` now: delivered if it took it; else refused, and the push is
+        closed there (a late arrival of it is dropped as stale), so the answer is final."""
+        if not (target.alive or target.phase is Phase.LEFT):
+            return
+        if push.seq in target.accepted:
+            self._answer(target, m, self._verdict, m, push, PushStatus.DELIVERED, "", epoch)
+        else:
+            target.closed.add(push.seq)
+            self._answer(target, m, self._verdict, m, push, PushStatus.REFUSED, "settle", epoch)
 
     # ------------------------------------------------------------ update_wait
 
@@ -397,10 +412,15 @@ class EventSimulation:
     def _wait(self, m: Member) -> None:
         m.move(Phase.WAITING)
         m.waiting_since = self.now
-        owed = self._owed(m)
-        if owed:
+        m.owed = self._owed(m)  # decided once, as the node's wait_sources does; waited for at most timeout_s
+        if m.owed:
             self.at(self.now + self.settings.timeout_s, self._sources_deadline, m, m.step, m.epoch)
         self._try_mix(m)
+
+    def _window(self, m: Member) -> int:
+        """How many rounds behind (or ahead) an in-neighbour may be and still count (the node's source_window)."""
+        rounds = 2 * max(1, int(np.ceil(np.log2(max(2, len(m.names)))))) + m.rule.overlap + 2
+        return rounds * m.schedule.period
 
     def _owed(self, m: Member) -> dict[str, int]:
         """On a fixed push schedule: the in-neighbours whose push of round ``step - 1 - overlap`` has not come."""
@@ -412,8 +432,7 @@ class EventSimulation:
         sources = m.schedule.sources(Round(m.name, m.names, awaited, m.state))
         if not sources:
             return {}
-        window = 2 * max(1, int(np.ceil(np.log2(max(2, len(m.names)))))) + m.rule.overlap + 2
-        window *= m.schedule.period
+        window = self._window(m)
         owed = {}
         for s in sources:
             latest = m.latest_round.get(s, -1)
@@ -424,18 +443,20 @@ class EventSimulation:
 
     def _sources_deadline(self, m: Member, step: int, epoch: int) -> None:
         if epoch == m.epoch and step == m.step and m.phase is Phase.WAITING:
-            m.count("sources_late", len(self._owed(m)))
-            self._mix(m)
+            late = [s for s, r in m.owed.items() if m.latest_round.get(s, -1) < r]
+            m.count("sources_late", len(late))
+            m.owed = {}
+            self._try_mix(m)
 
     def _try_mix(self, m: Member) -> None:
         """``update_wait`` returns once its fetches ended, at most ``overlap`` pushes await their verdict (or their
-        deadlines passed) and the owed in-neighbours' pushes came."""
+        deadlines passed) and the owed in-neighbours' pushes came (or the wait for them timed out)."""
         if m.phase is not Phase.WAITING:
             return
         if any(f.status is FetchStatus.PENDING for f in m.fetches):
             return
         sending = sum(1 for p in m.ledger.unresolved() if p.status is PushStatus.SENDING)
-        if sending > m.rule.overlap or self._owed(m):
+        if sending > m.rule.overlap or any(m.latest_round.get(s, -1) < r for s, r in m.owed.items()):
             return
         self._mix(m)
 
@@ -463,18 +484,22 @@ class EventSimulation:
             push = pushes if m.rule.transfer is Transfer.PUSH else {}
             record = StepRecord(m, self.now, self.now - m.waiting_since, outcome, others, ",".join(statuses), push)
             self._on_step(record)
-        if m.leaving:
+        if m.leaving:  # closing: it takes nothing more, settles its pushes and hands off
+            m.move(Phase.FINISHED)
             self._hand_off(m, self.now)
         elif m.step >= self.steps:
             m.move(Phase.FINISHED)
         else:
             self._send(m, m.epoch)
 
-    def _drain(self, m: Member) -> list[PeerSnapshot]:
-        """The inbox's models to mix now: every push (oldest first); an exchange rule's committed ones, one per
-        sender (its oldest)."""
+    def _drain(self, m: Member, everything: bool = False) -> list[PeerSnapshot]:
+        """The inbox's models to mix now: a push rule's every push but those of a round still to come (within the
+        source window: kept for their own round; ``everything``: those too, as a leaving node takes them), by
+        sender and sequence number; an exchange rule's committed ones, one per sender (its oldest)."""
         if m.rule.transfer is Transfer.PUSH:
-            taken = [e for e in m.inbox if e.ready]
+            upto, window = m.step - 1, self._window(m)
+            taken = sorted((e for e in m.inbox if e.ready and (everything or not upto < e.round <= upto + window)),
+                           key=lambda e: (e.sender, e.seq))  # fmt: skip
         else:
             seen: set[str] = set()
             taken = []
@@ -493,7 +518,7 @@ class EventSimulation:
         m = self.members[name]
         if not m.alive and m.phase is not Phase.IDLE:
             return
-        if m.phase in (Phase.COMPUTING, Phase.WAITING):  # the step under way is lost: the restart does it again
+        if m.phase in (Phase.COMPUTING, Phase.WAITING) and not m.leaving:  # the step under way is lost: redone
             m.step -= 1
             m.state.clock -= 1
         m.move(Phase.DOWN)
@@ -509,7 +534,9 @@ class EventSimulation:
         """``name`` comes back with the parameters and rule state it had at the crash (its step under way, if any,
         not counted: it trains it again), and trains on."""
         m = self.members[name]
-        if m.phase is Phase.DOWN:
+        if m.phase is Phase.DOWN and m.step >= self.steps:
+            m.move(Phase.FINISHED)  # it had trained all its steps: it lingers again
+        elif m.phase is Phase.DOWN:
             self.at(self.now, self._send, m, m.epoch)
 
     def leave(self, name: str) -> None:
@@ -530,11 +557,12 @@ class EventSimulation:
         given = None
         if m.alive:
             back = [m.push_of(p) for p in m.ledger.collect() if p.status is PushStatus.REFUSED]
-            peers = self._drain(m) + back
+            peers = self._drain(m, everything=True) + back
             if peers:
                 m.rule.mix(m.state, m.arrays, peers)
             given = m.rule.hand_off(m.state)
-        heir = m.flow.choose(1) if given is not None else []
+        heir = [p for p in m.flow.up_peers() if self.members[p].alive and not self.members[p].closing]
+        m.rng.shuffle(heir)  # an up member that still trains, as the node tries them (one, here: it is known alive)
         if heir and given is not None:
             extras = {**m.state.extras, **given}
             message = PeerSnapshot(

@@ -47,7 +47,7 @@ PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.COMPUTING: frozenset({Phase.WAITING, Phase.DOWN, Phase.LEFT}),
     Phase.WAITING: frozenset({Phase.COMPUTING, Phase.FINISHED, Phase.DOWN, Phase.LEFT}),
     Phase.FINISHED: frozenset({Phase.DOWN, Phase.LEFT}),
-    Phase.DOWN: frozenset({Phase.COMPUTING, Phase.LEFT}),
+    Phase.DOWN: frozenset({Phase.COMPUTING, Phase.FINISHED, Phase.LEFT}),
     Phase.LEFT: frozenset(),
 }
 """The moves a phase may make; any other is a bug in the simulator (it raises)."""
@@ -84,6 +84,8 @@ class InboxEntry:
     sender: str
     message: PeerSnapshot
     round: int
+    seq: int = 0
+    """The push's sequence number (the inbox drains a sender's pushes in its order); 0 for an exchange's."""
     state: SlotState = SlotState.RECEIVING
 
     def move(self, *states: SlotState) -> InboxEntry:
@@ -132,10 +134,14 @@ class Member:
     """Pushes the latest ``update_send`` started."""
     waiting_since: float = 0.0
     last_gen: dict[str, int] = dataclasses.field(default_factory=dict)
+    owed: dict[str, int] = dataclasses.field(default_factory=dict)
+    """This ``update_wait``'s in-neighbours still owing their push of a round (SGP's wait), decided once."""
     latest_round: dict[str, int] = dataclasses.field(default_factory=dict)
     """Per sender, the latest round one of its pushes named (SGP's wait for the in-neighbours)."""
     accepted: set[int] = dataclasses.field(default_factory=set)
     """Sequence numbers of the pushes this node took (a SETTLE query about one is answered delivered)."""
+    closed: set[int] = dataclasses.field(default_factory=set)
+    """Sequence numbers of pushes a query closed before they arrived (answered refused: dropped if they come)."""
     counters: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_recorded: int = 0
     state_lock: Any = dataclasses.field(default_factory=threading.Lock)
@@ -146,6 +152,11 @@ class Member:
         if phase is not self.phase and phase not in PHASE_MOVES[self.phase]:
             raise RuntimeError(f"{self.name}: no move from {self.phase.value} to {phase.value}")
         self.phase = phase
+
+    @property
+    def closing(self) -> bool:
+        """Takes no more pushes or exchanges (refused ``busy``): finished and lingering, or leaving."""
+        return self.phase is Phase.FINISHED or self.leaving
 
     @property
     def alive(self) -> bool:

@@ -222,7 +222,9 @@ def _cluster(
     times, the links, the local step at the model's learning rate with a cosine decay."""
     cfg, n = options.config, options.nodes
     lr = options.lr if options.lr is not None else problem.default_lr
-    times = options.step_times.table(capacity, options.steps, options.seed)
+    times = options.step_times.table(n, options.steps, options.seed)  # the stragglers: a share of the n first
+    if capacity > n:  # joiners: each a straggler with probability share
+        times = np.vstack([times, options.step_times.table(capacity - n, options.steps, options.seed, first=n)])
     if options.node_step_s:
         times[: len(options.node_step_s)] = np.array(options.node_step_s)[:, None]
 
