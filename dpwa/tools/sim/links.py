@@ -14,9 +14,11 @@ import math
 
 import numpy as np
 
-__all__ = ["LINK_MODES", "LinkModel", "Network"]
+__all__ = ["HEADER_BYTES", "LINK_MODES", "LinkModel", "Network"]
 
 LINK_MODES = ("node", "link")
+HEADER_BYTES = 250
+"""A message's JSON header (request, refusal, ACK, commit; and in front of every reply and push)."""
 
 
 @dataclasses.dataclass(frozen=True)
