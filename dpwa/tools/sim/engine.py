@@ -322,7 +322,8 @@ class EventSimulation(ChurnActions):
         repeat = m.last_gen.get(fetch.peer) == gen
         m.last_gen[fetch.peer] = gen
         st = reply.state
-        arrays = [np.array(a) for a in reply.arrays]
+        arrays = list(reply.arrays)  # the server's published arrays, read-only: a rule uses scratch for those, so
+        # every fetcher of one snapshot shares it (a global sync of N nodes would otherwise hold N^2 copies)
         fetch.reply = PeerSnapshot(NodeState(st.name, st.clock, st.loss, dict(st.extras)), arrays, repeat=repeat)
         if fetch.held is not None:
             self._settle_exchange(m, server, fetch.held, commit=True)
