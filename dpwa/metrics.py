@@ -23,6 +23,7 @@ __all__ = [
     "MetricsWriter",
     "fetch_reason",
     "is_failure",
+    "json_safe",
     "parse_metrics_line",
     "read_metrics",
 ]
@@ -61,19 +62,19 @@ def is_failure(reason: str) -> bool:
     return status not in ("ok", "pushed")
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """A JSON-safe copy: non-finite floats become null, scalars with ``.item()`` (numpy) their Python value."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, (str, int, bool)) or value is None:
         return value
     if isinstance(value, Mapping):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     item = getattr(value, "item", None)
     if callable(item):
-        return _clean(item())
+        return json_safe(item())
     raise TypeError(f"cannot write a {type(value).__name__} to the metrics file")
 
 
@@ -96,7 +97,7 @@ class MetricsWriter:
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append ``record`` as one line; TypeError (nothing written) for a value JSON cannot hold."""
-        line = json.dumps(_clean(dict(record)), separators=(",", ":"), allow_nan=False) + "\n"
+        line = json.dumps(json_safe(dict(record)), separators=(",", ":"), allow_nan=False) + "\n"
         with self._lock:
             if self._file.closed:
                 raise ValueError(f"metrics file {self.path} is closed")

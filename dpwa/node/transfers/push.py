@@ -33,12 +33,20 @@ from dpwa.node.wire import ErrorCode
 from dpwa.rules import NodeState, PeerSnapshot, Transfer
 from dpwa.rules.schedules import Round
 
-__all__ = ["PushTransfer"]
+__all__ = ["PushTransfer", "source_window"]
 
 log = logging.getLogger(__name__)
 
 ROUTINE_REFUSALS = frozenset({ErrorCode.BUSY.value, ErrorCode.NOT_READY.value})
 """A push refused for these is routine (a full inbox, a peer that has published nothing yet): said at INFO."""
+
+
+def source_window(members: int, overlap: int, period: int) -> int:
+    """How many rounds behind the awaited one an in-neighbour may be and still be waited for, in a cluster of
+    ``members``: a node in lock-step is at most a graph's diameter (``ceil(log2 N)`` on the exponential graph) plus
+    the ``overlap`` away; one further behind (it restarted, or it is not synchronous) is not waited for. Rounds are
+    ``period`` steps apart (an outer optimizer's schedule exchanges every ``every`` steps)."""
+    return (2 * max(1, math.ceil(math.log2(max(2, members)))) + overlap + 2) * period
 
 
 class PushTransfer(InboxTransfer):
@@ -105,12 +113,8 @@ class PushTransfer(InboxTransfer):
         return push
 
     def source_window(self) -> int:
-        """How many rounds behind the awaited one an in-neighbour may be and still be waited for: a node in
-        lock-step is at most a graph's diameter (``ceil(log2 N)`` on the exponential graph) plus the overlap
-        away; one further behind (it restarted, or it is not synchronous) is not waited for."""
-        overlap = self.host.rule.overlap
-        rounds = 2 * max(1, math.ceil(math.log2(max(2, len(self.host.names))))) + overlap + 2
-        return rounds * self.host.schedule.period  # an outer optimizer's schedule: its rounds are `every` steps apart
+        """:func:`source_window` for this node's members, rule and schedule."""
+        return source_window(len(self.host.names), self.host.rule.overlap, self.host.schedule.period)
 
     def wait_sources(self, upto: int | None) -> None:
         """On a fixed schedule: wait, at most one exchange timeout, until every in-neighbour of round

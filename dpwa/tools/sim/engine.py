@@ -35,6 +35,7 @@ from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push
 from dpwa.node.states import PUSH_FLOW_EFFECT, FetchStatus, PushStatus, SlotState
 from dpwa.node.transfers.fetcher import round_peers
+from dpwa.node.transfers.push import source_window
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
 from dpwa.rules.schedules import Round, Schedule
 from dpwa.tools.sim.links import HEADER_BYTES, Network
@@ -182,12 +183,12 @@ class EventSimulation(ChurnActions):
         m.state.clock += 1
         public = m.rule.public_arrays(m.arrays)
         m.published = [np.array(a, copy=True) for a in public]
-        for a in m.published:
-            a.flags.writeable = False
+        for a in m.published:  # read-only: every reply, push and exchange of this snapshot shares these arrays (a rule
+            a.flags.writeable = False  # uses scratch for read-only peers), as the node lends one snapshot to all
         m.published_state = NodeState(m.name, m.state.clock, m.state.loss, dict(m.state.extras))
         m.gen += 1
         m.rule.on_publish(m.state, m.published)
-        m.fetches, m.round_sent, m.pushed = [], self.now, 0
+        m.fetches, m.pushed = [], 0
         if m.rng.random() < self.settings.fetch_probability:
             chosen, _ = round_peers(m)
             if m.rule.transfer is Transfer.PUSH:
@@ -229,8 +230,7 @@ class EventSimulation(ChurnActions):
             push = Push(peer, next(self._seq), {**given, "round": m.step}, (st.clock, st.loss, m.published),
                         self.now + self.settings.timeout_s, started=self.now)  # fmt: skip
             m.ledger.open(push)
-            message = PeerSnapshot(NodeState(m.name, st.clock, st.loss, {**st.extras, **push.given}),
-                                   [np.array(a) for a in m.published])  # fmt: skip
+            message = PeerSnapshot(NodeState(m.name, st.clock, st.loss, {**st.extras, **push.given}), m.published)
             target = self.members[peer]
             arrival = self.network.send(m.index, target.index, size, self.now)
             if arrival is not None:
@@ -265,8 +265,8 @@ class EventSimulation(ChurnActions):
         reply = PeerSnapshot(NodeState(s.name, st.clock, st.loss, {**st.extras, **given}), s.published)
         if exchange and m.published is not None and m.published_state is not None:
             mine = m.published_state
-            message = PeerSnapshot(NodeState(m.name, mine.clock, mine.loss, dict(mine.extras)),
-                                   [np.array(a) for a in m.published], reference=s.published)  # fmt: skip
+            message = PeerSnapshot(NodeState(m.name, mine.clock, mine.loss, dict(mine.extras)), m.published,
+                                   reference=s.published)  # fmt: skip
             fetch.held = InboxEntry(m.name, message, m.step).move(SlotState.HELD, SlotState.SERVED)
             s.inbox.append(fetch.held)
             self.at(self.now + HOLD_TIMEOUTS * self.settings.timeout_s, self._aborted, s, fetch.held, s.epoch)
@@ -322,9 +322,7 @@ class EventSimulation(ChurnActions):
         repeat = m.last_gen.get(fetch.peer) == gen
         m.last_gen[fetch.peer] = gen
         st = reply.state
-        arrays = list(reply.arrays)  # the server's published arrays, read-only: a rule uses scratch for those, so
-        # every fetcher of one snapshot shares it (a global sync of N nodes would otherwise hold N^2 copies)
-        fetch.reply = PeerSnapshot(NodeState(st.name, st.clock, st.loss, dict(st.extras)), arrays, repeat=repeat)
+        fetch.reply = PeerSnapshot(NodeState(st.name, st.clock, st.loss, dict(st.extras)), reply.arrays, repeat=repeat)
         if fetch.held is not None:
             self._settle_exchange(m, server, fetch.held, commit=True)
         self._try_mix(m)
@@ -417,9 +415,8 @@ class EventSimulation(ChurnActions):
         self._try_mix(m)
 
     def _window(self, m: Member) -> int:
-        """How many rounds behind (or ahead) an in-neighbour may be and still count (the node's source_window)."""
-        rounds = 2 * max(1, int(np.ceil(np.log2(max(2, len(m.names)))))) + m.rule.overlap + 2
-        return rounds * m.schedule.period
+        """The node's :func:`~dpwa.node.transfers.push.source_window` for ``m``."""
+        return source_window(len(m.names), m.rule.overlap, m.schedule.period)
 
     def _owed(self, m: Member) -> dict[str, int]:
         """On a fixed push schedule: the in-neighbours whose push of round ``step - 1 - overlap`` has not come."""
@@ -475,13 +472,14 @@ class EventSimulation(ChurnActions):
                 pushes["delivered"] += 1
                 pushes["push_ms"] = max(pushes["push_ms"], push.ms)
         outcome = m.rule.mix(m.state, m.arrays, peers)
-        others = tuple(p.state.name for p in peers if p.state.name != m.name)
-        if others and (outcome.peers or any(not p.repeat for p in peers if p.state.name != m.name)):
+        others = [p for p in peers if p.state.name != m.name]  # a returned push is not a peer
+        if others and (outcome.peers or any(not p.repeat for p in others)):
             m.count("mixes")
         statuses = [f.status.value for f in m.fetches] or (["pushed"] if m.rule.transfer is Transfer.PUSH else [])
         if self._on_step is not None:
             push = pushes if m.rule.transfer is Transfer.PUSH else {}
-            record = StepRecord(m, self.now, self.now - m.waiting_since, outcome, others, ",".join(statuses), push)
+            names = tuple(p.state.name for p in others)
+            record = StepRecord(m, self.now, self.now - m.waiting_since, outcome, names, ",".join(statuses), push)
             self._on_step(record)
         if m.leaving:  # closing: it takes nothing more, settles its pushes and hands off
             m.move(Phase.FINISHED)

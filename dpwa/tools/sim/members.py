@@ -129,7 +129,6 @@ class Member:
     ledger: PushLedger = dataclasses.field(default_factory=PushLedger)
     inbox: list[InboxEntry] = dataclasses.field(default_factory=list)
     fetches: list[Fetch] = dataclasses.field(default_factory=list)
-    round_sent: float = 0.0
     pushed: int = 0
     """Pushes the latest ``update_send`` started."""
     waiting_since: float = 0.0
@@ -169,4 +168,4 @@ class Member:
     def push_of(self, push: Push) -> PeerSnapshot:
         """A refused push coming back: a peer named like this node carrying what it gave (as the node folds it)."""
         clock, loss, arrays = push.snapshot
-        return PeerSnapshot(NodeState(self.name, clock, loss, dict(push.given)), [np.array(a) for a in arrays])
+        return PeerSnapshot(NodeState(self.name, clock, loss, dict(push.given)), arrays)  # read-only, shared

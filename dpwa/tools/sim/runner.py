@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import yaml
 
 from dpwa.config import ClusterConfig
+from dpwa.metrics import json_safe
 from dpwa.rules import make_rule
 from dpwa.rules.outer import with_outer
 from dpwa.rules.schedules import make_schedule
@@ -122,7 +122,7 @@ class _Metrics:
     def add(self, node: str, record: dict[str, Any]) -> None:
         if self.run_dir is None:
             return
-        self.lines.setdefault(node, []).append(json.dumps(record, separators=(",", ":"), allow_nan=False))
+        self.lines.setdefault(node, []).append(json.dumps(json_safe(record), separators=(",", ":"), allow_nan=False))
         self.held += 1
         if self.held >= FLUSH_LINES:
             self.flush()
@@ -135,10 +135,6 @@ class _Metrics:
                 with open(self.run_dir / f"{node}.metrics.jsonl", "a", encoding="utf-8") as handle:
                     handle.write("\n".join(lines) + "\n")
         self.lines, self.held = {}, 0
-
-
-def _finite(value: Any) -> Any:
-    return value if not isinstance(value, float) or math.isfinite(value) else None
 
 
 class _Recorder:
@@ -162,10 +158,10 @@ class _Recorder:
         sent = int(self.network.bytes_sent[m.index]) if self.network is not None else 0
         fetch_ms = [1000.0 * (f.arrived - f.sent) for f in m.fetches if f.reply is not None]
         record = {
-            "time": r.time, "step": m.step, "loss": _finite(m.state.loss), "factor": r.outcome.factor,
+            "time": r.time, "step": m.step, "loss": m.state.loss, "factor": r.outcome.factor,
             "peer": ",".join(r.peers) or None, "status": r.status, "wait_ms": 1000.0 * r.wait_s,
             "fetch_ms": max(fetch_ms) if fetch_ms else None, "bytes_sent": sent - m.bytes_recorded,
-            "clock": m.state.clock, **r.pushes, **{k: _finite(float(v)) for k, v in r.outcome.metrics.items()},
+            "clock": m.state.clock, **r.pushes, **{k: float(v) for k, v in r.outcome.metrics.items()},
         }  # fmt: skip
         m.bytes_recorded = sent
         distance = self.metrics.distance.pop(m.name, None)
@@ -329,6 +325,6 @@ def _write_summary(run_dir: Path, options: SimOptions, result: SimResult) -> Non
         "evaluations": [dataclasses.asdict(e) for e in result.evaluations],
         "summary": result.summary(),
     }  # fmt: skip
-    text = json.dumps(data, indent=1, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
+    text = json.dumps(json_safe(data), indent=1, allow_nan=False)  # NaN (no live node to evaluate) becomes null
     (run_dir / "simulation.json").write_text(text + "\n", encoding="utf-8")
     (run_dir / "cluster.yaml").write_text(yaml.safe_dump(options.config.to_dict(), sort_keys=False), encoding="utf-8")
