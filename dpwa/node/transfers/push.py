@@ -33,7 +33,7 @@ from dpwa.node.wire import ErrorCode
 from dpwa.rules import NodeState, PeerSnapshot, Transfer
 from dpwa.rules.schedules import Round
 
-__all__ = ["PushTransfer", "source_window"]
+__all__ = ["PushTransfer", "in_step", "source_window"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,12 @@ def source_window(members: int, overlap: int, period: int) -> int:
     the ``overlap`` away; one further behind (it restarted, or it is not synchronous) is not waited for. Rounds are
     ``period`` steps apart (an outer optimizer's schedule exchanges every ``every`` steps)."""
     return (2 * max(1, math.ceil(math.log2(max(2, members)))) + overlap + 2) * period
+
+
+def in_step(latest: int, awaited: int, window: int, started_together: bool) -> bool:
+    """Whether an in-neighbour is waited for its push of round ``awaited``: it was heard naming a round within
+    ``window`` of it (``latest``, -1 if never), or, in the first ``window`` rounds, it started with this node."""
+    return latest >= max(0, awaited - window) or (latest < 0 and awaited < window and started_together)
 
 
 class PushTransfer(InboxTransfer):
@@ -147,13 +153,11 @@ class PushTransfer(InboxTransfer):
         with host.flow_lock:
             up = set(host.flow.up_peers())
         window = self.source_window()
-        floor = awaited - window
 
-        def in_step(source: str) -> bool:  # heard naming a recent round; or, in the first rounds, started with us
-            latest = self.inbox.latest_round(source)
-            return latest >= max(0, floor) or (latest < 0 and awaited < window and source in host.started_with)
+        def waited(source: str) -> bool:
+            return in_step(self.inbox.latest_round(source), awaited, window, source in host.started_with)
 
-        return {s: awaited for s in sources if s != host.name and s in up and in_step(s)}
+        return {s: awaited for s in sources if s != host.name and s in up and waited(s)}
 
     def wait(self) -> None:
         super().wait()

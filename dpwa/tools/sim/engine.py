@@ -35,7 +35,7 @@ from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push
 from dpwa.node.states import PUSH_FLOW_EFFECT, FetchStatus, PushStatus, SlotState
 from dpwa.node.transfers.fetcher import round_peers
-from dpwa.node.transfers.push import source_window
+from dpwa.node.transfers.push import in_step, source_window
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
 from dpwa.rules.schedules import Round, Schedule
 from dpwa.tools.sim.links import HEADER_BYTES, Network
@@ -430,10 +430,9 @@ class EventSimulation(ChurnActions):
             return {}
         window = self._window(m)
         owed = {}
-        for s in sources:
+        for s in sources:  # every simulated member starts with the others (started_together)
             latest = m.latest_round.get(s, -1)
-            in_step = latest >= max(0, awaited - window) or (latest < 0 and awaited < window)
-            if s != m.name and m.flow.is_up(s) and in_step and latest < awaited:
+            if s != m.name and m.flow.is_up(s) and in_step(latest, awaited, window, True) and latest < awaited:
                 owed[s] = awaited
         return owed
 
