@@ -41,7 +41,7 @@ MEASURED: dict[str, tuple[dict[str, Any], tuple[float, float], tuple[float, floa
     "pushsum-osgp": ({"pushsum": {"overlap": 1}}, (0.024, 0.104), (0.04, 0.16)),
     "constant": ({}, (0.131, 0.304), (0.20, 0.46)),
     "clock": ({}, (0.101, 0.353), (0.16, 0.53)),
-    "adpsgd": ({}, (0.296, 0.701), (0.45, 1.06)),
+    "adpsgd": ({}, (0.151, 0.472), (0.23, 0.71)),  # re-measured 2026-11-27 (30 runs): one exchange per snapshot
     "dpsgd": ({}, (0.180, 0.364), (0.27, 0.55)),
     # group: 30 runs gave (0.102, 0.231); a CI run then gave bias 0.189, and 61 more runs (seeds 0, 2026-11-26/27)
     # biases 0.011-0.132 and spreads up to 0.353: a heavier tail than 30 runs showed. In the runs of largest bias

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -173,6 +174,36 @@ def test_adpsgd_a_peer_starting_answers_not_ready_and_one_holding_our_exchange_a
         stats = w1.stats()
         assert (stats["fetches_not_ready"], stats["fetches_busy"], stats["fetches_failed"]) == (1, 1, 0)
         assert w2.stats()["pushes_busy"] == 1
+
+
+def test_adpsgd_a_snapshot_pairs_with_one_exchange_and_a_second_is_refused_busy(tmp_path: Path) -> None:
+    """w2 publishes once; w1's first exchange pairs with that snapshot, its second (the inbox has room: two per
+    sender) is refused busy -- two peers averaging with one snapshot would each take half of it -- and w1
+    withdraws it. After w2's next publish an exchange pairs again; w2 moved half-way toward w1 once."""
+    ports = free_ports(2)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, interpolation="adpsgd", timeout_ms=2000)
+    p1, p2 = model(0.0), model(8.0)
+    with DpwaConnection("w1", cfg, seed=0, params=p1) as w1, DpwaConnection("w2", cfg, seed=1, params=p2) as w2:
+        w2.update_send(p2, 1.0)  # w2 publishes 8 (its own exchange finds w1 not ready)
+        w2.update_wait(1.0)
+        reasons = []
+        for _ in range(2):
+            w1.update_send(p1, 1.0)
+            w1.update_wait(1.0)
+            reasons.append(w1.last_exchange["reasons"])
+        assert reasons == [[], ["refused: busy"]]
+        assert w2.stats()["exchanges_declined"] == 1
+        deadline = time.monotonic() + 10.0
+        while w2.stats()["exchanges_aborted"] < 1:  # the second exchange's push, withdrawn by w1's SETTLE abort
+            assert time.monotonic() < deadline, w2.stats()
+            time.sleep(0.01)
+        w2.update_send(p2, 1.0)
+        w2.update_wait(1.0)  # mixes the one committed exchange: x <- x + (0 - 8)/2 (and its own, with w1)
+        assert w2.stats()["exchanges_committed"] == 1
+        w1.update_send(p1, 1.0)  # w2's new snapshot pairs again
+        w1.update_wait(1.0)
+        assert w1.last_exchange["reasons"] == []
+        assert w1.stats()["fetches_busy"] == 1 and w1.stats()["fetches_failed"] == 0
 
 
 def test_push_sum_records_say_how_many_pushes_were_acknowledged_and_how_long_the_slowest_took(

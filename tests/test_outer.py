@@ -272,8 +272,8 @@ def test_in_the_simulator_peers_arrive_on_boundaries_only(name: str, every: int)
         outcomes = sim.run_round(1.0, train=nudge)
         mixed = [o.peers for o in outcomes.values()]
         outer = [o.metrics["outer_step"] for o in outcomes.values()]
-        if is_outer_step(k, every):
-            assert all(mixed) and all(s == 1.0 for s in outer), (k, mixed)
+        if is_outer_step(k, every):  # an exchange refused (its peer's snapshot paired already) mixes nothing
+            assert (any if name == "adpsgd" else all)(mixed) and all(s == 1.0 for s in outer), (k, mixed)
         else:
             assert not any(mixed) and not any(outer), (k, mixed)
 
@@ -481,7 +481,12 @@ def test_the_outer_key_reads_writes_and_is_left_out_when_off() -> None:
         ("outer: {nesterov: 'yes'}\n", 4, "outer.nesterov", "must be true or false"),
         ("outer: 8\n", 4, "outer", "must be a map like {every: 8"),
         ("interpolation: pushsum\npeers: ring\nouter: {every: 4}\n", 6, "outer.momentum", "use momentum: 0 or"),
-        ("interpolation: adpsgd\nouter:\n  momentum: 0.5\n", 6, "outer.momentum", "adpsgd nodes in two exchanges"),
+        (
+            "interpolation: adpsgd\npeers: exponential\nouter:\n  momentum: 0.5\n",
+            7,
+            "outer.momentum",
+            "adpsgd on a fixed graph",
+        ),
     ],
 )
 def test_a_bad_outer_key_names_file_line_and_key(extra: str, line: int, key: str, says: str, tmp_path: Path) -> None:
@@ -518,9 +523,9 @@ MIXING_PAIRS = [(n, s) for n, cls in RULES.items() if n not in ("gem", "leader")
 def test_momentum_hazard_names_exactly_the_pairs_that_diverge(name: str, schedule: str) -> None:
     """Consensus alone (no training, 800 steps): the rule and schedule pairs the cluster file refuses with
     momentum grow apart, every other pair comes together. Measured (spread 3.07 at the start): the refused pairs
-    end 1e6-3e33 apart (ring 9e18-1e19, adpsgd 1e6-3e33); the others at 1e-16-8e-9, CHOCO (top-1 % of 8 values:
-    one a step) at 0.043. Not here: ``gem`` and ``leader``, which do not mix models that neither move nor differ
-    in loss."""
+    end 3e7-3e33 apart (ring 9e18-1e19, adpsgd on ring 3e7 and exponential 3e33); the others at 1e-16-8e-9, CHOCO
+    (top-1 % of 8 values: one a step) at 0.043, adpsgd on random peers at 0.0067 (1e-5-0.21 over 10 seeds).
+    Not here: ``gem`` and ``leader``, which do not mix models that neither move nor differ in loss."""
     start, end = _consensus_alone(name, schedule)
     assert (end > start) == bool(momentum_hazard(name, schedule)), (start, end)
 

@@ -203,6 +203,37 @@ def test_adpsgd_keeps_the_sum_of_the_models_through_lost_messages() -> None:
     assert sim.network.lost > 0
 
 
+def test_adpsgd_with_stragglers_at_64_nodes_stays_together() -> None:
+    """A straggler's snapshot pairs with one exchange; when it paired with every fast peer that asked (up to the
+    inbox's four) it applied each one's half-way move against that one snapshot and the models diverged: this
+    run ended at a consensus distance of 134 and 0.878 accuracy. Deterministic (seed 0): now 0.30 and 0.942."""
+    config = ClusterConfig(interpolation="adpsgd", timeout_ms=100.0)
+    options = SimOptions(config, nodes=64, steps=100, model="logistic", step_times=StepTimes(0.05, 0.0, 0.1, 4.0))
+    summary = simulate(options).summary()
+    assert summary["consensus_distance"] < 1.0 and summary["accuracy"] > 0.9, summary
+
+
+def test_in_the_round_simulator_a_snapshot_pairs_with_one_exchange_a_round() -> None:
+    """Eight AD-PSGD nodes on random peers: some rounds two pick the same node, which serves the first and
+    refuses the second, so no node mixes more than one exchange it served per round; the sum holds."""
+    rng = np.random.default_rng(4)
+    start = [[rng.normal(size=3)] for _ in range(8)]
+    rounds = Simulation([[a.copy() for a in s] for s in start], lambda: make_rule("adpsgd", None, 0.0),
+                        lambda: make_schedule("random", None), seed=0)  # fmt: skip
+    passive = {name: 0 for name in rounds.names}
+    served = []
+    for _ in range(30):
+        rounds.run_round(1.0)
+        now = {name: rounds[name].rule.passive for name in rounds.names}
+        served.append(sum(now.values()) - sum(passive.values()))
+        assert all(now[name] - passive[name] <= 1 for name in rounds.names), now
+        passive = now
+    assert min(served) < 8  # some fetches were refused (two picked one node) ...
+    assert sum(served) > 0  # ... and the others paired
+    total = sum(rounds[name].arrays[0] for name in rounds.names)
+    assert np.allclose(total, sum(s[0] for s in start), atol=1e-9)
+
+
 def test_push_sum_mass_survives_pushes_slower_than_their_deadline() -> None:
     """Slow links: pushes still on the wire at their deadline. The query about one is answered where and when it
     lands (behind the push on the sender's link: delivered), never guessed at the sender, so no mass is counted

@@ -54,6 +54,7 @@ COUNTERS = (
     "exchanges_committed",  # AD-PSGD exchanges confirmed by the fetcher: mixed at the next update_wait
     "exchanges_aborted",  # exchanges the fetcher withdrew (its reply was lost or rejected)
     "exchanges_expired",  # exchanges neither committed nor aborted in time: dropped, not mixed
+    "exchanges_declined",  # exchange FETCHes refused busy: the snapshot they would pair with served one already
     # shared memory between co-located nodes (transport.shared_memory; dpwa/node/sharedmem.py)
     "shm_served",  # of served: snapshots lent in shared memory (the socket carried the header only)
     "shm_released",  # of those: given back by the requester's RELEASE

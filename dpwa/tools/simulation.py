@@ -14,7 +14,9 @@ that replies are handed over in memory:
    (so within a round everybody serves from its round-start model, then everybody mixes);
    a ``push`` rule instead takes its shares (``rule.push_shares``) and each push lands in the
    target's inbox; an ``exchange`` rule's fetch also leaves the fetcher's published copy in the
-   server's inbox, with the server's published copy as its reference;
+   server's inbox, with the server's published copy as its reference -- one exchange per server a
+   round (a published snapshot pairs with one exchange; a later fetcher is refused ``busy``, as on
+   the network: no reply, no flow-control penalty);
 5. every node: ``rule.mix`` with the replies and inbox messages that arrived (possibly none).
 
 A lost reply (or a refused push, which comes back to its sender as the node does on the
@@ -142,11 +144,12 @@ class Simulation:
         plan = {node.name: self._choose(node) for node in active}  # 3. choose peers
         replies: dict[str, list[PeerSnapshot]] = {n.name: [] for n in active}
         live = {n.name for n in active}
+        paired: set[str] = set()  # servers whose snapshot paired with an exchange this round
         for node in active:  # 4. serve from round-start copies (or push, or exchange)
             if node.rule.transfer == "push":
                 self._push(node, plan[node.name], live, replies, lose, delay)
             else:
-                self._fetch(node, plan[node.name], live, replies, lose)
+                self._fetch(node, plan[node.name], live, replies, lose, paired)
         self._land_delayed(replies)
         outcomes = {}
         for name in list(replies):  # the inbox is mixed in arrival order; keep it deterministic
@@ -184,20 +187,27 @@ class Simulation:
         live: set[str],
         replies: dict[str, list[PeerSnapshot]],
         lose: Callable[[str, str], LossKind | None] | None,
+        paired: set[str],
     ) -> None:
         """Step 4 for a fetching rule: each live target serves its published copy (after ``on_request`` and
         ``on_serve``) into ``node``'s replies unless ``lose`` drops it; an ``exchange`` rule's fetch also leaves
-        ``node``'s published copy in the target's inbox, referenced to the target's."""
+        ``node``'s published copy in the target's inbox, referenced to the target's, unless the target is in
+        ``paired`` already (then refused ``busy``)."""
+        exchange = node.rule.transfer == "exchange"
         for peer in targets:
             server = self.nodes[peer]
             if peer not in live or server.published_state is None:
                 node.flow.failure(peer)
                 node.rule.on_reply_lost(node.state, None)
                 continue
+            if exchange and peer in paired:
+                continue  # refused busy: declined, no penalty
             request = node.rule.request_extras(node.state)
             if request:
                 server.rule.on_request(server.state, request)
             given = server.rule.on_serve(server.state)
+            if exchange:
+                paired.add(peer)  # paired when served: a reply lost now aborts it, the snapshot stays paired
             extras = {**server.published_state.extras, **given}
             kind = lose(node.name, peer) if lose is not None else None
             if kind is not None:
@@ -208,7 +218,7 @@ class Simulation:
             st = server.published_state
             arrays = [np.array(a, copy=True) for a in server.published]
             replies[node.name].append(PeerSnapshot(NodeState(peer, st.clock, st.loss, extras), arrays))
-            if node.rule.transfer == "exchange" and node.published_state is not None:
+            if exchange and node.published_state is not None:
                 mine = node.published_state
                 replies[peer].append(
                     PeerSnapshot(

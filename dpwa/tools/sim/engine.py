@@ -34,6 +34,7 @@ from dpwa.node.inbox import HOLD_TIMEOUTS
 from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push
 from dpwa.node.states import PUSH_FLOW_EFFECT, FetchStatus, PushStatus, SlotState
+from dpwa.node.transfers.exchange import pairs_exchange
 from dpwa.node.transfers.fetcher import round_peers
 from dpwa.node.transfers.push import in_step, source_window
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
@@ -258,6 +259,10 @@ class EventSimulation(ChurnActions):
         if exchange and (s.closing or not self._admits(s, m.name)):
             self._answer(s, m, self._refused, m, fetch, "busy", epoch)
             return
+        if exchange and not pairs_exchange(s.gen, s.paired_gen):  # one exchange per published snapshot
+            s.count("exchanges_declined")
+            self._answer(s, m, self._refused, m, fetch, "busy", epoch)
+            return
         if extras:
             s.rule.on_request(s.state, extras)
         given = s.rule.on_serve(s.state)
@@ -268,6 +273,7 @@ class EventSimulation(ChurnActions):
             message = PeerSnapshot(NodeState(m.name, mine.clock, mine.loss, dict(mine.extras)), m.published,
                                    reference=s.published)  # fmt: skip
             fetch.held = InboxEntry(m.name, message, m.step).move(SlotState.HELD, SlotState.SERVED)
+            s.paired_gen = s.gen
             s.inbox.append(fetch.held)
             self.at(self.now + HOLD_TIMEOUTS * self.settings.timeout_s, self._aborted, s, fetch.held, s.epoch)
         arrival = self.network.send(s.index, m.index, HEADER_BYTES + self.snapshot_bytes(s.published), self.now)

@@ -126,6 +126,8 @@ class Member:
     published_state: NodeState | None = None
     gen: int = 0
     """Snapshots published; a fetcher that gets the same ``gen`` twice marks the reply a repeat."""
+    paired_gen: int | None = None
+    """The ``gen`` of the last snapshot paired with an exchange (one per snapshot: ``pairs_exchange``)."""
     ledger: PushLedger = dataclasses.field(default_factory=PushLedger)
     inbox: list[InboxEntry] = dataclasses.field(default_factory=list)
     fetches: list[Fetch] = dataclasses.field(default_factory=list)
