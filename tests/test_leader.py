@@ -443,3 +443,20 @@ def test_a_joined_member_is_a_leader_candidate_and_group_mates_follow_the_member
     rule.on_members("a", ["c", "a", "b", "zz"], 4.0)  # a is second now: its group is {c, a}
     rule.on_request(own, {"leaders": {"c": [0.0, 5.0], "b": [0.0, 5.0]}})
     assert rule.leader("group") == "c"
+
+
+def test_the_published_table_follows_every_change_of_the_table_and_of_the_group():
+    """The published table is built once per change: a merge (a request between two publishes), an entry aging out
+    and a new group order all show in the next one; with no change it is the very same object."""
+    rule = _with_horizon(LeaderRule(group_size=2), 2)
+    own = NodeState("a", extras=rule.initial_extras("a", ["a", "b", "c", "d"]))
+    rule.mix(own, [np.zeros(2)], [])
+    first = rule.request_extras(own)["leaders"]
+    assert rule.request_extras(own)["leaders"] is first and list(first) == ["a"]
+    rule.on_request(own, {"leaders": {"d": [0.5, 1.0], "c": [0.2, 1.0]}})
+    assert list(rule.request_extras(own)["leaders"]) == ["a", "c", "d"]  # by mean loss after my own entry
+    rule.on_members("a", ["a", "d", "b", "c"], 4.0)  # d is in my group now: it comes right after me
+    assert list(rule.request_extras(own)["leaders"]) == ["a", "d", "c"]
+    for _ in range(4):  # c and d stop advancing: both age out
+        rule.mix(own, [np.zeros(2)], [])
+    assert list(rule.request_extras(own)["leaders"]) == ["a"]

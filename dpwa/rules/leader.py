@@ -96,6 +96,7 @@ class _Entry:
     loss: float
     stamp: float
     seen: int  # own step at which the stamp last advanced
+    size: int = -1  # bytes of its compact JSON in the published table (-1: not measured yet)
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,9 @@ class LeaderRule(Rule):
         self._group: frozenset[str] = frozenset()
         self._losses: deque[float] = deque(maxlen=self.window)
         self._table: dict[str, _Entry] = {}
+        self._version = 0  # raised by every change of the table or of my group: the published table is cached
+        self._published: tuple[int, dict[str, list[float]]] = (-1, {})
+        self._name_bytes: dict[str, int] = {}  # len(json.dumps(name)), per name
         self._dropped: dict[str, tuple[float, int]] = {}  # name -> (last stamp, own step until which it is refused)
         self._step = 0  # mixes done
         self._pull: _Pull | None = None
@@ -183,12 +187,14 @@ class LeaderRule(Rule):
             self._group = frozenset(n for i, n in enumerate(names) if i // self.group_size == g)
         else:
             self._group = frozenset({me})
+        self._version += 1
         return {"leaders": {}, "pull": None}
 
     def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
         """Members came or went: entries of every member are taken; my group is recomputed on the new order."""
         names = list(names) if me in names else [me, *names]
         self._names = frozenset(names)
+        self._version += 1
         if self.group_size:
             g = names.index(me) // self.group_size
             self._group = frozenset(n for i, n in enumerate(names) if i // self.group_size == g)
@@ -226,25 +232,42 @@ class LeaderRule(Rule):
         if not isinstance(raw, Mapping):
             return 1
         bad = 0
+        names, table, dropped_at, isfinite = self._names, self._table, self._dropped, math.isfinite
         for name, value in raw.items():
-            parsed = parse_entry(value)
-            if not isinstance(name, str) or name not in self._names or parsed is None:
+            if not isinstance(name, str) or name not in names:
                 bad += 1
                 continue
-            loss, stamp = parsed
-            dropped = self._dropped.get(name)
+            if type(value) is list and len(value) == 2:  # the common case, checked inline: a hot loop
+                loss, stamp = value
+                if not (type(loss) is float and type(stamp) is float and isfinite(loss) and isfinite(stamp)):
+                    parsed = parse_entry(value)
+                    if parsed is None:
+                        bad += 1
+                        continue
+                    loss, stamp = parsed
+            else:
+                parsed = parse_entry(value)
+                if parsed is None:
+                    bad += 1
+                    continue
+                loss, stamp = parsed
+            old = table.get(name)
+            if old is not None and stamp <= old.stamp:
+                continue
+            dropped = dropped_at.get(name)
             if dropped is not None and stamp <= dropped[0]:
                 continue
-            old = self._table.get(name)
-            if old is None or stamp > old.stamp:
-                self._table[name] = _Entry(loss, stamp, self._step)
-                self._dropped.pop(name, None)
+            table[name] = _Entry(loss, stamp, self._step)
+            if dropped is not None:
+                del dropped_at[name]
+            self._version += 1
         return bad
 
     def _age(self) -> None:
         """Drop entries whose stamp has not advanced for ``stale_after`` steps; forget old tombstones."""
         for name in [n for n, e in self._table.items() if n != self._me and self._step - e.seen > self.stale_after]:
             self._dropped[name] = (self._table.pop(name).stamp, self._step + self.stale_after)
+            self._version += 1
         for name in [n for n, (_, until) in self._dropped.items() if until < self._step]:
             del self._dropped[name]
 
@@ -262,16 +285,28 @@ class LeaderRule(Rule):
         return None
 
     def _published_table(self) -> dict[str, list[float]]:
-        """My own entry, then my group's, then the rest (each by mean loss), within :data:`TABLE_BUDGET` bytes."""
-        rank = lambda n: (n != self._me, n not in self._group, self._table[n].loss, n)  # noqa: E731
+        """My own entry, then my group's, then the rest (each by mean loss), within :data:`TABLE_BUDGET` bytes.
+
+        The same object until the table changes (published snapshots share it: never modify it)."""
+        version, cached = self._published
+        if version == self._version:
+            return cached
+        table, group = self._table, self._group
+        rank = lambda n: (n != self._me, n not in group, table[n].loss, n)  # noqa: E731
         out: dict[str, list[float]] = {}
         size = 2  # {}
-        for name in sorted(self._table, key=rank):
-            e = self._table[name]
-            size += len(json.dumps(name)) + len(repr(e.loss)) + len(repr(e.stamp)) + 5  # "name":[l,s],
+        for name in sorted(table, key=rank):
+            e = table[name]
+            if e.size < 0:
+                name_bytes = self._name_bytes.get(name)
+                if name_bytes is None:
+                    name_bytes = self._name_bytes[name] = len(json.dumps(name))
+                e.size = name_bytes + len(repr(e.loss)) + len(repr(e.stamp)) + 5  # "name":[l,s],
+            size += e.size
             if size > TABLE_BUDGET:
                 break
             out[name] = [e.loss, e.stamp]
+        self._published = (self._version, out)
         return out
 
     # ------------------------------------------------------------ push-pull
@@ -302,6 +337,7 @@ class LeaderRule(Rule):
         bad = sum(self._merge(p.state.extras) for p in peers)
         mean = self.mean_loss()
         self._table[self._me] = _Entry(mean, float(self._step), self._step)
+        self._version += 1
         self._age()
         top = self.leader("global")
 
