@@ -445,6 +445,8 @@ def test_run_usage_errors(tmp_path: Path, node_script: Path, monkeypatch: pytest
     assert result.exit_code == 2 and "SLURM_NTASKS=4 but the file has 1 node" in result.stderr
     result = CliRunner().invoke(cli.main, ["run", "--stop-on-failure", "--keep-going", str(path), str(node_script)])
     assert result.exit_code == 2 and "--stop-on-failure and --keep-going contradict each other" in result.stderr
+    result = CliRunner().invoke(cli.main, ["run", "--no-baseline", str(path), str(node_script)])
+    assert result.exit_code == 2 and "--no-baseline is for a new run of the built-in demo" in result.stderr
 
 
 # --------------------------------------------------------------------------- ports checked before anything starts

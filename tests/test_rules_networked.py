@@ -9,7 +9,8 @@ demo (4 processes, one shard each, gossiping over ZeroMQ) and must
   reference run without gossip (``fetch_probability: 0``, same seed and steps; computed once);
 * show the rule's own state in the metrics records, with values only the working rule produces.
 
-Each run takes ~15 s on 2 cores (startup and the demo's baseline evaluation included).
+Each run takes ~15 s on 2 cores (startup included; ``--no-baseline``: the averaged-model evaluation, a process of
+its own, is not run: nothing here asserts it).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def run_demo(tmp: Path, label: str, **settings: Any) -> Path:
     run_dir = tmp / label
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     argv = [sys.executable, "-m", "dpwa.cli", "run", str(cluster), "--steps", str(STEPS), "--run-dir", str(run_dir)]
-    argv += ["-q", "--timeout-s", str(RUN_TIMEOUT_S)]
+    argv += ["-q", "--no-baseline", "--timeout-s", str(RUN_TIMEOUT_S)]  # the averaged model is not asserted here
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp, timeout=RUN_TIMEOUT_S + 30)
     assert proc.returncode == 0, f"{label}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return run_dir

@@ -317,10 +317,13 @@ def test_ctrl_c_stops_an_n_run_and_frees_its_ports(tmp_path: Path, node_script: 
 def test_n_runs_the_built_in_demo(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    argv = ["-n", "2", "--steps", "30", "--partition", "classes:3", "--run-dir", str(run_dir)]
+    argv = ["-n", "2", "--steps", "30", "--partition", "classes:3", "--run-dir", str(run_dir), "--no-baseline"]
     code, out, err = finish(launch(tmp_path, *argv), tmp_path, 180)
     assert code == 0, err
-    assert "averaged model accuracy" in out and time.monotonic() - started < 180
+    assert time.monotonic() - started < 180
+    # --no-baseline: no evaluation process (tests/test_launcher.py's sample run has one)
+    assert "(averaged-model evaluation skipped: --no-baseline)" in out and "averaged model accuracy" not in out
+    assert not (run_dir / "demo.json").exists() and "demo" not in json.loads((run_dir / "summary.json").read_text())
     doc = yaml.safe_load((run_dir / "cluster.yaml").read_text())
     assert [n["name"] for n in doc["nodes"]] == ["w1", "w2"]
     # --partition reached the demo: each node's data file holds its three classes, the summary shows them

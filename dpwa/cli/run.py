@@ -153,6 +153,12 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
     help="With SCRIPT, once every node succeeded: `dpwa average RUN_DIR --evaluate MODULE:FUNCTION` (the average of "
     "the models the nodes saved, evaluated beside each node's); its figure goes into the summary.",
 )
+@click.option(
+    "--no-baseline",
+    is_flag=True,
+    help="Built-in demo: skip the evaluation after the run (the averaged model against a single-process baseline, "
+    "a process of its own); the nodes' own figures stay in the summary.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No live progress (the summary is still printed).")
 @click.option(
     "--tensorboard",
@@ -177,6 +183,7 @@ def run(
     restart_failed: int,
     resume: Path | None,
     average: str | None,
+    no_baseline: bool,
     quiet: bool,
     tensorboard: bool,
 ) -> None:
@@ -221,6 +228,8 @@ def run(
     if stop_on_failure and keep_going:
         raise click.UsageError("--stop-on-failure and --keep-going contradict each other: give one")
     stop = True if stop_on_failure else False if keep_going else None  # None: not given on this command line
+    if no_baseline and (script is not None or resume is not None):
+        raise click.UsageError("--no-baseline is for a new run of the built-in demo (no SCRIPT, no --resume)")
     if resume is not None:
         _check_resume_usage(node_count, cluster, node_names, run_dir, partition)
         _resume(RunDir(resume), steps, threads, timeout_s, stop, restart_failed, quiet, tensorboard, average)
@@ -229,7 +238,7 @@ def run(
     command = _command(script, script_args, steps, partition)
     nodes = _nodes_here(config, node_names, listed)
     directory = RunDir(run_dir if run_dir is not None else default_run_dir())
-    evaluate = script is None and len(nodes) == len(config.nodes) and not config.join
+    evaluate = script is None and len(nodes) == len(config.nodes) and not config.join and not no_baseline
     average = _average_here(config, nodes, average)
     per_node = threads if threads is not None else threads_per_node(len(nodes))
     try:  # the reserved ports stay locked until the job is over (and the process exits)

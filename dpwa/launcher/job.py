@@ -293,7 +293,9 @@ def _print_evaluation(job: Job, status: str, demo: Mapping[str, Any] | None, mod
             + (f"; the models {100 * apart:.3g} % apart" if isinstance(apart, (int, float)) else "")
         )
     elif not job.evaluate and job.command[1:3] == ["-m", DEMO_MODULE] and status == "ok":
-        click.echo("(averaged-model evaluation skipped: it needs every node of the file in one run directory)")
+        every = len(job.nodes) == len(job.config.nodes) and not job.config.join
+        why = "--no-baseline" if every else "it needs every node of the file in one run directory"
+        click.echo(f"(averaged-model evaluation skipped: {why})")
     if models is not None:
         click.echo(_models_line(models, job.run_dir.path))
 
