@@ -481,12 +481,7 @@ def test_the_outer_key_reads_writes_and_is_left_out_when_off() -> None:
         ("outer: {nesterov: 'yes'}\n", 4, "outer.nesterov", "must be true or false"),
         ("outer: 8\n", 4, "outer", "must be a map like {every: 8"),
         ("interpolation: pushsum\npeers: ring\nouter: {every: 4}\n", 6, "outer.momentum", "use momentum: 0 or"),
-        (
-            "interpolation: adpsgd\npeers: exponential\nouter:\n  momentum: 0.5\n",
-            7,
-            "outer.momentum",
-            "adpsgd on a fixed graph",
-        ),
+        ("interpolation: adpsgd\nouter:\n  momentum: 0.5\n", 6, "outer.momentum", "adpsgd nodes in two exchanges"),
     ],
 )
 def test_a_bad_outer_key_names_file_line_and_key(extra: str, line: int, key: str, says: str, tmp_path: Path) -> None:
@@ -524,9 +519,14 @@ def test_momentum_hazard_names_exactly_the_pairs_that_diverge(name: str, schedul
     """Consensus alone (no training, 800 steps): the rule and schedule pairs the cluster file refuses with
     momentum grow apart, every other pair comes together. Measured (spread 3.07 at the start): the refused pairs
     end 3e7-3e33 apart (ring 9e18-1e19, adpsgd on ring 3e7 and exponential 3e33); the others at 1e-16-8e-9, CHOCO
-    (top-1 % of 8 values: one a step) at 0.043, adpsgd on random peers at 0.0067 (1e-5-0.21 over 10 seeds).
-    Not here: ``gem`` and ``leader``, which do not mix models that neither move nor differ in loss."""
+    (top-1 % of 8 values: one a step) at 0.043. One refused pair comes together in lock-step: adpsgd on random
+    peers (0.089), refused for what lock-step cannot show (a node mixing its own exchange and two it served in one
+    asynchronous step). Not here: ``gem`` and ``leader``, which do not mix models that neither move nor differ in
+    loss."""
     start, end = _consensus_alone(name, schedule)
+    if (name, schedule) == ("adpsgd", "random"):
+        assert momentum_hazard(name, schedule) and end < start, (start, end)
+        return
     assert (end > start) == bool(momentum_hazard(name, schedule)), (start, end)
 
 

@@ -6,8 +6,8 @@
 | split | one process | none | constant | clock | pushsum | osgp | adpsgd | dpsgd | group | gem | loss | leader |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|
 | iid | 0.573 | 0.576 | 0.574 | 0.574 | 0.576 | 0.576 | 0.577 | 0.575 | 0.575 | 0.565 | 0.575 | 0.573 |
-| classes:3 | | 0.347 | 0.567 | 0.567 | 0.570 | 0.570 | 0.571 | 0.566 | 0.565 | 0.552 | 0.489 | 0.253 |
-| dirichlet:0.1 | | 0.411 | 0.573 | 0.573 | 0.575 | 0.575 | 0.576 | 0.575 | 0.575 | 0.566 | 0.529 | 0.277 |
+| classes:3 | | 0.347 | 0.567 | 0.567 | 0.570 | 0.570 | 0.570 | 0.566 | 0.565 | 0.552 | 0.489 | 0.253 |
+| dirichlet:0.1 | | 0.411 | 0.573 | 0.573 | 0.575 | 0.575 | 0.575 | 0.575 | 0.575 | 0.566 | 0.529 | 0.277 |
 
 Every averaging rule loses at most 0.010 to the split (bound: 0.02); ``loss`` loses 0.05-0.09 and ``leader``
 collapses to the leader's classes (docs: Mixing rules, Heterogeneous data). The figures are exact for the

@@ -96,13 +96,11 @@ def momentum_hazard(rule: str, schedule: str) -> str:
     The pseudo-gradient holds the mix's own motion, so the momentum acts on the differences between nodes too; it
     makes them grow where the mix turns them around instead of shrinking them. Measured in the simulator (6 nodes
     from random starts, no training; docs/rules.md): on the directed ``ring`` (a rotation of the differences) and
-    with ``adpsgd`` on a fixed graph (``exponential``: every node is in two exchanges each step, its own and the one
-    it serves, and keeps no weight of its own: the differences flip sign). ``adpsgd`` on random peers converges."""
-    if rule == "adpsgd" and schedule != "random":
-        return (
-            "adpsgd on a fixed graph puts every node in two exchanges at once, which flips their differences, "
-            "and outer momentum makes them grow"
-        )
+    with ``adpsgd`` (a node in two exchanges at once keeps no weight of its own: the differences flip sign). In
+    lock-step ``adpsgd`` on random peers converges all the same, but asynchronously a node can mix its own exchange
+    and two it served in one step (its own weight then -0.5), which lock-step never does: refused on every graph."""
+    if rule == "adpsgd":
+        return "adpsgd nodes in two exchanges at once flip their differences, and outer momentum makes them grow"
     if schedule == "ring":
         return "on the ring schedule the differences between nodes rotate, and outer momentum makes them grow"
     return ""

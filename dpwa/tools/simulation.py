@@ -16,7 +16,7 @@ that replies are handed over in memory:
    target's inbox; an ``exchange`` rule's fetch also leaves the fetcher's published copy in the
    server's inbox, with the server's published copy as its reference -- one exchange per server a
    round (a published snapshot pairs with one exchange; a later fetcher is refused ``busy``, as on
-   the network: no reply, no flow-control penalty);
+   the network: no reply, no flow-control penalty; which fetch comes first is drawn each round);
 5. every node: ``rule.mix`` with the replies and inbox messages that arrived (possibly none).
 
 A lost reply (or a refused push, which comes back to its sender as the node does on the
@@ -94,6 +94,8 @@ class Simulation:
         self.rounds = 0
         self.in_flight: list[tuple[int, str, PeerSnapshot]] = []
         """Delayed pushes: (the round they land in, target, message)."""
+        self._arrivals = random.Random(f"exchange-arrivals-{seed}")
+        """The order an exchange rule's fetches reach their peers in, drawn each round (the first one pairs)."""
         self.nodes: dict[str, SimNode] = {}
         for i, (name, arrs) in enumerate(zip(names, arrays)):
             r = rule()
@@ -145,7 +147,10 @@ class Simulation:
         replies: dict[str, list[PeerSnapshot]] = {n.name: [] for n in active}
         live = {n.name for n in active}
         paired: set[str] = set()  # servers whose snapshot paired with an exchange this round
-        for node in active:  # 4. serve from round-start copies (or push, or exchange)
+        order = list(active)
+        if any(n.rule.transfer == "exchange" for n in active):
+            self._arrivals.shuffle(order)  # who reaches a peer two picked first: by chance, as on the network
+        for node in order:  # 4. serve from round-start copies (or push, or exchange)
             if node.rule.transfer == "push":
                 self._push(node, plan[node.name], live, replies, lose, delay)
             else:
