@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zmq
 from conftest import free_ports, in_threads, write_cluster
 from fakes import FakePeer, Messages
 
@@ -192,6 +193,18 @@ def test_adpsgd_a_snapshot_pairs_with_one_exchange_and_a_second_is_refused_busy(
             w1.update_wait(1.0)
             reasons.append(w1.last_exchange["reasons"])
         assert reasons == [[], ["refused: busy"]]
+        assert w2.stats()["exchanges_declined"] == 1
+        # an exchange FETCH whose push never came is refused not-delivered, even against the paired snapshot
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(w2.endpoint)
+        try:
+            sock.send(wire.encode_fetch("w1", 999, Layout.of(p2).fingerprint, exchange=999))
+            assert sock.poll(5000), "w2 did not answer"
+            answer = wire.decode_message(sock.recv_multipart()[0])
+        finally:
+            sock.close(linger=0)
+        assert isinstance(answer, wire.Error) and answer.code == ErrorCode.NOT_DELIVERED.value, answer
         assert w2.stats()["exchanges_declined"] == 1
         deadline = time.monotonic() + 10.0
         while w2.stats()["exchanges_aborted"] < 1:  # the second exchange's push, withdrawn by w1's SETTLE abort

@@ -301,6 +301,11 @@ class PushReceiver:
             raise WireError("frames", "a chunk message with more than one payload frame")
         slot.next_chunk += 1
 
+    def holds_exchange(self, sender: str, seq: int) -> bool:
+        """Whether the push of ``sender``'s exchange ``seq`` is here whole, waiting for its FETCH."""
+        with self._lock:
+            return any(s.state == SlotState.HELD and s.sender == sender and s.seq == seq for s in self._slots)
+
     def serve_exchange(self, sender: str, seq: int, snapshot: Any) -> bool:
         """A FETCH completing exchange ``seq`` of ``sender``: remember the (leased) ``snapshot`` served to it.
 

@@ -26,7 +26,7 @@ from dpwa.node.pushes import Push
 from dpwa.node.snapshots import Snapshot
 from dpwa.node.transfers.base import Arrival, Refusal
 from dpwa.node.transfers.host import Host
-from dpwa.node.transfers.receiving import InboxTransfer
+from dpwa.node.transfers.receiving import PUSH_MISSING, InboxTransfer
 from dpwa.node.wire import ErrorCode
 from dpwa.rules import Transfer
 
@@ -77,8 +77,11 @@ class ExchangeTransfer(InboxTransfer):
         self.fetcher.submit(job)
 
     def pair_exchange(self, sender: str, seq: int, snapshot: Snapshot) -> Refusal | None:
-        """Pair ``snapshot`` with ``sender``'s exchange ``seq`` unless it paired with one already (refused busy)."""
+        """Pair ``snapshot`` with ``sender``'s exchange ``seq`` unless it paired with one already (refused busy;
+        an exchange whose push is not here is refused ``not-delivered`` first, whatever the snapshot)."""
         if not pairs_exchange(snapshot.gen, self._paired_gen):
+            if not self.inbox.holds_exchange(sender, seq):
+                return PUSH_MISSING
             self.host.stats.add("exchanges_declined")
             return ErrorCode.BUSY, "this snapshot is in an exchange already"
         refusal = super().pair_exchange(sender, seq, snapshot)

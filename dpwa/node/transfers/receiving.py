@@ -19,7 +19,10 @@ from dpwa.node.transfers.host import Host
 from dpwa.node.wire import ErrorCode, Layout
 from dpwa.rules import NodeState, PeerSnapshot
 
-__all__ = ["InboxTransfer"]
+__all__ = ["PUSH_MISSING", "InboxTransfer"]
+
+PUSH_MISSING: Refusal = (ErrorCode.NOT_DELIVERED, "the exchange's push is not here")
+"""The answer to an exchange's FETCH whose push did not arrive (or was refused): nothing to pair it with."""
 
 
 class InboxTransfer(TransferPattern):
@@ -86,7 +89,7 @@ class InboxTransfer(TransferPattern):
         if self.inbox.serve_exchange(sender, seq, snapshot):
             return None
         pool.release(snapshot)  # the lease taken for the exchange
-        return ErrorCode.NOT_DELIVERED, "the exchange's push is not here"
+        return PUSH_MISSING
 
     def set_senders(self, names: Sequence[str]) -> None:
         self.inbox.set_senders(list(names))
