@@ -237,16 +237,11 @@ class LeaderRule(Rule):
             if not isinstance(name, str) or name not in names:
                 bad += 1
                 continue
-            if type(value) is list and len(value) == 2:  # the common case, checked inline: a hot loop
+            loss = stamp = None
+            if type(value) is list and len(value) == 2:
                 loss, stamp = value
-                if not (type(loss) is float and type(stamp) is float and isfinite(loss) and isfinite(stamp)):
-                    parsed = parse_entry(value)
-                    if parsed is None:
-                        bad += 1
-                        continue
-                    loss, stamp = parsed
-            else:
-                parsed = parse_entry(value)
+            if not (type(loss) is float and type(stamp) is float and isfinite(loss) and isfinite(stamp)):
+                parsed = parse_entry(value)  # the common case, two finite floats, is checked inline: a hot loop
                 if parsed is None:
                     bad += 1
                     continue
