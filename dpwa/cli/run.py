@@ -17,7 +17,7 @@ from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
 from dpwa.engines import EngineError, engine_nodes
 from dpwa.engines.join import joining_nodes
 from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
-from dpwa.launcher.job import DEMO_MODULE, Job, run_job
+from dpwa.launcher.job import DEMO_MODULE, Job, run_job, runs_every_node
 from dpwa.launcher.placement import LocalHosts, select_nodes, threads_per_node
 from dpwa.launcher.ports import busy_ports, busy_ports_message
 from dpwa.launcher.progress import Progress
@@ -238,7 +238,7 @@ def run(
     command = _command(script, script_args, steps, partition)
     nodes = _nodes_here(config, node_names, listed)
     directory = RunDir(run_dir if run_dir is not None else default_run_dir())
-    evaluate = script is None and len(nodes) == len(config.nodes) and not config.join and not no_baseline
+    evaluate = script is None and runs_every_node(config, nodes) and not no_baseline
     average = _average_here(config, nodes, average)
     per_node = threads if threads is not None else threads_per_node(len(nodes))
     try:  # the reserved ports stay locked until the job is over (and the process exits)
@@ -371,7 +371,7 @@ def _nodes_here(config: ClusterConfig, node_names: tuple[str, ...], listed: bool
 
 def _average_here(config: ClusterConfig, nodes: list[NodeSpec], average: str | None) -> str | None:
     """``average``, or None with a warning when this run does not hold every node of the cluster."""
-    if average is not None and (len(nodes) != len(config.nodes) or config.join):
+    if average is not None and not runs_every_node(config, nodes):
         click.echo("warning: --evaluate needs every node of the cluster in this run; run `dpwa average RUN_DIR "
                    f"--evaluate {average}` once every launcher is done", err=True)  # fmt: skip
         return None

@@ -36,10 +36,16 @@ from dpwa.modelfile import average_models, disagreement, read_model
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEMO_MODULE", "Job", "run_job"]
+__all__ = ["DEMO_MODULE", "Job", "run_job", "runs_every_node"]
 
 DEMO_MODULE = "dpwa.tools.demo"
 TAIL_LINES = 20
+
+
+def runs_every_node(config: ClusterConfig, nodes: list[NodeSpec]) -> bool:
+    """Whether ``nodes`` are every node of ``config`` (a cluster that joins another never is): what an evaluation
+    of the averaged model (the demo's, or a SCRIPT's ``--evaluate``) needs in one run directory."""
+    return len(nodes) == len(config.nodes) and not config.join
 
 
 @dataclasses.dataclass
@@ -293,7 +299,7 @@ def _print_evaluation(job: Job, status: str, demo: Mapping[str, Any] | None, mod
             + (f"; the models {100 * apart:.3g} % apart" if isinstance(apart, (int, float)) else "")
         )
     elif not job.evaluate and job.command[1:3] == ["-m", DEMO_MODULE] and status == "ok":
-        every = len(job.nodes) == len(job.config.nodes) and not job.config.join
+        every = runs_every_node(job.config, job.nodes)
         why = "--no-baseline" if every else "it needs every node of the file in one run directory"
         click.echo(f"(averaged-model evaluation skipped: {why})")
     if models is not None:
