@@ -134,7 +134,7 @@ class FaultyInbox:
     def begin(self, identity: bytes, header: wire.Push, user: str | None) -> bytes | None:
         if self._faults.dropped("push"):
             return None
-        return self._inbox.begin(identity, header, user)
+        return self._ack(identity, self._inbox.begin(identity, header, user))  # a push through shared memory: whole
 
     def whole(self, identity: bytes, header: wire.Push, user: str | None, sock: zmq.Socket) -> bytes | None:
         if self._faults.dropped("push"):

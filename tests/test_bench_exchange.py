@@ -33,8 +33,10 @@ NUMBERS = [
     "mix_ms", "c_ms", "c_mbs", "step_ms", "wait_ms", "fetch_a", "fetch_a2", "fm_c", "send_memcpy", "mix_memcpy",
     "block", "fm_memcpy",
 ]  # fmt: skip
-CHECKS = ["ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block", "ok_push", "ok_fm_memcpy"]
-PUSH = ["push_ms", "fold_ms", "push_fetch"]  # (d), in the float32 rows only
+CHECKS = [
+    "ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block", "ok_push", "ok_fm_memcpy", "ok_pf_memcpy",
+]  # fmt: skip
+PUSH = ["push_ms", "fold_ms", "push_fetch"]  # (d), in the float32 and float32+shm rows only
 
 
 def wait_for_line(stream: Any, prefix: str, deadline: float) -> None:
@@ -88,11 +90,14 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
         assert row["fetch_ms"] > 0 and row["a_ms"] > 0 and row["c_ms"] > 0
         for key in PUSH:
             value = row[key]
-            assert (value > 0 and math.isfinite(value)) if row["wire"] == "float32" else value is None, (key, row)
+            pushed = row["wire"] in ("float32", "float32+shm")  # over the socket, and co-located
+            assert (value > 0 and math.isfinite(value)) if pushed else value is None, (key, row)
     assert rows[1]["wire_mb"] < rows[0]["wire_mb"]  # float16 sends fewer bytes than float32
     shared = rows[len(variants) - 1]
     assert shared["wire_mb"] < rows[0]["wire_mb"] / 10  # through shared memory only the header travels
     assert math.isfinite(shared["fm_memcpy"]) and shared["ok_fm_memcpy"] in ("✓", "✗")
+    assert math.isfinite(shared["pf_memcpy"]) and shared["ok_pf_memcpy"] in ("✓", "✗")  # a co-located push + fold
+    assert rows[0]["pf_memcpy"] is None
     memory = json.loads((tmp_path / "memory.json").read_text())
     rules = ["constant", "pushsum", "adpsgd", "dpsgd"]
     assert [(r["rule"], r["memory"]) for r in memory["rows"]] == [(r, m) for m in ("normal", "low") for r in rules]
@@ -101,7 +106,7 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
         # a low-memory node declines the fetches that come while it rewrites its snapshot: no count is promised
         assert min(row["mixes"]) > 0 or row["memory"] == "low", row
     headers = ("(a) raw ms", "(b) fetch ms", "(c) gloo ms", "(d) push ms", "fetch/a", "(fetch+mix)/c", "mix/memcpy")
-    headers += ("(fetch+mix)/memcpy", "model sizes")
+    headers += ("(fetch+mix)/memcpy", "(push+fold)/memcpy", "model sizes")
     for header in headers + ("(push+fold)/(fetch+mix)",):
         assert header in out
     if plot:

@@ -455,7 +455,8 @@ def test_a_shared_pool_attests_the_snapshots_it_found_finite() -> None:
 
 def test_an_exchange_through_shared_memory_mixes_both_ends_bit_for_bit_as_the_socket(tmp_path: Path) -> None:
     """AD-PSGD: ``b`` exchanges with ``a`` (its push over the socket, ``a``'s reply lent in shared memory), then
-    ``a`` mixes its half and exchanges back; both ends hold the same bits co-located or not."""
+    ``a`` mixes its half and exchanges back, then ``b`` exchanges again, its push now through shared memory too
+    (``a`` lent it a reply: co-located); both ends hold the same bits co-located or not."""
     rng = np.random.default_rng(7)
     start = {
         n: [rng.standard_normal(1_200_000, dtype=np.float32), rng.standard_normal(77, dtype=np.float32)] for n in "ab"
@@ -481,6 +482,11 @@ def test_an_exchange_through_shared_memory_mixes_both_ends_bit_for_bit_as_the_so
             a.update_wait(1.0)
             assert a.stats()["mixes"] == 1 and b.stats()["shm_fetched"] == (1 if mode == "auto" else 0)
             assert a.stats().get("shm_fetched", 0) == (1 if mode == "auto" else 0)
+            wait_until(lambda b=b: b.stats()["exchanges_committed"] == 1, 10, message="b learns the commit")
+            b.update_send(xb, 1.0)  # b's half of a's exchange, and its second exchange with a
+            assert b.update_wait(1.0) == 0.5
+            wait_until(lambda a=a: a.stats()["exchanges_committed"] == 2, 10, message="a learns the second commit")
+            assert b.stats().get("shm_pushed", 0) == a.stats().get("shm_pushes_taken", 0) == (mode == "auto")
         finally:
             a.close()
             b.close()

@@ -16,6 +16,7 @@ from conftest import free_ports, write_cluster
 from dpwa.node import wire
 from dpwa.node.connection import DpwaConnection
 from dpwa.node.members import Member
+from dpwa.node.sharedmem import host_identity
 from dpwa.utils.bfloat16 import BFLOAT16, from_float32
 
 LAYOUT = wire.Layout(("<f4", "<f2", "bf16", "<f8"), ((3, 2), (5,), (4,), (1,)))
@@ -58,7 +59,16 @@ GOLDEN = {
         header(4, '{"node":"w1","req":10,"fp":"' + FP + '","clock":3.0,"loss":0.5,"extras":{"w_given":0.25},'
                   '"total":56,"chunk":4194304,"nframes":1}'),
     ),
+    "push shared": (
+        wire.encode_push("w1", 11, clock=3.0, loss=0.5, extras={}, layout=LAYOUT,
+                         host="0123456789abcdef0123456789abcdef", gen=6,
+                         shm=wire.SharedRef(pid=4242, fd=18, token="cd" * 16, until=20.0)),
+        header(4, '{"node":"w1","req":11,"fp":"' + FP + '","clock":3.0,"loss":0.5,"extras":{},"total":56,'
+                  '"chunk":4194304,"nframes":1,"host":"0123456789abcdef0123456789abcdef","gen":6,"shm":{"pid":4242,'
+                  '"fd":18,"token":"' + "cd" * 16 + '","until":20.0}}'),
+    ),
     "ack": (wire.encode_ack("w2", 9), header(5, '{"node":"w2","req":9}')),
+    "ack shared": (wire.encode_ack("w2", 9, shm=True), header(5, '{"node":"w2","req":9,"shm":true}')),
     "settle": (wire.encode_settle("w1", 9, "commit"), header(6, '{"node":"w1","req":9,"op":"commit"}')),
     "error": (
         wire.encode_error("w2", 7, wire.ErrorCode.BUSY, "inbox full"),
@@ -95,6 +105,7 @@ def test_every_message_kind_encodes_to_its_recorded_bytes() -> None:
     assert kinds == {kind.name for kind in wire.Kind}  # every kind has its recorded bytes
     assert {code.value for code in wire.ErrorCode} == {
         "not-ready", "layout-mismatch", "bad-request", "busy", "unsupported", "not-delivered", "join-refused", "left",
+        "shared-memory",
     }  # fmt: skip
 
 
@@ -192,7 +203,8 @@ def test_a_live_push_sum_node_pushes_with_the_recorded_frames(tmp_path: Path) ->
                 break
         body = json.loads(raw[7:])
         keys = ["node", "req", "fp", "clock", "loss", "extras", "total", "chunk", "nframes", "front"]
-        assert list(body)[: len(keys)] == keys and set(body) <= {*keys, "md", "members"}, body
+        assert list(body)[: len(keys)] == keys and set(body) <= {*keys, "host", "md", "members"}, body
+        assert body["host"] == host_identity()  # offered: a co-located receiver may take pushes in shared memory
         assert (body["node"], body["clock"], body["loss"], body["total"], body["nframes"]) == (
             "w1", 1.0, 0.5, len(expected), 1,
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Receiving payload frames from a ZeroMQ socket: shared by the TX thread (replies) and the RX thread (pushes).
+"""Taking payloads in, from a ZeroMQ socket or a peer's shared-memory segment: shared by the TX thread (replies)
+and the RX thread (pushes).
 
 A payload frame is taken straight into its place in a preallocated buffer (ZeroMQ's own copy, then
 one finiteness pass) or, when the wire dtype is narrower, widened block by block from ZeroMQ's
@@ -15,7 +16,7 @@ import zmq
 
 from dpwa.node.wire import INDEX_RANGE, NON_FINITE, PayloadReader, WireError
 
-__all__ = ["discard_rest", "receive_payload"]
+__all__ = ["copy_payload", "discard_rest", "receive_payload"]
 
 _FAULTS = {NON_FINITE: "payload holds NaN or infinity", INDEX_RANGE: "payload holds an index out of range"}
 
@@ -55,3 +56,23 @@ def receive_payload(
         reason = reader.fault or NON_FINITE
         raise WireError(reason, _FAULTS.get(reason, reason))
     return n
+
+
+def copy_payload(
+    payload: np.ndarray,
+    reader: PayloadReader,
+    buffer: np.ndarray,
+    views: Sequence[np.ndarray],
+    bounds: Sequence[tuple[int, int]],
+) -> None:
+    """Copy the wire bytes ``payload`` (a peer's segment) into ``buffer`` / ``views`` chunk by chunk, each chunk
+    checked (or widened and checked) while in cache; WireError as :func:`receive_payload` (partly written)."""
+    for start, end in bounds:
+        if reader.direct:
+            np.copyto(buffer[start:end], payload[start:end])
+            valid = reader.check(views, start, end)
+        else:
+            valid = reader.read(payload[start:end], start, views)
+        if not valid:
+            reason = reader.fault or NON_FINITE
+            raise WireError(reason, _FAULTS.get(reason, reason))

@@ -49,7 +49,8 @@ import numpy as np
 import zmq
 
 from dpwa.node import wire
-from dpwa.node.frames import discard_rest, receive_payload
+from dpwa.node.frames import copy_payload, discard_rest, receive_payload
+from dpwa.node.sharedmem import SegmentReader
 from dpwa.node.states import SLOT_MOVES, SlotState, moves
 from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Layout, PayloadReader, Push, Settle, WireError
 
@@ -79,6 +80,9 @@ class InboxSlot:
     """An exchange: the snapshot (leased) this node served to the sender's fetch: the other half of the pair."""
     difference: bool = False
     """An exchange whose buffer holds ``push - served`` (:meth:`PushReceiver.unpair`); ``served`` is then None."""
+    colocated: bool = False
+    """The sender offered this node's co-location identity (and, with CURVE, authenticated): its ACK says this
+    node takes its pushes through shared memory."""
 
 
 _UNSETTLED = frozenset({SlotState.RECEIVING, SlotState.HELD, SlotState.SERVED})
@@ -117,6 +121,7 @@ class PushReceiver:
     None before the first publish; ``on_event(counter, n)``: stats; ``on_reject(reason)``: a push
     refused by validation; ``release(snapshot)``: give back the lease of a served snapshot.
     ``timeout_s``: how long a push may take to arrive whole; ``per_sender``: pushes one sender may have here.
+    ``host_id``: this node's co-location identity ("": it takes no push through shared memory).
     """
 
     def __init__(
@@ -133,6 +138,7 @@ class PushReceiver:
         chunk: int = CHUNK_BYTES,
         check_identity: bool = False,
         per_sender: int = 2,
+        host_id: str = "",
     ) -> None:
         if slots < 1:
             raise ValueError(f"an inbox needs at least one slot, got {slots}")
@@ -149,6 +155,9 @@ class PushReceiver:
         self._release = release
         self._chunk = chunk
         self._check_identity = check_identity
+        self._host_id = host_id
+        self._segments = SegmentReader()
+        """The senders' segments a push through shared memory names (RX thread)."""
         self._lock = threading.Condition()
         """Guards everything below; notified when a sender's round is settled here (:meth:`wait_rounds`)."""
         self._slots: list[InboxSlot] = []
@@ -195,8 +204,45 @@ class PushReceiver:
     # ------------------------------------------------------------ RX thread
 
     def begin(self, identity: bytes, header: Push, user: str | None) -> bytes | None:
-        """A streamed PUSH's header: reserve a slot (None: nothing to answer yet) or refuse it (the ERROR)."""
+        """A streamed PUSH's header: reserve a slot (None: nothing to answer yet) or refuse it (the ERROR); a PUSH
+        naming its sender's segment is taken whole (:meth:`shared`)."""
+        if header.shm is not None:
+            return self.shared(identity, header, user)
         return self._reserve(identity, header, user, whole=False)
+
+    def shared(self, identity: bytes, header: Push, user: str | None) -> bytes | None:
+        """A PUSH whose payload lies in its sender's segment (``header.shm``): reserve a slot and copy the payload
+        into it, checked as a socket push is, the segment's generation the same before and after; or refuse it:
+        ERROR ``shared-memory`` when this node would not or could not read the segment (the sender pushes over
+        the socket from then on). Returns the answer (None: an exchange's push, held until its SETTLE)."""
+        if not self._colocated(header, user):
+            self._on_reject("shm-unasked")
+            return wire.encode_error(self.name, header.req, ErrorCode.SHARED_MEMORY, "shm-unasked: not co-located")
+        answer = self._reserve(identity, header, user, whole=False)
+        if answer is not None:
+            return answer
+        assert header.shm is not None and self._reader is not None
+        with self._lock:
+            slot = next(s for s in self._slots if s.state == SlotState.RECEIVING and s.identity == identity)
+        try:
+            mapped = self._segments.open(header.node, header.shm, self._reader.wire.total_bytes, header.gen)
+            copy_payload(mapped.payload, self._reader, slot.buffer, slot.views, self._bounds)
+            if int(mapped.gen[0]) != header.gen:
+                raise WireError("shm-torn", "the segment was rewritten while it was read")
+        except WireError as exc:
+            self._on_reject(exc.reason)
+            with self._lock:
+                self._free(slot, accepted=False)
+            code = ErrorCode.SHARED_MEMORY if exc.reason.startswith("shm-") else ErrorCode.BAD_REQUEST
+            return wire.encode_error(self.name, header.req, code, f"{exc.reason}: {exc.detail}")
+        self._on_event("shm_pushes_taken", 1)
+        slot.next_chunk = len(self._bounds)
+        return self._arrived(slot)
+
+    def _colocated(self, header: Push, user: str | None) -> bool:
+        """Whether ``header``'s sender is co-located with this node and, with CURVE, authenticated as itself."""
+        same_host = bool(self._host_id) and header.host == self._host_id
+        return same_host and (not self._check_identity or user == header.node)
 
     def whole(self, identity: bytes, header: Push, user: str | None, sock: zmq.Socket) -> bytes | None:
         """A whole PUSH, its one chunk next on ``sock``: reserve a slot and take the chunk, or refuse it.
@@ -251,6 +297,7 @@ class PushReceiver:
             slot.sender, slot.identity, slot.seq = sender, identity, header.req
             slot.header, slot.next_chunk = header, 0
             slot.deadline = time.monotonic() + self._timeout_s
+            slot.colocated = self._colocated(header, user)
         return None
 
     def chunk(self, identity: bytes, seq: int, index: int, sock: zmq.Socket) -> bytes | None:
@@ -277,7 +324,13 @@ class PushReceiver:
             return wire.encode_error(self.name, seq, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
         if slot.next_chunk < len(self._bounds):
             return None
+        return self._arrived(slot)
+
+    def _arrived(self, slot: InboxSlot) -> bytes | None:
+        """``slot``'s push is here whole: full (its ACK, saying whether the sender may push through shared
+        memory), or, an exchange's, held for its SETTLE (None)."""
         assert slot.header is not None
+        seq = slot.seq
         with self._lock:
             if slot.header.hold:
                 _move(slot, SlotState.HELD)
@@ -287,7 +340,7 @@ class PushReceiver:
             self._verdicts[slot.sender] = (seq, True)
             self._settle_round(slot.sender, slot.header)
         self._on_event("pushes_received", 1)
-        return wire.encode_ack(self.name, seq)
+        return wire.encode_ack(self.name, seq, shm=slot.colocated)
 
     def _take(self, slot: InboxSlot, index: int, sock: zmq.Socket) -> None:
         assert self._reader is not None
@@ -348,7 +401,7 @@ class PushReceiver:
                     _move(slot, SlotState.COMMITTED)
                     self._verdicts[sender] = (seq, True)
                     self._on_event("exchanges_committed", 1)
-                    return wire.encode_ack(self.name, seq)
+                    return wire.encode_ack(self.name, seq, shm=slot.colocated)
                 return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "no exchange to commit")
             if header.op == "abort":
                 if slot is not None and slot.state in _UNSETTLED:
@@ -412,7 +465,7 @@ class PushReceiver:
             self._release(slot.served)
         _move(slot, SlotState.FREE)
         slot.sender, slot.identity, slot.seq = "", b"", -1
-        slot.header, slot.served, slot.next_chunk, slot.difference = None, None, 0, False
+        slot.header, slot.served, slot.next_chunk, slot.difference, slot.colocated = None, None, 0, False, False
 
     # ------------------------------------------------------------ trainer thread
 

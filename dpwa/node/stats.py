@@ -64,6 +64,9 @@ COUNTERS = (
     "shm_fallbacks",  # peers whose segment could not be opened: fetched over the socket from then on
     "shm_loans_lapsed",  # lent replies not mixed: their loan was ending (or over) by update_wait
     "shm_torn",  # lent replies the server rewrote while they were mixed (a loan outlived: should stay 0)
+    "shm_pushed",  # of pushes_sent: pushes that named this node's segment (a co-located receiver read it there)
+    "shm_push_fallbacks",  # peers that refused such a push: pushed over the socket from then on
+    "shm_pushes_taken",  # of pushes_received (and exchanges' pushes held): read from the sender's segment
     "releases_dropped",  # RELEASEs the send queue had no room for (the loan expires at the server)
     # membership (docs/membership.md)
     "joins_admitted",  # JOINs this node answered with its table

@@ -58,6 +58,8 @@ class Host(Protocol):
     flow_lock: threading.Lock
     """Guards ``flow``."""
     pool: SnapshotPool | None
+    host_id: str
+    """The node's co-location identity ("": shared memory off)."""
 
     @property
     def transport(self) -> Sender:

@@ -44,6 +44,7 @@ class InboxTransfer(TransferPattern):
             host.release_snapshot,
             check_identity=config.security.curve,
             per_sender=config.inbox_per_sender,
+            host_id=host.host_id,
         )
 
     def held_snapshots(self) -> int:

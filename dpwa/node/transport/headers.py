@@ -38,12 +38,22 @@ def fetch_request(node: str, job: FetchJob, wire_layout: Layout, news: MemberNew
 
 
 def push_header(
-    node: str, push: Push, wire_layout: Layout, chunk: int, news: MemberNews | None, *, hold: bool
+    node: str,
+    push: Push,
+    wire_layout: Layout,
+    chunk: int,
+    news: MemberNews | None,
+    *,
+    hold: bool,
+    host: str = "",
+    shared: bool = False,
 ) -> bytes:
     """The PUSH header of ``push`` from ``node``: the snapshot's clock, loss and extras with what the push gives,
     whole when the snapshot is one chunk; with only the member table's digest when the table does not fit.
-    ``hold``: an exchange's push, kept by the receiver until the sender's SETTLE."""
+    ``hold``: an exchange's push, kept by the receiver until the sender's SETTLE. ``host``: the co-location
+    identity offered; ``shared``: the payload stays in the snapshot's segment (the header names it)."""
     snap = push.snapshot
+    shm = snap.segment.ref(snap.gen, push.deadline) if shared else None
     encode = functools.partial(
         wire.encode_push,
         node,
@@ -56,6 +66,9 @@ def push_header(
         hold=hold,
         whole=len(snap.frames) == 1,
         front=snap.front,
+        host=host,
+        gen=snap.gen,
+        shm=shm,
     )
     try:
         return encode(news=news)

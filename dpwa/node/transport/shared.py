@@ -1,4 +1,5 @@
-"""The TX thread's side of shared memory: a reply that names the peer's segment instead of carrying its payload.
+"""The TX thread's side of shared memory: a reply that names the peer's segment instead of carrying its payload,
+and a push that names this node's segment instead of carrying its own.
 
 :class:`SharedReplies` reads such a reply (:meth:`SharedReplies.take`): it maps the segment (checked: the
 token, the size, the generation), and either hands the rule views into it (a job that ``lend``s, with the wire
@@ -6,6 +7,13 @@ layout the local one: the mix reads the segment itself, one pass, no copy; the l
 or copies (widens, dequantizes) it into the receive buffer, checking every value as the socket path does. A peer
 whose segment cannot be opened is fetched over the socket from then on. It also queues the RELEASEs the trainer
 asks for (after its mix) until the TX thread sends them.
+
+A push goes through shared memory (:meth:`SharedReplies.push`) to a peer that said it takes them: an ACK with
+``shm`` set (the peer found the push's co-location identity its own, and, with CURVE, the sender authenticated),
+or a peer that lent this node a reply. The push names the snapshot's segment; the snapshot stays leased until the
+push has its verdict, so the peer reads it unchanged. A peer that refuses such a push gets this node's pushes over
+the socket for the rest of the session (``shm_push_fallbacks``); what that push carried comes back, as for any
+refused push.
 """
 
 from __future__ import annotations
@@ -14,14 +22,15 @@ import logging
 import queue
 from collections.abc import Callable
 
-import numpy as np
 import zmq
 
 from dpwa.node import wire
+from dpwa.node.frames import copy_payload
+from dpwa.node.pushes import Push
 from dpwa.node.sharedmem import SegmentReader
 from dpwa.node.states import FetchStatus
 from dpwa.node.transport.fetch import FetchJob, FetchTarget
-from dpwa.node.wire import NON_FINITE, Layout, PayloadReader, WireError
+from dpwa.node.wire import NON_FINITE, ErrorCode, Layout, PayloadReader, WireError
 
 __all__ = ["SharedReplies"]
 
@@ -30,7 +39,8 @@ log = logging.getLogger(__name__)
 
 class SharedReplies:
     """Node ``node``'s maps of its peers' segments, the peers it fetches over the socket instead, and the RELEASEs
-    queued; ``count(event, n)`` counts ``shm_fetched``, ``shm_fallbacks`` and ``releases_dropped``. TX thread only, but
+    queued, and the peers that take its pushes through shared memory; ``count(event, n)`` counts ``shm_fetched``,
+    ``shm_fallbacks``, ``releases_dropped``, ``shm_pushed`` and ``shm_push_fallbacks``. TX thread only, but
     :meth:`submit_release` (any thread)."""
 
     def __init__(self, node: str, count: Callable[[str, int], None]) -> None:
@@ -39,6 +49,10 @@ class SharedReplies:
         self._segments = SegmentReader()
         self._refused: set[str] = set()
         self._releases: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._push_peers: set[str] = set()
+        """Peers that take this node's pushes through shared memory."""
+        self._push_refused: set[str] = set()
+        """Peers that refused such a push: pushed over the socket for the rest of the session."""
 
     def host_for(self, peer: str, host_id: str) -> str:
         """The co-location identity a FETCH to ``peer`` carries: ``host_id``, or "" once its segment failed."""
@@ -67,6 +81,7 @@ class SharedReplies:
             finish(FetchStatus.REJECTED, exc.reason, exc.detail)
             return
         self._count("shm_fetched", 1)
+        self.takes_pushes(target.peer)  # it lent a snapshot: co-located, and it authenticated this node
         finish(FetchStatus.OK)
         if not kept or target.status != FetchStatus.OK:  # copied, or update_wait stopped waiting for it
             target.loan = None
@@ -103,17 +118,54 @@ class SharedReplies:
                 raise WireError(reader.fault or NON_FINITE, "payload holds a value that is not valid")
             target.views, target.loan = views, (word, header.gen)
             return True
-        for start, end in bounds:
-            if reader.direct:
-                np.copyto(target.buffer[start:end], payload[start:end])
-                valid = reader.check(target.views, start, end)
-            else:
-                valid = reader.read(payload[start:end], start, target.views)
-            if not valid:
-                raise WireError(reader.fault or NON_FINITE, "payload holds a value that is not valid")
+        copy_payload(payload, reader, target.buffer, target.views, bounds)
         if int(word[0]) != header.gen:
             raise WireError("shm-torn", "the segment was rewritten while it was read")
         return False
+
+    # ------------------------------------------------------------ pushes
+
+    def takes_pushes(self, peer: str) -> None:
+        """``peer`` said it takes this node's pushes through shared memory (unless it refused one before)."""
+        if peer not in self._push_refused:
+            self._push_peers.add(peer)
+
+    def pushes_shared(self, push: Push) -> bool:
+        """Whether ``push`` goes through shared memory: its peer takes them and its snapshot lies in a segment."""
+        return push.peer in self._push_peers and push.snapshot.segment is not None
+
+    def push(self, sock: zmq.Socket, push: Push, header: bytes) -> bool:
+        """Send ``push`` as ``header`` alone (it names the snapshot's segment), every chunk made ready first (a
+        narrower wire dtype is rounded before the peer looks); False when the send queue is full."""
+        if push.prepare is not None:
+            push.prepare(len(push.snapshot.frames) - 1)
+        try:
+            sock.send(header, zmq.NOBLOCK)
+        except zmq.Again:
+            self._count("push_send_queue_full", 1)
+            return False
+        self._count("pushes_sent", 1)
+        self._count("shm_pushed", 1)
+        return True
+
+    def answered(self, peer: str, header: wire.Ack | wire.Error) -> None:
+        """An answer from ``peer`` to a push or an exchange's push: an ACK may say it takes this node's pushes
+        through shared memory; an ERROR ``shared-memory`` sends its pushes over the socket from then on."""
+        if isinstance(header, wire.Ack):
+            if header.shm:
+                self.takes_pushes(peer)
+        elif header.code == ErrorCode.SHARED_MEMORY.value and peer not in self._push_refused:
+            self._push_peers.discard(peer)
+            self._push_refused.add(peer)
+            self._count("shm_push_fallbacks", 1)
+            log.warning(
+                "node %s: %s refused a push through shared memory (%s); pushing to it over the socket",
+                self._node,
+                peer,
+                header.detail,
+            )
+
+    # ------------------------------------------------------------ releases
 
     def release(self, sock: zmq.Socket, req: int) -> None:
         """Send RELEASE for request ``req`` on ``sock``; a full queue drops it (the loan expires at the server)."""

@@ -287,13 +287,16 @@ class TxFetcher(threading.Thread):
         self._settles.clear()
 
     def _push_frames(self, sock: zmq.Socket, push: Push, wire_layout: Layout, *, hold: bool) -> bool:
-        """Send push ``push`` zero-copy from its snapshot: whole (header and its one chunk in one message)
-        or streamed (its header, then one tagged message per chunk).
+        """Send push ``push`` zero-copy from its snapshot: whole (header and its one chunk in one message),
+        streamed (its header, then one tagged message per chunk), or as a header naming its segment.
 
         False when not even the header could be queued (nothing went out). A queue that fills after the
         header leaves the push cut short: the receiver drops it, and a SETTLE settles it."""
-        snap = push.snapshot
-        header = push_header(self._node, push, wire_layout, self._chunk, self._port.news_for(push.peer), hold=hold)
+        snap, shared = push.snapshot, self._shared.pushes_shared(push)
+        news, host = self._port.news_for(push.peer), self._port.host_id
+        header = push_header(self._node, push, wire_layout, self._chunk, news, hold=hold, host=host, shared=shared)
+        if shared:  # the header alone: it names the snapshot's segment
+            return self._shared.push(sock, push, header)
         frames: list[zmq.Frame] = []
         started = False
         try:
@@ -338,6 +341,8 @@ class TxFetcher(threading.Thread):
 
     def _push_answer(self, peer: str, header: wire.Ack | wire.Error) -> bool:
         """An ACK or ERROR from ``peer``: settle the push it names; True when it named one."""
+        if header.node == peer:  # an exchange's push, never among these, is answered here too
+            self._shared.answered(peer, header)
         push = self._pushes.get((peer, header.req))
         if push is None or header.node != peer:
             return False

@@ -217,12 +217,16 @@ def encode_push(
     whole: bool = False,
     news: MemberNews | None = None,
     front: int = -1,
+    host: str = "",
+    gen: int = -1,
+    shm: SharedRef | None = None,
 ) -> bytes:
     """The header of push ``seq`` of a snapshot of (wire) ``layout``; its chunks follow as tagged messages,
-    or, ``whole`` (a layout of one chunk), its one chunk follows in the same message.
+    or, ``whole`` (a layout of one chunk), its one chunk follows in the same message, or, ``shm`` given, none
+    follows: the payload of generation ``gen`` lies in that segment.
 
     ``hold``: an exchange's push, kept by the receiver until a SETTLE commit. ``front`` (>= 0): see
-    :attr:`Push.front`."""
+    :attr:`Push.front`. ``host``: the sender's co-location identity ("": none offered)."""
     return Push.announcing(
         layout,
         chunk,
@@ -231,16 +235,20 @@ def encode_push(
         clock=clock,
         loss=loss,
         extras=extras,
-        stream=not whole,
+        stream=not whole and shm is None,
         hold=hold,
         news=news,
         front=front,
+        host=host,
+        gen=gen if shm is not None else -1,
+        shm=shm,
     ).encode()
 
 
-def encode_ack(node: str, seq: int) -> bytes:
-    """Push ``seq`` is in ``node``'s inbox (or, answering a commit, kept for good)."""
-    return Ack(node=node, req=seq).encode()
+def encode_ack(node: str, seq: int, *, shm: bool = False) -> bytes:
+    """Push ``seq`` is in ``node``'s inbox (or, answering a commit, kept for good); ``shm``: and this node takes
+    the sender's pushes through shared memory."""
+    return Ack(node=node, req=seq, shm=shm).encode()
 
 
 def encode_settle(node: str, seq: int, op: str) -> bytes:

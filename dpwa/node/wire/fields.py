@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpwa.node.members import Member, from_wire
-from dpwa.node.wire.constants import MAX_NAME_CHARS, MAX_REQ
+from dpwa.node.wire.constants import MAX_HOST_ID_CHARS, MAX_NAME_CHARS, MAX_REQ
 
 __all__ = [
     "MemberNews",
@@ -24,6 +24,7 @@ __all__ = [
     "envelope",
     "extras_sum",
     "finite_clock_loss",
+    "host_field",
     "member_news",
     "name_list",
     "optional_count",
@@ -65,12 +66,13 @@ class SharedRef:
     until: float
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON object a STATE header carries as ``shm``."""
+        """The JSON object a STATE or PUSH header carries as ``shm``."""
         return {"pid": self.pid, "fd": self.fd, "token": self.token, "until": self.until}
 
 
 def shared_ref(value: Any) -> SharedRef | None:
-    """A STATE's ``shm`` field (absent: None): positive pid, fd >= 0, a 32-hex-digit token, a finite ``until``."""
+    """A STATE's or PUSH's ``shm`` field (absent: None): positive pid, fd >= 0, a 32-hex-digit token, a finite
+    ``until``."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -84,6 +86,14 @@ def shared_ref(value: Any) -> SharedRef | None:
     if not math.isfinite(until):
         raise WireError("non-finite", "field 'shm' has a non-finite deadline")
     return SharedRef(pid=pid, fd=fd, token=token, until=float(until))
+
+
+def host_field(body: dict[str, Any]) -> str:
+    """A header's ``host`` field (absent: ""): a co-location identity of at most :data:`MAX_HOST_ID_CHARS`."""
+    host = body.get("host", "")
+    if not isinstance(host, str) or len(host) > MAX_HOST_ID_CHARS:
+        raise WireError("header", "field 'host' of the wrong type or too long")
+    return host
 
 
 def required(body: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any:

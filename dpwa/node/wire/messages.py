@@ -44,7 +44,6 @@ from dpwa.node.wire.constants import (
     MAGIC,
     MAX_DETAIL_CHARS,
     MAX_HEADER_BYTES,
-    MAX_HOST_ID_CHARS,
     MAX_NAME_CHARS,
     PROTOCOL_VERSION,
     SETTLE_OPS,
@@ -56,6 +55,7 @@ from dpwa.node.wire.fields import (
     WireError,
     envelope,
     finite_clock_loss,
+    host_field,
     name_list,
     optional_count,
     optional_flag,
@@ -185,9 +185,7 @@ class Fetch(WithNews):
             raise WireError("header", "field 'exchange' of the wrong type")
         fingerprint = required(body, "fp", str)
         stream = optional_flag(body, "stream")
-        host = body.get("host", "")
-        if not isinstance(host, str) or len(host) > MAX_HOST_ID_CHARS:
-            raise WireError("header", "field 'host' of the wrong type or too long")
+        host = host_field(body)
         return cls(
             node=node,
             req=req,
@@ -319,11 +317,19 @@ class State(_Snapshot):
 @dataclass(frozen=True, kw_only=True)
 class Push(_Snapshot):
     """A snapshot sent unasked (push ``req``): its header; the chunks follow streamed, or in this message when
-    the push travels whole (``stream`` False)."""
+    the push travels whole (``stream`` False), or nowhere when it lies in the sender's segment (``shm``)."""
 
     KIND: ClassVar[Kind] = Kind.PUSH
     hold: bool = False
     """Part of an exchange: the receiver keeps it until the sender's SETTLE commit (or abort)."""
+    host: str = ""
+    """The sender's co-location identity (dpwa/node/sharedmem.py): a receiver with the same one says in its ACK
+    that it takes this sender's pushes through shared memory; "" (left out of the frame): it offers none."""
+    gen: int = -1
+    """The pushed snapshot's generation (>= 1) when ``shm`` is set; -1 otherwise."""
+    shm: SharedRef | None = None
+    """The payload is not in the message: it lies in the sender's shared-memory segment this names, kept
+    unchanged until the push has its verdict (ACK, ERROR, or a SETTLE's answer)."""
 
     def encode(self) -> bytes:
         """The PUSH header frame."""
@@ -332,21 +338,32 @@ class Push(_Snapshot):
             body["stream"] = True
         if self.hold:
             body["hold"] = True
+        if self.host:
+            body["host"] = self.host
+        if self.shm is not None:
+            body["gen"] = self.gen
+            body["shm"] = self.shm.to_wire()
         return _frame(Kind.PUSH, body, self.news)
 
     @classmethod
     def decode(cls, body: dict[str, Any]) -> Push:
         """A PUSH from its parsed JSON body; raises WireError."""
-        fields = cls._fields(body, gen=False)
-        return cls(**fields, hold=optional_flag(body, "hold"))
+        fields = cls._fields(body, gen=True)
+        shm = shared_ref(body.get("shm"))
+        if (shm is not None) != (fields["gen"] >= 1) or (shm is not None and fields["stream"]):
+            raise WireError("header", "a shared-memory push names its generation, is never streamed, and only it does")
+        return cls(**fields, hold=optional_flag(body, "hold"), host=host_field(body), shm=shm)
 
     def check_against(self, layout: Layout, *, chunk: int = CHUNK_BYTES, whole: bool = False) -> None:
         """Reject (WireError) a push that does not announce exactly ``layout`` in ``chunk``-byte chunks, streamed,
-        or ``whole`` (its one chunk in the header's message) for a layout of one chunk."""
+        or ``whole`` (its one chunk in the header's message) for a layout of one chunk, or in shared memory."""
         self._check_payload(layout, chunk)
-        if whole and (self.stream or self.nframes != 1):
+        if self.shm is not None:
+            if whole:
+                raise WireError("frames", "a shared-memory push came with a payload frame")
+        elif whole and (self.stream or self.nframes != 1):
             raise WireError("frames", "only an unstreamed push of one chunk carries its payload with its header")
-        if not whole and not self.stream:
+        elif not whole and not self.stream:
             raise WireError("frames", "an unstreamed push came without its payload")
         if not can_stream(self.req):
             raise WireError("header", f"push sequence number {self.req} does not fit a chunk tag")
@@ -357,16 +374,22 @@ class Ack(_Message):
     """Push ``req`` is in ``node``'s inbox (or, answering a commit, kept for good)."""
 
     KIND: ClassVar[Kind] = Kind.ACK
+    shm: bool = False
+    """The receiver is co-located with the sender (the push offered the same ``host``) and takes its pushes
+    through shared memory from now on."""
 
     def encode(self) -> bytes:
         """The ACK header frame."""
-        return _frame(Kind.ACK, {"node": self.node, "req": self.req})
+        body: dict[str, Any] = {"node": self.node, "req": self.req}
+        if self.shm:
+            body["shm"] = True
+        return _frame(Kind.ACK, body)
 
     @classmethod
     def decode(cls, body: dict[str, Any]) -> Ack:
         """An ACK from its parsed JSON body; raises WireError."""
         node, req, _ = envelope(body)
-        return cls(node=node, req=req)
+        return cls(node=node, req=req, shm=optional_flag(body, "shm"))
 
 
 @dataclass(frozen=True, kw_only=True)

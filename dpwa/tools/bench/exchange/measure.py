@@ -33,7 +33,7 @@ __all__ = ["WARMUP_ROUNDS", "measure_size"]
 
 WARMUP_ROUNDS = 3
 """Untimed rounds first: every snapshot buffer and receive buffer gets its pages."""
-COMMON_KEYS = ("memcpy_ms", "a_ms", "a2_ms", "c_ms", "push_ms", "fold_ms")
+COMMON_KEYS = ("memcpy_ms", "a_ms", "a2_ms", "c_ms", "push_ms", "fold_ms", "shm_push_ms", "shm_fold_ms")
 """The samples measured once per round for the whole size, shown in each of its rows."""
 PER_WIRE_KEYS = ("send_ms", "fetch_ms", "mix_ms", "step_ms", "wait_ms", "bytes", "ready_ms")
 """The samples measured once per round and wire dtype."""
@@ -49,19 +49,21 @@ class _Size:
         self.timeout_s = max(10.0, self.nbytes / 1e6)
         self.src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
         self.dst = np.empty_like(self.src)
-        ports = free_ports(3 + 2 * len(wires))
+        ports = free_ports(5 + 2 * len(wires))
         pairs = [ports[1 + 2 * i : 3 + 2 * i] for i in range(len(wires))]
         configs = [pair_config(w, p, n) for w, p in zip(wires, pairs)]
         peer_configs = [pair_config(w, p, n, 0.0) for w, p in zip(wires, pairs)]
-        push_config = pair_config("float32", ports[-2:], n, push=True) if "float32" in wires else ""
+        push_variants = [w for w in ("float32", SHARED) if w in wires] if "float32" in wires else []
+        push_configs = [pair_config(w, ports[-2 - 2 * i :][:2], n, push=True) for i, w in enumerate(push_variants)]
         self.fetch = FetchNodes(peer, make_model(n, seed=1))
-        self.push: PushNode | None = None
+        self.pushes: dict[str, PushNode] = {}
+        """(d) per variant: over the socket (float32), co-located (float32+shm)."""
         self.raw: RawClient | None = None
         try:
             self.fetch.open(wires, configs)
-            if push_config:
-                self.push = PushNode(peer, push_config, self.fetch.params, self.timeout_s)
-            peer.call("setup", floats=n, raw_port=ports[0], configs=peer_configs, push_config=push_config)
+            for i, (w, text) in enumerate(zip(push_variants, push_configs)):
+                self.pushes[w] = PushNode(peer, text, self.fetch.params, self.timeout_s, i)
+            peer.call("setup", floats=n, raw_port=ports[0], configs=peer_configs, push_configs=push_configs)
             self.raw = RawClient(ctx, ports[0], self.nbytes, self.timeout_s)
         except BaseException:
             self.close()
@@ -81,9 +83,9 @@ class _Size:
     def close(self) -> None:
         """Close the trainer's nodes and sockets, and have the peer drop its side (if it still runs)."""
         self.fetch.close()
-        if self.push is not None:
-            self.push.close()
-            self.push = None
+        for node in self.pushes.values():
+            node.close()
+        self.pushes = {}
         if self.raw is not None:
             self.raw.close()
             self.raw = None
@@ -100,8 +102,8 @@ def _warm_up(size: _Size, wires: Sequence[str], gloo: bool) -> None:
     size.raw.fetch_chunked()
     for w in wires:
         size.fetch.exchange(w)
-    if size.push is not None:
-        size.push.push()
+    for node in size.pushes.values():
+        node.push()
     if gloo:
         size.gloo()
 
@@ -122,8 +124,7 @@ class _Rounds:
         self.common: dict[str, list[float]] = {k: [] for k in COMMON_KEYS}
         self.per: dict[str, dict[str, list[float]]] = {w: {k: [] for k in PER_WIRE_KEYS} for w in wires}
         self.tasks: list[Callable[[], None]] = [self.memcpy, self.raw, self.raw_chunked]
-        if size.push is not None:
-            self.tasks.append(self.push)
+        self.tasks += [functools.partial(self.push, w) for w in size.pushes]
         self.tasks += [functools.partial(self.fetch, w) for w in wires]
         self.tasks += [functools.partial(self.overlap, w) for w in wires]
         if gloo:
@@ -153,12 +154,12 @@ class _Rounds:
         """(c): one all-reduce."""
         self.common["c_ms"].append(self.size.gloo())
 
-    def push(self) -> None:
-        """(d): one push and the peer's fold."""
-        assert self.size.push is not None
-        got = self.size.push.push()
-        self.common["push_ms"].append(got["push_ms"])
-        self.common["fold_ms"].append(got["fold_ms"])
+    def push(self, variant: str) -> None:
+        """(d): one push and the peer's fold, over the socket or (``variant`` SHARED) co-located."""
+        got = self.size.pushes[variant].push()
+        prefix = "shm_" if variant == SHARED else ""
+        self.common[prefix + "push_ms"].append(got["push_ms"])
+        self.common[prefix + "fold_ms"].append(got["fold_ms"])
 
     def fetch(self, wire: str) -> None:
         """(b): one exchange in wire dtype ``wire``, back to back."""

@@ -59,17 +59,17 @@ class _PeerState:
         self.raw: RawServer | None = None
         self.tensor: Any = None
         self.model: list[np.ndarray] = []
-        self.push: Any = None
-        self.push_model: list[np.ndarray] = []
+        self.pushes: list[tuple[Any, list[np.ndarray]]] = []
+        """(d)'s receiving nodes, each with its model: over the socket, then (with shared memory) co-located."""
 
     def close(self) -> None:
         """Drop the current model size: its nodes, its raw server and its tensor."""
         for conn in self.conns:
             conn.close()
         self.conns = []
-        if self.push is not None:
-            self.push.close()
-            self.push = None
+        for conn, _ in self.pushes:
+            conn.close()
+        self.pushes = []
         if self.raw is not None:
             self.raw.stop()
             self.raw = None
@@ -93,9 +93,9 @@ def _setup(state: _PeerState, message: dict[str, Any]) -> dict[str, Any]:
     for text in message["configs"]:
         state.conns.append(serving_node(text, model))
     state.model = model
-    if message.get("push_config"):
-        state.push_model = [a.copy() for a in model]
-        state.push = receiving_node(message["push_config"], state.push_model)
+    for text in message.get("push_configs", ()):
+        pushed = [a.copy() for a in model]
+        state.pushes.append((receiving_node(text, pushed), pushed))
     if state.gloo:
         state.tensor = to_tensor(flat)
     return {}
@@ -107,8 +107,8 @@ def _publish(state: _PeerState, message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fold(state: _PeerState, message: dict[str, Any]) -> dict[str, Any]:
-    """(d): fold the trainer's push in, then push half of the mass back."""
-    return fold_and_push_back(state.push, state.push_model)
+    """(d): fold the trainer's push in (on receiving node ``index``), then push half of the mass back."""
+    return fold_and_push_back(*state.pushes[message["index"]])
 
 
 def _gloo(state: _PeerState, message: dict[str, Any]) -> dict[str, Any]:

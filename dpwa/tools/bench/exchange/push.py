@@ -5,7 +5,8 @@ start to its ACK (send, receive into an inbox slot, validate; ``last_exchange["p
 ms`` the peer's ``update_wait`` folding it in (its ``mix_ms``, :func:`fold_and_push_back`). The peer then
 pushes half of its mass back, acknowledged before the next round, so nothing else is on the wire and both
 weights stay near 1 however many rounds run. ``(push+fold)/(fetch+mix)`` compares it with (b) float32,
-round by round.
+round by round. With shared memory on, a second pair pushes co-located (the receiver reads the pusher's
+segment), shown in the ``float32+shm`` row against memcpy.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ __all__ = ["PushNode", "fold_and_push_back", "receiving_node"]
 
 
 class PushNode:
-    """The trainer's node of (d), pushing a copy of ``params`` to the peer's node."""
+    """The trainer's node of (d), pushing a copy of ``params`` to the peer's receiving node ``index``."""
 
-    def __init__(self, peer: PeerProcess, config: str, params: list[np.ndarray], timeout_s: float) -> None:
+    def __init__(self, peer: PeerProcess, config: str, params: list[np.ndarray], timeout_s: float, index: int) -> None:
         from dpwa.node.connection import DpwaConnection
 
         self.peer = peer
+        self.index = index
         self.timeout_s = timeout_s
         self.params = [a.copy() for a in params]
         self.conn: Any = DpwaConnection("t", parse_config(config), seed=1)
@@ -39,7 +41,7 @@ class PushNode:
         record = conn.last_exchange or {}
         if record.get("pushed") != 1 or record.get("returned") or record.get("unacked"):
             raise RuntimeError(f"dpwa push was not delivered: {record}")
-        fold = self.peer.call("fold", self.timeout_s)
+        fold = self.peer.call("fold", self.timeout_s, index=self.index)
         if fold.get("received") != 1:
             raise RuntimeError(f"the peer folded {fold.get('received')} pushes, expected 1")
         return {"push_ms": float(record["push_ms"]), "fold_ms": float(fold["mix_ms"])}

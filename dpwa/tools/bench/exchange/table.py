@@ -4,8 +4,8 @@ One row per (model size, wire dtype). Its figures are medians over the rounds; i
 over rounds of each round's ratio (a round measures everything within a second or so, so a load change on
 the shared machine between rounds cancels out of its ratios), each with a check mark against
 :data:`TARGETS` -- informational, never a test. (a), (a2), (c) and memcpy are measured once per size and
-shown in every row of it; (d) only in the float32 row. A skipped measurement is NaN, printed ``-`` and
-written to JSON as null (:func:`finite_or_none`).
+shown in every row of it; (d) only in the float32 row, and its co-located pair in the float32+shm row. A
+skipped measurement is NaN, printed ``-`` and written to JSON as null (:func:`finite_or_none`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ TARGETS = {
     "block": 0.05,  # update_wait's wait < 5 % of a step longer than the exchange
     "push_fetch": 1.1,  # (d) push + fold <= 1.1 x (b) fetch + mix, float32 wire
     "fm_memcpy": 2.0,  # (b) through shared memory: fetch + mix <= 2 x memcpy (co-located nodes)
+    "pf_memcpy": 2.0,  # (d) through shared memory: push + fold <= 2 x memcpy (co-located nodes)
 }
 
 ABSOLUTE = [
@@ -70,6 +71,8 @@ RATIOS = [
     Column("ok_push", "<=1.1"),
     Column("fm_memcpy", "(fetch+mix)/memcpy", ".2f"),
     Column("ok_fm_memcpy", "<=2 shm"),
+    Column("pf_memcpy", "(push+fold)/memcpy", ".2f"),
+    Column("ok_pf_memcpy", "<=2 shm "),
 ]
 
 
@@ -114,16 +117,22 @@ def _figures(n: int, wire: str, samples: dict[str, list[float]], common: dict[st
         "c_mbs": nbytes / 1e3 / c if c == c else math.nan,
         "step_ms": m["step_ms"],
         "wait_ms": m["wait_ms"],
-        "push_ms": med["push_ms"] if wire == "float32" else math.nan,
-        "fold_ms": med["fold_ms"] if wire == "float32" else math.nan,
+        "push_ms": med[_push_key(wire, "push_ms")] if wire in (SHARED, "float32") else math.nan,
+        "fold_ms": med[_push_key(wire, "fold_ms")] if wire in (SHARED, "float32") else math.nan,
     }
+
+
+def _push_key(wire: str, key: str) -> str:
+    """The common samples of (d) a row shows: the co-located pair's in the float32+shm row."""
+    return "shm_" + key if wire == SHARED else key
 
 
 def _ratios(wire: str, samples: dict[str, list[float]], common: dict[str, list[float]]) -> dict[str, float]:
     """The ratios of one row, each the median over rounds of that round's ratio."""
     fetches, mixes = samples["fetch_ms"], samples["mix_ms"]
     fetch_mix = [f + x for f, x in zip(fetches, mixes)]
-    pushes = [p + f for p, f in zip(common["push_ms"], common["fold_ms"])]
+    pushes = [p + f for p, f in zip(common[_push_key(wire, "push_ms")], common[_push_key(wire, "fold_ms")])]
+    pushed = wire in (SHARED, "float32")
     return {
         "fetch_a": _median_ratio(fetches, common["a_ms"]),
         "fetch_a2": _median_ratio(fetches, common["a2_ms"]),
@@ -131,8 +140,9 @@ def _ratios(wire: str, samples: dict[str, list[float]], common: dict[str, list[f
         "send_memcpy": _median_ratio(samples["send_ms"], common["memcpy_ms"]),
         "mix_memcpy": _median_ratio(mixes, common["memcpy_ms"]),
         "block": _median_ratio(samples["wait_ms"], samples["step_ms"]),
-        "push_fetch": _median_ratio(pushes, fetch_mix) if wire == "float32" else math.nan,
+        "push_fetch": _median_ratio(pushes, fetch_mix) if pushed else math.nan,
         "fm_memcpy": _median_ratio(fetch_mix, common["memcpy_ms"]),
+        "pf_memcpy": _median_ratio(pushes, common["memcpy_ms"]) if wire == SHARED else math.nan,
     }
 
 
@@ -149,6 +159,7 @@ def _checks(wire: str, ratios: dict[str, float]) -> dict[str, str]:
         "ok_block": _ok(ratios["block"], TARGETS["block"]),
         "ok_push": _ok(ratios["push_fetch"], TARGETS["push_fetch"]),
         "ok_fm_memcpy": _ok(ratios["fm_memcpy"], TARGETS["fm_memcpy"]) if wire == SHARED else "-",
+        "ok_pf_memcpy": _ok(ratios["pf_memcpy"], TARGETS["pf_memcpy"]) if wire == SHARED else "-",
     }
 
 
