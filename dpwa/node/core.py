@@ -241,8 +241,7 @@ class Node:
         published = snapshot.readonly if snapshot is not None else [np.array(a, copy=True) for a in public]
         if snapshot is None:  # rare: peers get the previous snapshot; the rule still needs x as of now (a copy)
             self.stats.add("snapshots_skipped")
-            busy = "node %s: every snapshot buffer is busy; peers get the previous one"
-            self.once.warning(("pool",), busy, self.name)
+            self.once.warning(("pool",), "node %s: every snapshot buffer is busy; peers get the prior one", self.name)
         with self.state_lock:
             self.rule.on_publish(self.state, published)
         return snapshot
@@ -315,9 +314,6 @@ class Node:
             give_back_freed()  # what the allocator kept of this step's messages (libzmq's chunks over TCP)
         mixed = time.perf_counter()
         peers = arrival.peers
-        others = [p for p in peers if p.state.name != self.name]
-        if others and (outcome.peers or any(not p.repeat for p in others)):  # not only a skipped repeat
-            self.stats.add("mixes")
         self.last_exchange = {
             "step": clock_before,
             "factor": outcome.factor,
@@ -334,8 +330,8 @@ class Node:
 
     def mix(self, arrival: Arrival) -> tuple[float, float | None, MixOutcome]:
         """Under the state lock: tell the rule of the replies lost, measure the distance when due, then copy a peer
-        far ahead (the first reply only) or run the rule on every peer that arrived. The clock before, the
-        distance (None when not measured) and the outcome."""
+        far ahead (the first reply only) or run the rule on every peer that arrived, counting a mix. The clock
+        before, the distance (None when not measured) and the outcome."""
         assert self.params is not None
         peers = arrival.peers
         others = [p for p in peers if p.state.name != self.name]  # a returned push is not a peer
@@ -350,6 +346,8 @@ class Node:
                 outcome = self.recovery.catch_up(self.state, self.params, peers)
             if outcome is None:
                 outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track motion
+        if others and (outcome.peers or any(not p.repeat for p in others)):  # not only a skipped repeat
+            self.stats.add("mixes")
         return clock_before, distance, outcome
 
     def measure_distance(self, others: Sequence[PeerSnapshot]) -> float | None:

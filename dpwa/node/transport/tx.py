@@ -36,6 +36,7 @@ from dpwa.node.states import FetchStatus, PushStatus
 from dpwa.node.transport.fetch import NOT_A_MEMBER, FetchJob, FetchTarget
 from dpwa.node.transport.headers import fetch_request, push_header
 from dpwa.node.transport.protocol import NodePort
+from dpwa.node.transport.pushing import send_push_frames
 from dpwa.node.transport.shared import SharedReplies
 from dpwa.node.transport.sockets import common_options, connect_address, is_own_echo, push_send_hwm, tune_data_socket
 from dpwa.node.wire import CHUNK_BYTES, Kind, Layout, PayloadReader, WireError
@@ -287,40 +288,14 @@ class TxFetcher(threading.Thread):
         self._settles.clear()
 
     def _push_frames(self, sock: zmq.Socket, push: Push, wire_layout: Layout, *, hold: bool) -> bool:
-        """Send push ``push`` zero-copy from its snapshot: whole (header and its one chunk in one message),
-        streamed (its header, then one tagged message per chunk), or as a header naming its segment.
-
-        False when not even the header could be queued (nothing went out). A queue that fills after the
-        header leaves the push cut short: the receiver drops it, and a SETTLE settles it."""
-        snap, shared = push.snapshot, self._shared.pushes_shared(push)
+        """Send push ``push``: its payload whole or streamed (:func:`send_push_frames`), or a header naming its
+        segment (a peer that takes this node's pushes through shared memory); False when nothing went out."""
+        shared = self._shared.pushes_shared(push)
         news, host = self._port.news_for(push.peer), self._port.host_id
         header = push_header(self._node, push, wire_layout, self._chunk, news, hold=hold, host=host, shared=shared)
         if shared:  # the header alone: it names the snapshot's segment
             return self._shared.push(sock, push, header)
-        frames: list[zmq.Frame] = []
-        started = False
-        try:
-            if len(snap.frames) != 1:
-                sock.send(header, zmq.NOBLOCK)
-                started = True
-            for index, memory in enumerate(snap.frames):
-                if push.prepare is not None:
-                    push.prepare(index)
-                frame = zmq.Frame(memory, copy=False, track=True)
-                first = header if len(snap.frames) == 1 else wire.encode_chunk_tag(push.seq, index)
-                sock.send(first, zmq.SNDMORE | zmq.NOBLOCK)
-                sock.send(frame, zmq.NOBLOCK, copy=False)
-                started = True
-                frames.append(frame)
-            self._port.count("pushes_sent", 1)
-            self._port.count("bytes_out", sum(memory.nbytes for memory in snap.frames))
-            return True
-        except zmq.Again:
-            self._port.count("push_send_queue_full", 1)
-            return started
-        finally:
-            if frames:
-                push.tracker = zmq.MessageTracker(*frames)
+        return send_push_frames(sock, push, header, self._port.count)
 
     def _send_push(self, poller: zmq.Poller, push: Push) -> None:
         layouts = self._ensure_layout(poller)
