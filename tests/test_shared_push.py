@@ -21,9 +21,10 @@ from conftest import free_ports, in_threads, wait_until, write_cluster
 from dpwa import DpwaConnection
 from dpwa.config import load_config
 from dpwa.node import wire
+from dpwa.node.frames import COPY_BLOCK, copy_payload
 from dpwa.node.sharedmem import Segment, host_identity
 from dpwa.node.transport.shared import SharedReplies
-from dpwa.node.wire import Layout, SharedRef
+from dpwa.node.wire import CHUNK_BYTES, Layout, PayloadReader, SharedRef, WireError
 
 pytestmark = pytest.mark.skipif(not host_identity(), reason="no shared memory on this platform")
 
@@ -233,3 +234,24 @@ def test_two_curve_push_sum_nodes_that_authenticated_each_other_push_through_sha
     finally:
         for c in conns:
             c.close()
+
+
+@pytest.mark.parametrize("where", [0, 262_143, 262_144, 1_310_719])
+def test_copying_out_of_a_segment_checks_every_block(where: int) -> None:
+    """:func:`copy_payload` copies a 5 MiB payload (two 4 MiB chunks) in 1 MiB blocks: every byte arrives, and a
+    NaN anywhere -- the first element, the last of a block, the first of the next, the very last -- is found."""
+    arrays = [np.arange(1_310_720, dtype=np.float32)]
+    layout = Layout.of(arrays)
+    source = layout.allocate()
+    np.copyto(layout.views(source)[0], arrays[0])
+    target = layout.allocate()
+    views = layout.views(target)
+    reader = PayloadReader(layout, layout)
+    bounds = layout.frame_bounds(CHUNK_BYTES)
+    assert len(bounds) == 2 and COPY_BLOCK < CHUNK_BYTES
+    copy_payload(source, reader, target, views, bounds)
+    assert target.tobytes() == source.tobytes()
+    layout.views(source)[0][where] = np.nan
+    with pytest.raises(WireError) as info:
+        copy_payload(source, reader, target, views, bounds)
+    assert info.value.reason == "non-finite"

@@ -16,7 +16,10 @@ import zmq
 
 from dpwa.node.wire import INDEX_RANGE, NON_FINITE, PayloadReader, WireError
 
-__all__ = ["copy_payload", "discard_rest", "receive_payload"]
+__all__ = ["COPY_BLOCK", "copy_payload", "discard_rest", "receive_payload"]
+
+COPY_BLOCK = 1 << 20
+"""Bytes copied out of a segment before they are checked (a multiple of 8: every element starts on one)."""
 
 _FAULTS = {NON_FINITE: "payload holds NaN or infinity", INDEX_RANGE: "payload holds an index out of range"}
 
@@ -66,13 +69,17 @@ def copy_payload(
     bounds: Sequence[tuple[int, int]],
 ) -> None:
     """Copy the wire bytes ``payload`` (a peer's segment) into ``buffer`` / ``views`` chunk by chunk, each chunk
-    checked (or widened and checked) while in cache; WireError as :func:`receive_payload` (partly written)."""
+    checked (or widened and checked) while in cache -- a chunk of the same dtype in blocks of :data:`COPY_BLOCK`
+    bytes, copied then checked while in L2 (1.33 x memcpy for both, against 1.8 x in 4 MiB pieces); WireError as
+    :func:`receive_payload` (partly written)."""
     for start, end in bounds:
-        if reader.direct:
-            np.copyto(buffer[start:end], payload[start:end])
-            valid = reader.check(views, start, end)
-        else:
-            valid = reader.read(payload[start:end], start, views)
-        if not valid:
-            reason = reader.fault or NON_FINITE
-            raise WireError(reason, _FAULTS.get(reason, reason))
+        for lo in range(start, end, COPY_BLOCK) if reader.direct else (start,):
+            if reader.direct:
+                hi = min(lo + COPY_BLOCK, end)
+                np.copyto(buffer[lo:hi], payload[lo:hi])
+                valid = reader.check(views, lo, hi)
+            else:
+                valid = reader.read(payload[start:end], start, views)
+            if not valid:
+                reason = reader.fault or NON_FINITE
+                raise WireError(reason, _FAULTS.get(reason, reason))
