@@ -24,7 +24,8 @@ by round, medians over ``--repeat`` rounds of:
 * (d) ``push`` (float32 wire, in the float32 row): a second pair of nodes running ``pushsum``;
   ``(push+fold)/(fetch+mix)`` compares it with (b) float32, round by round;
 * ``float32+shm``: (b) once more between nodes with shared memory on (every other pair has it off): the fetch
-  reads the peer's segment; ``(fetch+mix)/memcpy`` is its target.
+  reads the peer's segment; ``(fetch+mix)/memcpy`` is its target. With it, (d) once more between co-located
+  nodes (the push names the pusher's segment): ``(push+fold)/memcpy``.
 
 After the timed rows, the memory rows (:mod:`~dpwa.tools.bench.exchange.memory`, ``--no-memory`` skips them):
 per rule, what a node adds beside its model at the largest size, in model sizes.
