@@ -98,11 +98,11 @@ class RawPusher:
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.seq = 0
 
-    def push(self, layout: Layout, ref: SharedRef, gen: int, host: str) -> wire.Ack | wire.Error:
-        """Send a PUSH naming ``ref`` (holding ``gen``); the node's answer (within 10 s)."""
+    def push(self, layout: Layout, ref: SharedRef, gen: int, host: str, node: str = "w2") -> wire.Ack | wire.Error:
+        """Send a PUSH from ``node`` naming ``ref`` (holding ``gen``); the node's answer (within 10 s)."""
         self.seq += 1
         extras = {"weight": 1.0, "w_given": 1.0}
-        head = wire.encode_push("w2", self.seq, clock=1.0, loss=1.0, extras=extras, layout=layout, host=host, gen=gen,
+        head = wire.encode_push(node, self.seq, clock=1.0, loss=1.0, extras=extras, layout=layout, host=host, gen=gen,
                                 shm=ref)  # fmt: skip
         self.sock.send(head)
         while True:
@@ -148,8 +148,10 @@ def test_a_push_naming_a_bad_segment_is_refused_counted_and_never_mixed(tmp_path
             assert isinstance(answer, wire.Error), reason
             expected = wire.ErrorCode.BAD_REQUEST if reason == "non-finite" else wire.ErrorCode.SHARED_MEMORY
             assert answer.code == expected.value and answer.detail.startswith(reason), (reason, answer)
+        stranger = pusher.push(layout, good.ref(3, 1e12), 3, here, node="w9")  # no member: refused before any look
+        assert isinstance(stranger, wire.Error) and stranger.code == wire.ErrorCode.BAD_REQUEST.value
         stats = conn.stats()
-        assert all(stats["push_rejected_by_reason"].get(reason) == 1 for reason in cases), stats
+        assert all(stats["push_rejected_by_reason"].get(reason) == 1 for reason in [*cases, "identity"]), stats
         assert stats["inbox_occupied"] == 0 and stats.get("shm_pushes_taken", 0) == 0
         conn.update_send(x, 1.0)
         conn.update_wait(1.0)

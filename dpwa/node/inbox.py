@@ -215,6 +215,8 @@ class PushReceiver:
         into it, checked as a socket push is, the segment's generation the same before and after; or refuse it:
         ERROR ``shared-memory`` when this node would not or could not read the segment (the sender pushes over
         the socket from then on). Returns the answer (None: an exchange's push, held until its SETTLE)."""
+        if self._stranger(header.node, user):
+            return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
         if not self._colocated(header, user):
             self._on_reject("shm-unasked")
             return wire.encode_error(self.name, header.req, ErrorCode.SHARED_MEMORY, "shm-unasked: not co-located")
