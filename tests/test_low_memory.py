@@ -267,7 +267,7 @@ def test_a_low_memory_node_gives_back_what_the_allocator_kept_after_every_mix(
     never (it keeps its buffers for speed)."""
     calls = []
     monkeypatch.setattr(core, "give_back_freed", lambda: calls.append(1) or True)
-    config = write_cluster(tmp_path / "c.yaml", free_ports(2), transport={"memory": memory})
+    config = write_cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=200, transport={"memory": memory})
     conn = DpwaConnection("w1", str(config), seed=1)
     try:
         x = [np.zeros(100, np.float32)]

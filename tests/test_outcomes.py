@@ -230,7 +230,11 @@ def test_push_sum_records_say_how_many_pushes_were_acknowledged_and_how_long_the
         conns = [w1, w2]
 
         def train(i: int) -> None:
-            for _ in range(5):
+            # 5 steps, and on until one push was delivered: w2 takes none before its first update_send (no params
+            # at construction), and how many of w1's first steps come before it depends on how the threads run
+            deadline = time.monotonic() + 30.0
+            while len(records[i]) < 5 or not any(r["delivered"] for r in records[i]):
+                assert time.monotonic() < deadline, records[i]
                 conns[i].update_send(params[i], 1.0)
                 conns[i].update_wait(1.0)  # SGP (overlap 0): returns once its push has its verdict
                 records[i].append(dict(conns[i].last_exchange or {}))

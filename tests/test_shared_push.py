@@ -118,9 +118,10 @@ class RawPusher:
 
 def test_a_push_naming_a_bad_segment_is_refused_counted_and_never_mixed(tmp_path: Path) -> None:
     """A member's PUSH names a segment of the wrong size, with the wrong token, holding another generation, one
-    that cannot be opened, one from a sender not co-located, and one holding a NaN: each refused (``shared-memory``,
-    or ``bad-request`` for the value), counted under its reason, the inbox and the parameters untouched. Then a
-    good one: ACKed saying the sender may push through shared memory, and mixed."""
+    that cannot be opened, one from a sender not co-located, and one holding a NaN: each refused (``shared-memory``;
+    ``busy`` for the generation, ``bad-request`` for the value), counted under its reason, the inbox and the
+    parameters untouched; a PUSH from a name that is no member is refused ``identity`` before anything is looked
+    at. Then a good one: ACKed saying the sender may push through shared memory, and mixed."""
     ports = free_ports(2)
     config = write_cluster(tmp_path / "c.yaml", ports, interpolation="pushsum", timeout_ms=2000)
     x = [np.zeros(1000, np.float32)]
@@ -146,7 +147,9 @@ def test_a_push_naming_a_bad_segment_is_refused_counted_and_never_mixed(tmp_path
         for reason, (ref, gen, host) in cases.items():
             answer = pusher.push(layout, ref, gen, host)
             assert isinstance(answer, wire.Error), reason
-            expected = wire.ErrorCode.BAD_REQUEST if reason == "non-finite" else wire.ErrorCode.SHARED_MEMORY
+            expected = {"non-finite": wire.ErrorCode.BAD_REQUEST, "shm-gen": wire.ErrorCode.BUSY}.get(
+                reason, wire.ErrorCode.SHARED_MEMORY
+            )  # a segment rewritten since: a passing race, not a reason to give shared memory up
             assert answer.code == expected.value and answer.detail.startswith(reason), (reason, answer)
         stranger = pusher.push(layout, good.ref(3, 1e12), 3, here, node="w9")  # no member: refused before any look
         assert isinstance(stranger, wire.Error) and stranger.code == wire.ErrorCode.BAD_REQUEST.value
@@ -178,7 +181,7 @@ def test_a_pusher_uses_shared_memory_once_told_and_falls_back_to_the_socket_for_
     """The pusher's side (the TX thread's :class:`SharedReplies`): a peer's ACK with ``shm`` set turns shared
     pushes on for it (a push whose snapshot lies in a segment); an ERROR ``shared-memory`` turns them off for the
     rest of the session, counted once, and a later ACK saying ``shm`` does not turn them on again. Other refusals
-    (``busy``) change nothing."""
+    (``busy``, which also answers a segment rewritten before it was read) change nothing."""
     counts: dict[str, int] = {}
     shared = SharedReplies("w1", lambda event, n: counts.__setitem__(event, counts.get(event, 0) + n))
     segment = Segment("pusher", 64)
@@ -203,7 +206,6 @@ def test_a_pusher_uses_shared_memory_once_told_and_falls_back_to_the_socket_for_
             shared.answered("w2", wire.Error(node="w2", req=req, code="shared-memory", detail="shm-open: gone"))
         assert not shared.pushes_shared(push) and counts == {"shm_push_fallbacks": 1}  # type: ignore[arg-type]
         shared.answered("w2", wire.Ack(node="w2", req=6, shm=True))
-        shared.takes_pushes("w2")  # nor does a lent reply
         assert not shared.pushes_shared(push)  # type: ignore[arg-type]
     finally:
         segment.close()

@@ -356,7 +356,7 @@ def test_two_curve_nodes_that_authenticated_each_other_use_shared_memory(tmp_pat
     a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
     try:
         xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
-        in_threads(2, lambda i: steps(*((a, xa), (b, xb))[i], 5), timeout=60)
+        step_until_fetched(a, b, xa, xb, 3)  # 3 of 5 free-running steps failed once: the peer not published yet
         for conn in (a, b):
             s = conn.stats()
             assert s["fetches_ok"] >= 3 and s["shm_fetched"] == s["fetches_ok"], s

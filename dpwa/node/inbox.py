@@ -98,6 +98,16 @@ def _move(slot: InboxSlot, new: SlotState) -> None:
     slot.state = new
 
 
+def _shared_refusal(reason: str) -> ErrorCode:
+    """The code refusing a push through shared memory for ``reason``: ``busy`` when the segment changed before it
+    was read (a passing race: an exchange's pusher that gave up on it), ``shared-memory`` when this node will
+    not or cannot read the sender's segments (the sender pushes over the socket from then on), else
+    ``bad-request`` (a value)."""
+    if reason in ("shm-gen", "shm-torn"):
+        return ErrorCode.BUSY
+    return ErrorCode.SHARED_MEMORY if reason.startswith("shm-") else ErrorCode.BAD_REQUEST
+
+
 def round_of(header: Push | None) -> int | None:
     """The round a push names (``extras["round"]``, the sender's step: a non-negative integer), or None."""
     value = header.extras.get("round") if header is not None else None
@@ -214,19 +224,21 @@ class PushReceiver:
         """A PUSH whose payload lies in its sender's segment (``header.shm``): reserve a slot and copy the payload
         into it, checked as a socket push is, the segment's generation the same before and after; or refuse it:
         ERROR ``shared-memory`` when this node would not or could not read the segment (the sender pushes over
-        the socket from then on). Returns the answer (None: an exchange's push, held until its SETTLE)."""
-        if self._stranger(header.node, user):
-            return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
-        if not self._colocated(header, user):
-            self._on_reject("shm-unasked")
-            return wire.encode_error(self.name, header.req, ErrorCode.SHARED_MEMORY, "shm-unasked: not co-located")
+        the socket from then on), ``busy`` when the segment changed before it was read. Returns the answer (None: an
+        exchange's push, held until its SETTLE)."""
         answer = self._reserve(identity, header, user, whole=False)
         if answer is not None:
             return answer
         assert header.shm is not None and self._reader is not None
         with self._lock:
-            slot = next(s for s in self._slots if s.state == SlotState.RECEIVING and s.identity == identity)
+            slot = next(
+                s
+                for s in self._slots
+                if s.state == SlotState.RECEIVING and s.identity == identity and s.seq == header.req
+            )
         try:
+            if not slot.colocated:
+                raise WireError("shm-unasked", "not co-located with this node")
             mapped = self._segments.open(header.node, header.shm, self._reader.wire.total_bytes, header.gen)
             copy_payload(mapped.payload, self._reader, slot.buffer, slot.views, self._bounds)
             if int(mapped.gen[0]) != header.gen:
@@ -235,8 +247,8 @@ class PushReceiver:
             self._on_reject(exc.reason)
             with self._lock:
                 self._free(slot, accepted=False)
-            code = ErrorCode.SHARED_MEMORY if exc.reason.startswith("shm-") else ErrorCode.BAD_REQUEST
-            return wire.encode_error(self.name, header.req, code, f"{exc.reason}: {exc.detail}")
+                self._settle_round(header.node, header)  # refused: the sender keeps its mass, the round is over
+            return wire.encode_error(self.name, header.req, _shared_refusal(exc.reason), f"{exc.reason}: {exc.detail}")
         self._on_event("shm_pushes_taken", 1)
         slot.next_chunk = len(self._bounds)
         return self._arrived(slot)

@@ -9,9 +9,10 @@ whose segment cannot be opened is fetched over the socket from then on. It also 
 asks for (after its mix) until the TX thread sends them.
 
 A push goes through shared memory (:meth:`SharedReplies.push`) to a peer that said it takes them: an ACK with
-``shm`` set (the peer found the push's co-location identity its own, and, with CURVE, the sender authenticated),
-or a peer that lent this node a reply. The push names the snapshot's segment; the snapshot stays leased until the
-push has its verdict, so the peer reads it unchanged. A peer that refuses such a push gets this node's pushes over
+``shm`` set (the peer found the push's co-location identity its own, and, with CURVE, the sender authenticated;
+a node that does not know such pushes never sets it, though it may lend replies). The push names the snapshot's
+segment; the snapshot stays leased until the push has its verdict (an exchange's push: until its fetch ended),
+so the peer reads it unchanged. A peer that refuses such a push ``shared-memory`` gets this node's pushes over
 the socket for the rest of the session (``shm_push_fallbacks``); what that push carried comes back, as for any
 refused push.
 """
@@ -81,7 +82,6 @@ class SharedReplies:
             finish(FetchStatus.REJECTED, exc.reason, exc.detail)
             return
         self._count("shm_fetched", 1)
-        self.takes_pushes(target.peer)  # it lent a snapshot: co-located, and it authenticated this node
         finish(FetchStatus.OK)
         if not kept or target.status != FetchStatus.OK:  # copied, or update_wait stopped waiting for it
             target.loan = None
@@ -125,11 +125,6 @@ class SharedReplies:
 
     # ------------------------------------------------------------ pushes
 
-    def takes_pushes(self, peer: str) -> None:
-        """``peer`` said it takes this node's pushes through shared memory (unless it refused one before)."""
-        if peer not in self._push_refused:
-            self._push_peers.add(peer)
-
     def pushes_shared(self, push: Push) -> bool:
         """Whether ``push`` goes through shared memory: its peer takes them and its snapshot lies in a segment."""
         return push.peer in self._push_peers and push.snapshot.segment is not None
@@ -152,8 +147,8 @@ class SharedReplies:
         """An answer from ``peer`` to a push or an exchange's push: an ACK may say it takes this node's pushes
         through shared memory; an ERROR ``shared-memory`` sends its pushes over the socket from then on."""
         if isinstance(header, wire.Ack):
-            if header.shm:
-                self.takes_pushes(peer)
+            if header.shm and peer not in self._push_refused:
+                self._push_peers.add(peer)
         elif header.code == ErrorCode.SHARED_MEMORY.value and peer not in self._push_refused:
             self._push_peers.discard(peer)
             self._push_refused.add(peer)

@@ -329,7 +329,8 @@ class Push(_Snapshot):
     """The pushed snapshot's generation (>= 1) when ``shm`` is set; -1 otherwise."""
     shm: SharedRef | None = None
     """The payload is not in the message: it lies in the sender's shared-memory segment this names, kept
-    unchanged until the push has its verdict (ACK, ERROR, or a SETTLE's answer)."""
+    unchanged until the push has its verdict (ACK, ERROR, or a SETTLE's answer), an exchange's push until its
+    fetch ended."""
 
     def encode(self) -> bytes:
         """The PUSH header frame."""
