@@ -241,8 +241,7 @@ class PushReceiver:
                 raise WireError("shm-unasked", "not co-located with this node")
             mapped = self._segments.open(header.node, header.shm, self._reader.wire.total_bytes, header.gen)
             copy_payload(mapped.payload, self._reader, slot.buffer, slot.views, self._bounds)
-            if int(mapped.gen[0]) != header.gen:
-                raise WireError("shm-torn", "the segment was rewritten while it was read")
+            mapped.confirm(header.gen)
         except WireError as exc:
             self._on_reject(exc.reason)
             with self._lock:

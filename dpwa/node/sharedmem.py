@@ -136,6 +136,11 @@ class Mapped:
     gen: np.ndarray
     checked: np.ndarray
 
+    def confirm(self, gen: int) -> None:
+        """After a copy out of the payload: raise WireError ``shm-torn`` unless the segment still holds ``gen``."""
+        if int(self.gen[0]) != gen:
+            raise WireError("shm-torn", "the segment was rewritten while it was read")
+
 
 class SegmentReader:
     """A node's read-only maps of its peers' segments (TX thread), at most :data:`MAX_MAPPED` at a time; a peer

@@ -1,8 +1,8 @@
 """Sending one push's payload on a DEALER, zero-copy from its snapshot (the TX thread's).
 
 A push of one chunk travels *whole* (its header and its chunk in one message); a larger one is *streamed* (its
-header alone, then one tagged message per chunk). A push through shared memory carries no payload at all
-(:meth:`~dpwa.node.transport.shared.SharedReplies.push`).
+header alone, then one tagged message per chunk). A push through shared memory carries no payload at all: its
+header names the snapshot's segment (:func:`send_shared_push`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import zmq
 from dpwa.node import wire
 from dpwa.node.pushes import Push
 
-__all__ = ["send_push_frames"]
+__all__ = ["send_push_frames", "send_shared_push"]
 
 
 def send_push_frames(sock: zmq.Socket, push: Push, header: bytes, count: Callable[[str, int], None]) -> bool:
@@ -48,3 +48,19 @@ def send_push_frames(sock: zmq.Socket, push: Push, header: bytes, count: Callabl
     finally:
         if frames:
             push.tracker = zmq.MessageTracker(*frames)
+
+
+def send_shared_push(sock: zmq.Socket, push: Push, header: bytes, count: Callable[[str, int], None]) -> bool:
+    """Send ``push`` as ``header`` alone (it names the snapshot's segment), every chunk made ready first (a narrower
+    wire dtype is rounded before the peer looks); counts ``pushes_sent`` and ``shm_pushed``, or
+    ``push_send_queue_full``; False when the send queue is full."""
+    if push.prepare is not None:
+        push.prepare(len(push.snapshot.frames) - 1)
+    try:
+        sock.send(header, zmq.NOBLOCK)
+    except zmq.Again:
+        count("push_send_queue_full", 1)
+        return False
+    count("pushes_sent", 1)
+    count("shm_pushed", 1)
+    return True

@@ -8,13 +8,13 @@ or copies (widens, dequantizes) it into the receive buffer, checking every value
 whose segment cannot be opened is fetched over the socket from then on. It also queues the RELEASEs the trainer
 asks for (after its mix) until the TX thread sends them.
 
-A push goes through shared memory (:meth:`SharedReplies.push`) to a peer that said it takes them: an ACK with
-``shm`` set (the peer found the push's co-location identity its own, and, with CURVE, the sender authenticated;
-a node that does not know such pushes never sets it, though it may lend replies). The push names the snapshot's
-segment; the snapshot stays leased until the push has its verdict (an exchange's push: until its fetch ended),
-so the peer reads it unchanged. A peer that refuses such a push ``shared-memory`` gets this node's pushes over
-the socket for the rest of the session (``shm_push_fallbacks``); what that push carried comes back, as for any
-refused push.
+A push goes through shared memory (:func:`~dpwa.node.transport.pushing.send_shared_push`) to a peer that said
+it takes them: an ACK with ``shm`` set (the peer found the push's co-location identity its own, and, with CURVE,
+the sender authenticated; a node that does not know such pushes never sets it, though it may lend replies). The
+push names the snapshot's segment; the snapshot stays leased until the push has its verdict (an exchange's push:
+until its fetch ended), so the peer reads it unchanged. A peer that refuses such a push ``shared-memory`` gets
+this node's pushes over the socket for the rest of the session (``shm_push_fallbacks``); what that push carried
+comes back, as for any refused push.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class SharedReplies:
     """Node ``node``'s maps of its peers' segments, the peers it fetches over the socket instead, and the RELEASEs
     queued, and the peers that take its pushes through shared memory; ``count(event, n)`` counts ``shm_fetched``,
-    ``shm_fallbacks``, ``releases_dropped``, ``shm_pushed`` and ``shm_push_fallbacks``. TX thread only, but
+    ``shm_fallbacks``, ``releases_dropped`` and ``shm_push_fallbacks``. TX thread only, but
     :meth:`submit_release` (any thread)."""
 
     def __init__(self, node: str, count: Callable[[str, int], None]) -> None:
@@ -119,8 +119,7 @@ class SharedReplies:
             target.views, target.loan = views, (word, header.gen)
             return True
         copy_payload(payload, reader, target.buffer, target.views, bounds)
-        if int(word[0]) != header.gen:
-            raise WireError("shm-torn", "the segment was rewritten while it was read")
+        mapped.confirm(header.gen)
         return False
 
     # ------------------------------------------------------------ pushes
@@ -128,20 +127,6 @@ class SharedReplies:
     def pushes_shared(self, push: Push) -> bool:
         """Whether ``push`` goes through shared memory: its peer takes them and its snapshot lies in a segment."""
         return push.peer in self._push_peers and push.snapshot.segment is not None
-
-    def push(self, sock: zmq.Socket, push: Push, header: bytes) -> bool:
-        """Send ``push`` as ``header`` alone (it names the snapshot's segment), every chunk made ready first (a
-        narrower wire dtype is rounded before the peer looks); False when the send queue is full."""
-        if push.prepare is not None:
-            push.prepare(len(push.snapshot.frames) - 1)
-        try:
-            sock.send(header, zmq.NOBLOCK)
-        except zmq.Again:
-            self._count("push_send_queue_full", 1)
-            return False
-        self._count("pushes_sent", 1)
-        self._count("shm_pushed", 1)
-        return True
 
     def answered(self, peer: str, header: wire.Ack | wire.Error) -> None:
         """An answer from ``peer`` to a push or an exchange's push: an ACK may say it takes this node's pushes

@@ -36,7 +36,7 @@ from dpwa.node.states import FetchStatus, PushStatus
 from dpwa.node.transport.fetch import NOT_A_MEMBER, FetchJob, FetchTarget
 from dpwa.node.transport.headers import fetch_request, push_header
 from dpwa.node.transport.protocol import NodePort
-from dpwa.node.transport.pushing import send_push_frames
+from dpwa.node.transport.pushing import send_push_frames, send_shared_push
 from dpwa.node.transport.shared import SharedReplies
 from dpwa.node.transport.sockets import common_options, connect_address, is_own_echo, push_send_hwm, tune_data_socket
 from dpwa.node.wire import CHUNK_BYTES, Kind, Layout, PayloadReader, WireError
@@ -294,7 +294,7 @@ class TxFetcher(threading.Thread):
         news, host = self._port.news_for(push.peer), self._port.host_id
         header = push_header(self._node, push, wire_layout, self._chunk, news, hold=hold, host=host, shared=shared)
         if shared:  # the header alone: it names the snapshot's segment
-            return self._shared.push(sock, push, header)
+            return send_shared_push(sock, push, header, self._port.count)
         return send_push_frames(sock, push, header, self._port.count)
 
     def _send_push(self, poller: zmq.Poller, push: Push) -> None:

@@ -89,7 +89,8 @@ class ErrorCode(str, enum.Enum):
     """A push that did not arrive whole and never will: the answer to a SETTLE about it."""
     SHARED_MEMORY = "shared-memory"
     """A push through shared memory this node would not or could not read (not co-located, a segment it cannot
-    open, of another size, token or generation, or rewritten while read): push over the socket instead."""
+    open, of another size or token): push over the socket instead. (A segment that no longer holds the generation
+    the push names is refused ``busy``: a passing race.)"""
     JOIN_REFUSED = "join-refused"
     """A JOIN this node does not admit (a name clash, a file node's name, a full table); the detail says which."""
     LEFT = "left"

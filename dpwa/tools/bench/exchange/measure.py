@@ -26,7 +26,7 @@ from dpwa.tools.bench.exchange.overlap import step_seconds
 from dpwa.tools.bench.exchange.pair import SHARED, make_model, pair_config
 from dpwa.tools.bench.exchange.push import PushNode
 from dpwa.tools.bench.exchange.raw import RawClient
-from dpwa.tools.bench.exchange.table import table_row
+from dpwa.tools.bench.exchange.table import push_key, table_row
 from dpwa.tools.bench.procs import free_ports
 
 __all__ = ["WARMUP_ROUNDS", "measure_size"]
@@ -49,12 +49,12 @@ class _Size:
         self.timeout_s = max(10.0, self.nbytes / 1e6)
         self.src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
         self.dst = np.empty_like(self.src)
-        ports = free_ports(5 + 2 * len(wires))
-        pairs = [ports[1 + 2 * i : 3 + 2 * i] for i in range(len(wires))]
+        push_variants = [w for w in ("float32", SHARED) if w in wires and "float32" in wires]
+        ports = free_ports(1 + 2 * (len(wires) + len(push_variants)))
+        pairs = [ports[1 + 2 * i : 3 + 2 * i] for i in range(len(wires) + len(push_variants))]
         configs = [pair_config(w, p, n) for w, p in zip(wires, pairs)]
         peer_configs = [pair_config(w, p, n, 0.0) for w, p in zip(wires, pairs)]
-        push_variants = [w for w in ("float32", SHARED) if w in wires] if "float32" in wires else []
-        push_configs = [pair_config(w, ports[-2 - 2 * i :][:2], n, push=True) for i, w in enumerate(push_variants)]
+        push_configs = [pair_config(w, p, n, push=True) for w, p in zip(push_variants, pairs[len(wires) :])]
         self.fetch = FetchNodes(peer, make_model(n, seed=1))
         self.pushes: dict[str, PushNode] = {}
         """(d) per variant: over the socket (float32), co-located (float32+shm)."""
@@ -157,9 +157,8 @@ class _Rounds:
     def push(self, variant: str) -> None:
         """(d): one push and the peer's fold, over the socket or (``variant`` SHARED) co-located."""
         got = self.size.pushes[variant].push()
-        prefix = "shm_" if variant == SHARED else ""
-        self.common[prefix + "push_ms"].append(got["push_ms"])
-        self.common[prefix + "fold_ms"].append(got["fold_ms"])
+        for key in ("push_ms", "fold_ms"):
+            self.common[push_key(variant, key)].append(got[key])
 
     def fetch(self, wire: str) -> None:
         """(b): one exchange in wire dtype ``wire``, back to back."""

@@ -18,7 +18,7 @@ from typing import Any
 from dpwa.tools.bench.exchange.pair import SHARED
 from dpwa.tools.bench.report import Column, render_table
 
-__all__ = ["ABSOLUTE", "RATIOS", "TARGETS", "finite_or_none", "render", "table_row"]
+__all__ = ["ABSOLUTE", "RATIOS", "TARGETS", "finite_or_none", "push_key", "render", "table_row"]
 
 TARGETS = {
     "fetch_a": 1.15,  # (b) fetch <= 1.15 x (a), float32 wire
@@ -117,13 +117,14 @@ def _figures(n: int, wire: str, samples: dict[str, list[float]], common: dict[st
         "c_mbs": nbytes / 1e3 / c if c == c else math.nan,
         "step_ms": m["step_ms"],
         "wait_ms": m["wait_ms"],
-        "push_ms": med[_push_key(wire, "push_ms")] if wire in (SHARED, "float32") else math.nan,
-        "fold_ms": med[_push_key(wire, "fold_ms")] if wire in (SHARED, "float32") else math.nan,
+        "push_ms": med[push_key(wire, "push_ms")] if wire in (SHARED, "float32") else math.nan,
+        "fold_ms": med[push_key(wire, "fold_ms")] if wire in (SHARED, "float32") else math.nan,
     }
 
 
-def _push_key(wire: str, key: str) -> str:
-    """The common samples of (d) a row shows: the co-located pair's in the float32+shm row."""
+def push_key(wire: str, key: str) -> str:
+    """The common samples of (d) a row shows, and that variant of (d) records (``key``: ``push_ms`` or
+    ``fold_ms``): the co-located pair's in the float32+shm row."""
     return "shm_" + key if wire == SHARED else key
 
 
@@ -131,7 +132,7 @@ def _ratios(wire: str, samples: dict[str, list[float]], common: dict[str, list[f
     """The ratios of one row, each the median over rounds of that round's ratio."""
     fetches, mixes = samples["fetch_ms"], samples["mix_ms"]
     fetch_mix = [f + x for f, x in zip(fetches, mixes)]
-    pushes = [p + f for p, f in zip(common[_push_key(wire, "push_ms")], common[_push_key(wire, "fold_ms")])]
+    pushes = [p + f for p, f in zip(common[push_key(wire, "push_ms")], common[push_key(wire, "fold_ms")])]
     pushed = wire in (SHARED, "float32")
     return {
         "fetch_a": _median_ratio(fetches, common["a_ms"]),
