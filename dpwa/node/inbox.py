@@ -246,7 +246,6 @@ class PushReceiver:
             self._on_reject(exc.reason)
             with self._lock:
                 self._free(slot, accepted=False)
-                self._settle_round(header.node, header)  # refused: the sender keeps its mass, the round is over
             return wire.encode_error(self.name, header.req, _shared_refusal(exc.reason), f"{exc.reason}: {exc.detail}")
         self._on_event("shm_pushes_taken", 1)
         slot.next_chunk = len(self._bounds)
@@ -451,7 +450,7 @@ class PushReceiver:
                     log.debug("node %s: %s push %d of %s expired", self.name, slot.state, slot.seq, slot.sender)
                     self._free(slot, accepted=False)
 
-    def _settle_round(self, sender: str, header: Push) -> None:
+    def _settle_round(self, sender: str, header: Push | None) -> None:
         """A push of ``sender`` got its verdict (taken, or refused: its mass went back): its round, if it names
         one, is settled here (caller holds the lock)."""
         value = round_of(header)
@@ -468,12 +467,14 @@ class PushReceiver:
         return True
 
     def _free(self, slot: InboxSlot, *, accepted: bool) -> None:
-        """Empty ``slot`` (caller holds the lock); a refused push's verdict is recorded as refused. A free slot
-        stays as it is."""
+        """Empty ``slot`` (caller holds the lock); a refused push's verdict is recorded as refused and its round
+        settled (the sender keeps its mass: SGP need not wait it out), whatever refused it: a bad chunk, a segment
+        that could not be read, an expiry, an abort, a query. A free slot stays as it is."""
         if slot.state == SlotState.FREE:
             return
         if not accepted and self._verdicts.get(slot.sender, (-1, None))[0] == slot.seq:
             self._verdicts[slot.sender] = (slot.seq, False)
+            self._settle_round(slot.sender, slot.header)
         if slot.served is not None:
             self._release(slot.served)
         _move(slot, SlotState.FREE)
