@@ -3,8 +3,9 @@
 What is checked: the pool waits for the sends of its one snapshot before it rewrites it, refuses new leases
 meanwhile (a requester is told "not ready"), and keeps the snapshot when they outlast the wait; no lease ever sees
 a half-rewritten snapshot, and no mix between two nodes takes one, over the socket or through shared memory; the
-node holds one snapshot buffer and one receive buffer; the config key. What this saves is measured by the memory
-rows of ``dpwa bench exchange`` (docs/performance.md).
+node holds one snapshot buffer and one receive buffer; with a narrower wire dtype a pull rule that reads nothing
+back keeps that snapshot in the wire's dtype alone, with the bytes a converter would send; the config key. What this
+saves is measured by the memory rows of ``dpwa bench exchange`` (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -71,18 +72,26 @@ def test_a_one_buffer_pool_keeps_its_snapshot_when_the_sends_outlast_the_wait() 
 
 
 @pytest.mark.parametrize(
-    ("wire", "shared"),
-    [(None, False), ("float16", False), (None, True)],
-    ids=["float32", "float16-converter", "shared-memory"],
+    ("wire", "shared", "wire_only"),
+    [
+        (None, False, False),
+        ("float16", False, False),
+        (None, True, False),
+        ("bfloat16", True, True),
+    ],
+    ids=["float32", "float16-converter", "shared-memory", "bfloat16-wire-only-shared"],
 )
-def test_a_one_buffer_pool_never_lets_a_lease_see_a_half_rewritten_snapshot(wire: str | None, shared: bool) -> None:
+def test_a_one_buffer_pool_never_lets_a_lease_see_a_half_rewritten_snapshot(
+    wire: str | None, shared: bool, wire_only: bool
+) -> None:
     """A writer publishes generation ``g`` as every element = g as fast as it can; a reader leases the current
     snapshot, and every lease it gets holds one generation only (in the wire buffer too, which the converter
-    thread rounds in the background and the reader completes)."""
+    thread rounds in the background and the reader completes, or which a wire-only pool's publish rounds into)."""
     if shared and not sharedmem.supported():
         pytest.skip("needs memfd_create and /proc (Linux)")
     layout = Layout.of([np.zeros(1 << 16, np.float32)])
-    pool = SnapshotPool(layout, 1, 1, wire=layout.on_wire(wire), shared=shared, drain_s=10.0, name="low")
+    wire_layout = layout.on_wire(wire)
+    pool = SnapshotPool(layout, 1, 1, wire=wire_layout, shared=shared, drain_s=10.0, name="low", wire_only=wire_only)
     checked = 0
     deadline = time.monotonic() + 30.0
     with pool_publishing_flat_out(pool, 1 << 16) as counts:
@@ -277,3 +286,63 @@ def test_a_low_memory_node_gives_back_what_the_allocator_kept_after_every_mix(
     finally:
         conn.close()
     assert len(calls) == (3 if memory == "low" else 0)
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
+def test_a_wire_only_pool_holds_the_wire_buffer_alone_with_the_bits_a_converter_rounds(wire: str) -> None:
+    """A wire-only pool's snapshot is its wire buffer alone (the wire's size, no plain copy) and holds, the moment
+    it is published, the very bytes a pool with a plain copy sends once its converter rounded them."""
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(3000).astype(np.float32), rng.standard_normal((40, 70)).astype(np.float32)]
+    layout = Layout.of(arrays)
+    wire_layout = layout.on_wire(wire)
+    only = SnapshotPool(layout, 1, 1, wire=wire_layout, name="only", wire_only=True)
+    plain = SnapshotPool(layout, 1, 1, wire=wire_layout, name="plain")
+    try:
+        a, b = only.publish(arrays, 1.0, 0.0, {}), plain.publish(arrays, 1.0, 0.0, {})
+        assert a is not None and b is not None
+        assert a.buffer.nbytes == wire_layout.total_bytes < layout.total_bytes and a.views == a.readonly == []
+        assert a.ready == len(a.frames)  # whole once published: nothing left for a converter
+        plain.complete(b)
+        assert b"".join(bytes(f) for f in a.frames) == b"".join(bytes(f) for f in b.frames)
+    finally:
+        only.close()
+        plain.close()
+    with pytest.raises(ValueError, match="wire's dtype alone"):
+        SnapshotPool(layout, 1, 1, wire=layout, wire_only=True)
+
+
+@pytest.mark.parametrize(
+    ("rule", "memory", "wire_only"),
+    [
+        ("constant", "low", True),
+        ("dpsgd", "low", True),
+        ("constant", "normal", False),
+        ("gem", "low", False),
+        ("pushsum", "low", False),
+    ],
+)
+def test_a_low_memory_pull_node_keeps_its_snapshot_in_a_narrower_wire_dtype_alone(
+    tmp_path: Path, rule: str, memory: str, wire_only: bool
+) -> None:
+    """``memory: low`` and a 16-bit wire: a pull rule that never reads what it published keeps its one snapshot in
+    the wire's dtype alone (GEM reads it, push-sum returns refused mass from it: a plain copy stays, as in the
+    default mode); two such nodes mix each other's rounded model, whole."""
+    transport = {"shared_memory": "off", "memory": memory}
+    config = write_cluster(
+        tmp_path / "c.yaml", free_ports(2), interpolation=rule, transport=transport, wire_dtype="bfloat16"
+    )
+    a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
+    try:
+        with publishing_flat_out(a, 4096):
+            x = np.zeros(4096, np.float32)
+            deadline = time.monotonic() + 30.0
+            while not mixed_whole(b, x) and rule in ("constant", "dpsgd"):  # GEM's, push-sum's factors vary
+                assert time.monotonic() < deadline, b.stats()
+        for conn in (a, b):
+            pool = conn._node.pool
+            assert pool is not None and pool.wire_only is wire_only
+            assert all(s.buffer.nbytes == (8192 if wire_only else 16384) for s in pool._all)
+    finally:
+        a.close()
+        b.close()

@@ -202,6 +202,7 @@ class Node:
             single=self.config.transport.memory == "low",  # one buffer: waits up to the timeout for its sends
             drain_s=self.timeouts.exchange_s,
             unpair=self.transfer.unpair,
+            wire_only=self.config.transport.memory == "low" and not self.rule.reads_published(),
         )
         self.transfer.allocate(pool.layout)
         self.wire_layout, self.layout = pool.wire, pool.layout
@@ -227,9 +228,8 @@ class Node:
         self.params = list(params)
 
     def publish(self, *, tick: bool) -> Snapshot | None:
-        """Publish a snapshot of the rule's public arrays for ``params`` (``tick``: ``clock += 1`` first, as
-        ``update_send`` does) and hand the rule the values published; the snapshot, or None when every buffer was
-        busy."""
+        """Publish a snapshot of the rule's public arrays for ``params`` (``tick``: ``clock += 1`` first, as in
+        ``update_send``), hand the rule the values published; the snapshot, or None when every buffer was busy."""
         assert self.pool is not None and self.params is not None
         with self.state_lock:
             if tick:
@@ -238,7 +238,7 @@ class Node:
             public = self.rule.public_arrays(self.params)
         self.front = max(self.front, self.step + 1 if tick else self.step)  # step counts update_send after this
         snapshot = self.pool.publish(public, clock, loss, extras, self.front)
-        published = snapshot.readonly if snapshot is not None else [np.array(a, copy=True) for a in public]
+        published = snapshot.readonly if snapshot is not None else self.pool.copy_of(public)
         if snapshot is None:  # rare: peers get the previous snapshot; the rule still needs x as of now (a copy)
             self.stats.add("snapshots_skipped")
             self.once.warning(("pool",), "node %s: every snapshot buffer is busy; peers get the prior one", self.name)

@@ -23,6 +23,11 @@ to a chunk first:
 * the RX thread rounds any chunk not ready yet just before sending it
   (:meth:`SnapshotPool.prepare`), so a fetch never waits for the whole model.
 
+A pool that keeps its snapshots *in the wire's dtype alone* (``wire_only``: ``transport.memory: low`` with a
+narrower ``wire_dtype``, for a rule that never reads the values it published) has no plain copy: ``publish``
+rounds the parameters straight into the wire buffer (about one memcpy when torch is loaded), so a snapshot takes
+the wire's size, half a float32 model in a 16-bit dtype, and no converter thread runs.
+
 In shared memory (co-located peers read the buffers where they are), a pool whose wire layout is its local one
 runs the same thread as a *checker* while it lends snapshots: it reads each new snapshot once and, when every
 value is finite, says so in the segment's header (:attr:`Snapshot.attested`), so a reader that mixes straight
@@ -86,7 +91,8 @@ class Snapshot:
 
     ``frames`` are the chunks of the wire buffer (``buffer`` itself when the wire layout is the
     local one); ``ready`` counts the chunks already rounded into it (all of them without
-    conversion), advanced under ``convert_lock`` one chunk at a time.
+    conversion), advanced under ``convert_lock`` one chunk at a time. A pool that keeps snapshots in the
+    wire's dtype alone has no plain copy: ``buffer`` is the wire buffer, ``views`` and ``readonly`` are empty.
     """
 
     buffer: np.ndarray
@@ -131,7 +137,8 @@ class SnapshotPool:
     ``wire_dtype``); the pool then runs a converter thread named ``dpwa-wire-<name>`` until
     :meth:`close`, which waits between chunks while ``defer()`` returns True. ``shared``: every wire buffer
     lies in a shared-memory segment of its own (:class:`~dpwa.node.sharedmem.Segment`), which says the
-    generation it holds (0 while being written); :meth:`close` closes them.
+    generation it holds (0 while being written); :meth:`close` closes them. ``wire_only`` (with a ``wire``
+    layout of its own): a snapshot is its wire buffer alone, which :meth:`publish` rounds the arrays into.
     """
 
     def __init__(
@@ -146,6 +153,7 @@ class SnapshotPool:
         shared: bool = False,
         drain_s: float = 1.0,
         unpair: Callable[[Snapshot], None] | None = None,
+        wire_only: bool = False,
     ) -> None:
         self.layout = layout
         self._drain_s = drain_s
@@ -155,6 +163,10 @@ class SnapshotPool:
         self.shared = shared
         self._name = name
         self.wire = layout if wire is None else wire
+        if wire_only and self.wire is layout:
+            raise ValueError("a pool keeps snapshots in the wire's dtype alone only when that is not the local one")
+        self.wire_only = wire_only
+        """Snapshots are their wire buffers alone (no plain copy; :attr:`Snapshot.readonly` is empty)."""
         # a shared pool whose wire layout is the local one and holds no index array attests its snapshots
         direct = self.wire is layout  # as _new decides: the snapshot buffer is the wire buffer
         self._attest = FiniteChecker(layout) if shared and direct and not any(layout.bounds) else None
@@ -174,11 +186,12 @@ class SnapshotPool:
         self._rx_writer: PayloadWriter | None = None
         self._tx_writer: PayloadWriter | None = None
         self._bg_writer: PayloadWriter | None = None
-        if self.wire is not layout:
+        self._publish_writer = PayloadWriter(layout, self.wire) if wire_only else None
+        if self.wire is not layout and not wire_only:
             self._rx_writer = PayloadWriter(layout, self.wire)
             self._tx_writer = PayloadWriter(layout, self.wire)
             self._bg_writer = PayloadWriter(layout, self.wire)
-        if self.wire is not layout or self._attest is not None:
+        if (self.wire is not layout and not wire_only) or self._attest is not None:
             role = "wire" if self.wire is not layout else "check"
             self._converter = threading.Thread(target=self._convert_loop, name=f"dpwa-{role}-{name}", daemon=True)
             self._converter.start()
@@ -186,6 +199,10 @@ class SnapshotPool:
     def _new(self) -> Snapshot:
         segment = Segment(self._name, self.wire.total_bytes) if self.shared else None
         direct = self.wire is self.layout
+        if self.wire_only:  # the wire buffer alone, always whole once published
+            wire = segment.payload if segment is not None else self.wire.allocate()
+            frames = [memoryview(wire[s:e]) for s, e in self._bounds]
+            return Snapshot(wire, [], frames, [], self.wire.views(wire), len(frames), segment=segment)
         buffer = segment.payload if segment is not None and direct else self.layout.allocate()
         views = self.layout.views(buffer)
         readonly = [v.view() for v in views]
@@ -209,7 +226,8 @@ class SnapshotPool:
     def publish(
         self, arrays: Sequence[np.ndarray], clock: float, loss: float, extras: dict[str, Any], front: int = -1
     ) -> Snapshot | None:
-        """Copy ``arrays`` into a free buffer and make it current; None (counted) if every buffer is busy."""
+        """Copy ``arrays`` into a free buffer (a wire-only pool: round them into it) and make it current; None
+        (counted) if every buffer is busy."""
         with self._lock:
             free = next((s for s in self._all if s is not self._current and not s.busy()), None)
             if free is None and len(self._all) < self._max_size:
@@ -228,10 +246,13 @@ class SnapshotPool:
             return None
         if free.segment is not None:
             free.segment.set_gen(0)  # being written
+        if self._publish_writer is not None:
+            assert free.wire_views is not None
+            self._publish_writer.write(arrays, free.wire_views, 0, self.wire.total_bytes)
         for dst, src in zip(free.views, arrays):
             np.copyto(dst, src, casting="no")
         with self._lock:
-            if free.wire_views is not None:
+            if free.wire_views is not None and not self.wire_only:
                 free.ready = 0  # no other thread touches a buffer that is neither current nor leased
             free.leases -= 1
             self._rewriting = False
@@ -246,6 +267,11 @@ class SnapshotPool:
         if self._converter is not None:
             self._work.set()
         return free
+
+    def copy_of(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """What the rule is handed as published when :meth:`publish` found every buffer busy: a copy of ``arrays``
+        (a wire-only pool: nothing, its rule reads none)."""
+        return [] if self.wire_only else [np.array(a, copy=True) for a in arrays]
 
     def _drained(self, snapshot: Snapshot | None) -> bool:
         """A one-buffer pool's :meth:`publish`: wait at most ``drain_s`` seconds until no send or loan holds the
@@ -401,12 +427,14 @@ def open_pool(
     single: bool = False,
     drain_s: float = 1.0,
     unpair: Callable[[Snapshot], None] | None = None,
+    wire_only: bool = False,
 ) -> SnapshotPool:
     """The pool a node publishes ``params`` through: their layout (``bounds``: of their index arrays), travelling
     as ``wire_dtype`` says (:meth:`~dpwa.node.wire.Layout.on_wire`), with room for ``held`` snapshots kept
     leased beyond the pool's own six (pushes, exchanges); ``shared``: in shared-memory segments. ``single``: one
     buffer, rewritten in place once its sends end (waiting at most ``drain_s`` seconds; ``transport.memory: low``),
-    after ``unpair`` let the exchanges paired with it go.
+    after ``unpair`` let the exchanges paired with it go. ``wire_only``: where the wire's dtype is not the
+    arrays', snapshots are kept in it alone (no plain copy: the rule must not read what was published).
 
     ValueError when one reply of that layout would take more than ``max_messages`` messages (a node's reply
     queue)."""
@@ -418,15 +446,26 @@ def open_pool(
             f"than a node queues ({max_messages}); exchange a part of it, or a narrower wire_dtype"
         )
     size, most = (1, 1) if single else (3, 6 + held)
+    only = wire_only and wire is not layout
     pool = SnapshotPool(
-        layout, size, most, wire=wire, name=name, defer=defer, shared=shared, drain_s=drain_s, unpair=unpair
+        layout,
+        size,
+        most,
+        wire=wire,
+        name=name,
+        defer=defer,
+        shared=shared,
+        drain_s=drain_s,
+        unpair=unpair,
+        wire_only=only,
     )
     log.info(
-        "node %s: %d arrays, %.1f MB per snapshot, %.1f MB on the wire (wire_dtype %s)",
+        "node %s: %d arrays, %.1f MB per snapshot, %.1f MB on the wire (wire_dtype %s%s)",
         name,
         len(params),
         layout.total_bytes / 1e6,
         wire.total_bytes / 1e6,
         wire_dtype,
+        ", snapshots kept in it alone: no plain copy" if only else "",
     )
     return pool

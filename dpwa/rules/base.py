@@ -212,6 +212,12 @@ class Rule(ABC):
         A refused hand-off comes back as a returned push, like any other."""
         return None
 
+    def reads_published(self) -> bool:
+        """Whether the node must keep what it published in the parameters' dtype: the rule reads it back (it
+        overrides :meth:`on_publish`), or its pushes and exchanges do (returned mass, the pair's reference). A node
+        whose rule does not keeps its snapshot in a narrower wire dtype alone under ``transport.memory: low``."""
+        return self.transfer is not Transfer.PULL or type(self).on_publish is not Rule.on_publish
+
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:  # noqa: B027 - optional hook
         """At ``update_send``: ``published`` are read-only views of the parameters just published.
 

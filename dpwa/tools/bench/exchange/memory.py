@@ -4,7 +4,8 @@ For each rule of :data:`RULES` and each ``transport.memory`` mode of :data:`MODE
 loopback (``python -m dpwa.tools.bench.exchange.memory``, default settings otherwise, shared memory on) each
 build the benchmark's model (:func:`make_model`), measure their memory, connect, run :data:`STEPS` rounds of
 ``update_send`` / ``update_wait`` with no training, measure again, and close once both measured (``low`` with a
-push or exchange rule: also one inbox slot, :data:`LOW_PUSH_INBOX`). The figure is
+push or exchange rule: also one inbox slot, :data:`LOW_PUSH_INBOX`); then :data:`NARROW_ROWS`, the same with a
+16-bit ``wire_dtype`` (a pull rule in ``low`` mode keeps its snapshot in it alone). The figure is
 the growth of the *proportional* set size (``Pss`` of ``/proc/self/smaps_rollup``: a page shared by k processes
 counts 1/k in each, so a peer's segment a node reads is not counted twice), the larger of the two nodes. Less
 the node's fixed cost (the same pair with a :data:`FIXED_FLOATS`-float model: about 1 MB), in model sizes, it
@@ -33,6 +34,7 @@ from dpwa.tools.bench.report import Column
 __all__ = [
     "COLUMNS",
     "MODES",
+    "NARROW_ROWS",
     "RULES",
     "STEPS",
     "TARGET_MODEL_SIZES",
@@ -43,6 +45,8 @@ __all__ = [
 RULES = ("constant", "pushsum", "adpsgd", "dpsgd")
 MODES = ("normal", "low")
 """``transport.memory``: a pool of snapshot buffers, or one rewritten in place."""
+NARROW_ROWS = (("constant", "low", "bfloat16"),)
+"""(rule, mode, wire dtype) rows measured after the float32 ones."""
 STEPS = 30
 TARGET_MODEL_SIZES = 2.0
 """A node's memory beside its model: the published snapshot and one receive buffer."""
@@ -60,6 +64,7 @@ the model, taken off the figure."""
 COLUMNS = [
     Column("rule", "rule"),
     Column("memory", "memory"),
+    Column("wire", "wire"),
     Column("floats", "floats", ","),
     Column("model_mb", "model MB", ".1f"),
     Column("pss_added_mb", "added PSS MB", ".1f"),
@@ -110,10 +115,16 @@ def _worker(name: str, config: str, floats: int, steps: int, out: str, peer_out:
 
 
 def memory_row(
-    rule: str, mode: str, floats: int, nodes: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]]
+    rule: str,
+    mode: str,
+    floats: int,
+    nodes: Sequence[dict[str, Any]],
+    fixed: Sequence[dict[str, Any]],
+    wire: str = "float32",
 ) -> dict[str, Any]:
-    """The row of ``rule`` in ``mode``: the larger growth of the two nodes, in MB, and in model sizes once the
-    node's fixed cost is taken off (the growth of the same pair with a :data:`FIXED_FLOATS`-float model)."""
+    """The row of ``rule`` in ``mode`` with a ``wire`` dtype: the larger growth of the two nodes, in MB, and in
+    model sizes (of the float32 model) once the node's fixed cost is taken off (the growth of the same pair with
+    a :data:`FIXED_FLOATS`-float model)."""
     model_kib = floats * 4 / 1024
     pss = max(n["after"]["pss"] - n["before"]["pss"] for n in nodes)
     rss = max(n["after"]["rss"] - n["before"]["rss"] for n in nodes)
@@ -122,6 +133,7 @@ def memory_row(
     return {
         "rule": rule,
         "memory": mode,
+        "wire": wire,
         "floats": floats,
         "model_mb": floats * 4 / 1e6,
         "pss_added_mb": pss * 1024 / 1e6,
@@ -133,19 +145,21 @@ def memory_row(
     }
 
 
-def _run_pair(directory: Path, rule: str, mode: str, floats: int, steps: int) -> list[dict[str, Any]]:
-    """Two node processes of ``rule`` in ``mode`` with a ``floats``-float model: each one's figures."""
+def _run_pair(directory: Path, rule: str, mode: str, floats: int, steps: int, wire: str) -> list[dict[str, Any]]:
+    """Two node processes of ``rule`` in ``mode``, ``wire`` dtype, with a ``floats``-float model: each one's
+    figures."""
     ports = free_ports(2)
     doc = {
         "nodes": [{"name": name, "host": "127.0.0.1", "port": port} for name, port in zip("tp", ports)],
         "interpolation": rule,
         "timeout_ms": max(5000.0, floats * 4 / 1e6 * 200),
         "transport": {"memory": mode},
+        **({"wire_dtype": wire} if wire != "float32" else {}),
         **(LOW_PUSH_INBOX if mode == "low" and RULES_BY_NAME[rule].transfer is not Transfer.PULL else {}),
     }
-    config = directory / f"memory-{rule}-{mode}-{floats}.yaml"
+    config = directory / f"memory-{rule}-{mode}-{wire}-{floats}.yaml"
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
-    outs = [directory / f"memory-{rule}-{mode}-{floats}-{name}.json" for name in "tp"]
+    outs = [directory / f"memory-{rule}-{mode}-{wire}-{floats}-{name}.json" for name in "tp"]
     for out in outs:
         out.unlink(missing_ok=True)  # a peer waits for the other's file: never one of an earlier run
     procs = [
@@ -172,14 +186,21 @@ def _run_pair(directory: Path, rule: str, mode: str, floats: int, steps: int) ->
 
 
 def measure_memory(
-    directory: Path, floats: int, rules: Sequence[str] = RULES, steps: int = STEPS, modes: Sequence[str] = MODES
+    directory: Path,
+    floats: int,
+    rules: Sequence[str] = RULES,
+    steps: int = STEPS,
+    modes: Sequence[str] = MODES,
+    narrow: Sequence[tuple[str, str, str]] = NARROW_ROWS,
 ) -> list[dict]:
-    """One row per rule and mode (two pairs of node processes each, one after the other)."""
+    """One row per rule and mode with a float32 wire, then one per ``narrow`` (rule, mode, wire dtype): two pairs
+    of node processes each, one after the other."""
     directory.mkdir(parents=True, exist_ok=True)
     rows = []
-    for rule, mode in ((r, m) for m in modes for r in rules):
-        fixed = _run_pair(directory, rule, mode, FIXED_FLOATS, steps)
-        rows.append(memory_row(rule, mode, floats, _run_pair(directory, rule, mode, floats, steps), fixed))
+    for rule, mode, wire in [*((r, m, "float32") for m in modes for r in rules), *narrow]:
+        fixed = _run_pair(directory, rule, mode, FIXED_FLOATS, steps, wire)
+        nodes = _run_pair(directory, rule, mode, floats, steps, wire)
+        rows.append(memory_row(rule, mode, floats, nodes, fixed, wire))
     return rows
 
 
