@@ -40,6 +40,13 @@ class FetchNodes:
         for wire, text in zip(wires, configs):
             self.conns[wire] = DpwaConnection("t", parse_config(text), seed=1)
 
+    def settle(self) -> None:
+        """Wait (bounded) until no trainer node still rounds its last snapshot into a narrower wire dtype in the
+        background: a converter left running by one exchange would share the cores and the memory bus with the
+        next timed one (it slowed the co-located mix, whose fetch takes 2 ms, by 30-50 %)."""
+        for conn in self.conns.values():
+            conn.wait_published(CONTROL_TIMEOUT_S / 2)
+
     def exchange(self, wire: str, step_s: float = 0.0, busy: bool = False) -> dict[str, float]:
         """One update_send (+ a step of ``step_s``) + update_wait; the exchange record's timings."""
         conn = self.conns[wire]

@@ -131,9 +131,11 @@ class _Rounds:
             self.tasks.append(self.gloo)
 
     def run(self, repeat: int) -> None:
-        """``repeat`` rounds, the k-th starting with task k (modulo their number)."""
+        """``repeat`` rounds, the k-th starting with task k (modulo their number); each task once the trainer's
+        nodes are done with the previous one (:meth:`FetchNodes.settle`)."""
         for r in range(repeat):
             for task in _rotate(self.tasks, r):
+                self.size.fetch.settle()
                 task()
 
     def memcpy(self) -> None:
