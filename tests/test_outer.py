@@ -239,6 +239,14 @@ def test_every_hook_is_the_base_rules() -> None:
     assert rule.push_shares(own, 1) and own.extras["weight"] == 0.5  # push-sum's own share-out
 
 
+@pytest.mark.parametrize(("name", "reads"), [("constant", False), ("dpsgd", False), ("gem", True), ("pushsum", True)])
+def test_the_outer_rule_reads_what_it_published_as_its_base_does(name: str, reads: bool) -> None:
+    """What decides whether a ``memory: low`` node keeps its snapshot in a narrower wire dtype alone: the outer
+    step keeps its own anchor, so only the base rule's reading counts."""
+    base = make_rule(name, {}, 0.0)
+    assert base.reads_published() is reads and OuterRule(base).reads_published() is reads
+
+
 # --------------------------------------------------------------------------- (3) nothing exchanged in between
 
 

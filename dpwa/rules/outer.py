@@ -255,6 +255,9 @@ class OuterRule(Rule):
     def hand_off(self, own: NodeState) -> dict[str, Any] | None:
         return self.base.hand_off(own)
 
+    def reads_published(self) -> bool:
+        return self.base.reads_published()
+
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         self.base.on_publish(own, published)
 
