@@ -127,8 +127,9 @@ def in_threads(n: int, body: Callable[[int], None], timeout: float = 120.0) -> N
 
 @contextlib.contextmanager
 def publishing_flat_out(conn: Any, size: int) -> Iterator[None]:
-    """While the block runs, ``conn`` publishes generation ``g`` as every element = g at each ``update_send``, as
-    fast as it can, in a thread of its own (the writer of the torn-read tests)."""
+    """While the block runs, ``conn`` publishes generation ``g`` as every element = v(g) = ``g % 128 + 1`` at each
+    ``update_send``, as fast as it can, in a thread of its own (the writer of the torn-read tests): two
+    generations in a row differ even rounded to a 16-bit wire (bfloat16 holds integers to 256 exactly)."""
     import numpy as np
 
     stop = threading.Event()
@@ -138,7 +139,7 @@ def publishing_flat_out(conn: Any, size: int) -> Iterator[None]:
         g = 0
         while not stop.is_set():
             g += 1
-            x.fill(g)
+            x.fill(g % 128 + 1)
             conn.update_send([x], 1.0)
             conn.update_wait(1.0)
 
@@ -154,9 +155,9 @@ def publishing_flat_out(conn: Any, size: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def pool_publishing_flat_out(pool: Any, size: int) -> Iterator[dict[str, int]]:
-    """While the block runs, a thread publishes generation ``g`` into ``pool`` as every element = g, as fast as it
-    can; yields its counts, ``published`` and ``skipped`` (publishes that found every buffer busy). The pool is
-    closed after."""
+    """While the block runs, a thread publishes generation ``g`` into ``pool`` as every element = v(g) =
+    ``g % 128 + 1`` (two in a row differ in any wire dtype), as fast as it can; yields its counts, ``published``
+    and ``skipped`` (publishes that found every buffer busy). The pool is closed after."""
     import numpy as np
 
     counts = {"published": 0, "skipped": 0}
@@ -166,7 +167,7 @@ def pool_publishing_flat_out(pool: Any, size: int) -> Iterator[dict[str, int]]:
         value = np.zeros(size, np.float32)
         while not stop.is_set():
             counts["published"] += 1
-            value.fill(counts["published"])
+            value.fill(counts["published"] % 128 + 1)
             counts["skipped"] += pool.publish([value], 0.0, 0.0, {}) is None
 
     writer = threading.Thread(target=write, name="flat-out-pool-writer")

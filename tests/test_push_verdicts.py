@@ -145,3 +145,28 @@ def test_a_repeated_header_never_moves_a_settled_round(pipe: Wire) -> None:
     answer = inbox.begin(b"id", late, None)  # type: ignore[arg-type]
     assert answer is not None and wire.decode_message(answer).kind is wire.Kind.ERROR
     assert inbox.latest_round("w2") == ROUND
+
+
+def test_a_push_naming_no_round_settles_nothing(pipe: Wire) -> None:
+    """An exchange's push (AD-PSGD names no round) refused for a bad chunk: refused, and no round appears."""
+    inbox = receiver(LAYOUT, Counter())
+    plain = wire.decode_message(wire.encode_push("w2", 1, clock=1.0, loss=1.0, extras={}, layout=LAYOUT, hold=True))
+    assert inbox.begin(b"id", plain, None) is None  # type: ignore[arg-type]
+    tag = pipe.deliver([wire.encode_chunk_tag(1, 0), NAN])
+    inbox.chunk(b"id", *wire.decode_chunk_tag(tag), pipe.into)  # type: ignore[misc]
+    assert inbox.verdict_for("w2") == (1, False) and inbox.latest_round("w2") == -1
+
+
+def test_a_query_closes_a_held_exchange_so_its_verdict_never_changes(pipe: Wire) -> None:
+    """A SETTLE query about an exchange's push held for its FETCH answers not-delivered and frees it: a FETCH (and so
+    a commit) after that finds nothing to pair with, and the verdict stays refused."""
+    inbox = receiver(LAYOUT, Counter())
+    held = wire.decode_message(wire.encode_push("w2", 1, clock=1.0, loss=1.0, extras={}, layout=LAYOUT, hold=True))
+    assert inbox.begin(b"id", held, None) is None  # type: ignore[arg-type]
+    tag = pipe.deliver([wire.encode_chunk_tag(1, 0), GOOD])
+    assert inbox.chunk(b"id", *wire.decode_chunk_tag(tag), pipe.into) is None  # type: ignore[misc]
+    assert inbox.holds_exchange("w2", 1)
+    answer = inbox.settle(b"id", wire.decode_message(wire.encode_settle("w2", 1, "query")), None)  # type: ignore[arg-type]
+    assert wire.decode_message(answer).kind is wire.Kind.ERROR
+    assert not inbox.holds_exchange("w2", 1) and inbox.occupied() == 0
+    assert not inbox.serve_exchange("w2", 1, object()) and inbox.verdict_for("w2") == (1, False)

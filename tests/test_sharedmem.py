@@ -144,7 +144,7 @@ def test_a_reader_refuses_a_segment_of_another_size_token_or_generation() -> Non
 
 @pytest.mark.timing  # counts of fetches in a run of real threads; 30 runs: no failure
 def test_a_pool_never_rewrites_a_leased_segment_while_a_reader_checks_it() -> None:
-    """The torn-read check at the pool: a writer publishes generation ``g`` as every element = g, as fast as it
+    """The torn-read check at the pool: a writer publishes generation ``g`` as every element = v(g), as fast as it
     can; a reader leases the current snapshot, reads it through its segment and finds one generation only."""
     layout = Layout.of([np.zeros(1 << 18, np.float32)])
     pool = SnapshotPool(layout, shared=True, name="torn")
@@ -202,7 +202,7 @@ def test_shared_memory_off_fetches_over_the_socket(tmp_path: Path) -> None:
 
 @pytest.mark.timing  # counts of fetches in a run of real threads; 30 runs: no failure
 def test_a_fetch_never_mixes_a_torn_snapshot_while_the_server_publishes_flat_out(tmp_path: Path) -> None:
-    """The writer publishes ``g`` everywhere at every update_send, as fast as it can; the reader zeroes its model
+    """The writer publishes v(g) everywhere at every update_send, as fast as it can; the reader zeroes its model
     before each step, so after a mix every element holds the same value -- unless it read a torn snapshot."""
     a, b = pair(tmp_path)
     try:

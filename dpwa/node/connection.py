@@ -152,8 +152,9 @@ class DpwaConnection:
     def wait_published(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s until the last ``update_send``'s snapshot can be served whole; True if so.
 
-        Only a narrower ``wire_dtype`` (16-bit, int8) makes this wait (the snapshot is rounded in the background);
-        False also before the first ``update_send``.
+        A narrower ``wire_dtype`` (16-bit, int8; not a ``memory: low`` node that rounds in ``update_send``) makes
+        this wait while the snapshot is rounded in the background, and a node in shared memory that lent a snapshot
+        lately while it checks the new one; False also before the first ``update_send``.
         """
         pool = self._node.pool
         return pool is not None and pool.wait_ready(timeout)

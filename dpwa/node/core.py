@@ -239,7 +239,7 @@ class Node:
         self.front = max(self.front, self.step + 1 if tick else self.step)  # step counts update_send after this
         snapshot = self.pool.publish(public, clock, loss, extras, self.front)
         published = snapshot.readonly if snapshot is not None else self.pool.copy_of(public)
-        if snapshot is None:  # rare: peers get the previous snapshot; the rule still needs x as of now (a copy)
+        if snapshot is None:  # rare: peers get the previous snapshot; the rule may need x as of now (copy_of)
             self.stats.add("snapshots_skipped")
             self.once.warning(("pool",), "node %s: every snapshot buffer is busy; peers get the prior one", self.name)
         with self.state_lock:

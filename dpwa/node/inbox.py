@@ -426,8 +426,8 @@ class PushReceiver:
             if seq > last:
                 self._verdicts[sender] = (seq, False)
                 return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "never arrived whole")
-            if seq == last and verdict is None:
-                if slot is not None and slot.state == SlotState.RECEIVING:
+            if seq == last and verdict is None:  # an exchange's push too: a commit after this finds nothing
+                if slot is not None and slot.state in _UNSETTLED:
                     self._free(slot, accepted=False)
                 self._verdicts[sender] = (seq, False)
                 verdict = False
@@ -455,7 +455,7 @@ class PushReceiver:
         one, is settled here (caller holds the lock)."""
         value = round_of(header)
         if value is not None:
-            self._rounds[sender] = value
+            self._rounds[sender] = max(value, self._rounds.get(sender, -1))
             self._lock.notify_all()
 
     def _stranger(self, sender: str, user: str | None) -> bool:

@@ -134,8 +134,8 @@ class SnapshotPool:
     current snapshot (counted in ``skipped``) and leases resume.
 
     ``wire``: the layout snapshots travel in, when it differs from ``layout`` (a narrower
-    ``wire_dtype``); the pool then runs a converter thread named ``dpwa-wire-<name>`` until
-    :meth:`close`, which waits between chunks while ``defer()`` returns True. ``shared``: every wire buffer
+    ``wire_dtype``); the pool then runs a converter thread named ``dpwa-wire-<name>`` (none with ``wire_only``)
+    until :meth:`close`, which waits between chunks while ``defer()`` returns True. ``shared``: every wire buffer
     lies in a shared-memory segment of its own (:class:`~dpwa.node.sharedmem.Segment`), which says the
     generation it holds (0 while being written); :meth:`close` closes them. ``wire_only`` (with a ``wire``
     layout of its own): a snapshot is its wire buffer alone, which :meth:`publish` rounds the arrays into.

@@ -17,6 +17,7 @@ Which thread calls what (the connection and the simulator guarantee it):
 * :meth:`Rule.initial_extras` -- once, when the node starts;
 * :meth:`Rule.on_members` -- any thread, under the state lock, when the member table changed;
 * :meth:`Rule.hand_off` -- trainer thread, under the state lock, once, when the node leaves cleanly;
+* :meth:`Rule.reads_published` -- trainer thread, once, when the node sets up its snapshot pool;
 * :meth:`Rule.on_publish` -- trainer thread, at ``update_send``, after the snapshot is published;
 * :meth:`Rule.request_extras` -- trainer thread, when a fetch starts (sent with the request);
 * :meth:`Rule.push_shares` -- trainer thread, under the state lock, when pushes start (``push`` rules);
@@ -219,7 +220,8 @@ class Rule(ABC):
         return self.transfer is not Transfer.PULL or type(self).on_publish is not Rule.on_publish
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:  # noqa: B027 - optional hook
-        """At ``update_send``: ``published`` are read-only views of the parameters just published.
+        """At ``update_send``: ``published`` are read-only views of the parameters just published (empty for a
+        rule whose :meth:`reads_published` is False, when the node keeps its snapshot in the wire's dtype alone).
 
         They hold ``x`` as of this ``update_send`` until the next one (GEM's
         ``x_at_update_send``, a group's own published model).  Default no-op.

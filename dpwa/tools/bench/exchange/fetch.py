@@ -44,8 +44,9 @@ class FetchNodes:
         """Wait (bounded) until no trainer node still rounds its last snapshot into a narrower wire dtype in the
         background: a converter left running by one exchange would share the cores and the memory bus with the
         next timed one (it slowed the co-located mix, whose fetch takes 2 ms, by 30-50 %)."""
-        for conn in self.conns.values():
-            conn.wait_published(CONTROL_TIMEOUT_S / 2)
+        for wire, conn in self.conns.items():
+            if not conn.wait_published(CONTROL_TIMEOUT_S / 2):
+                raise TimeoutError(f"the {wire} trainer node's snapshot never became ready on the wire")
 
     def exchange(self, wire: str, step_s: float = 0.0, busy: bool = False) -> dict[str, float]:
         """One update_send (+ a step of ``step_s``) + update_wait; the exchange record's timings."""
