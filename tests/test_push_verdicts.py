@@ -21,6 +21,9 @@ from dpwa.node.inbox import PushReceiver
 from dpwa.node.wire import Layout, SharedRef
 
 ROUND = 7
+LAYOUT = Layout.of([np.zeros(40, np.float32)])
+GOOD = np.ones(LAYOUT.total_bytes // 4, np.float32).tobytes()
+NAN = np.full(LAYOUT.total_bytes // 4, np.nan, np.float32).tobytes()
 _pairs = itertools.count()
 
 
@@ -38,10 +41,13 @@ class Wire:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVTIMEO, 5000)  # 5 s: a frame sent in-process never takes that long
 
-    def deliver(self, frames: list[bytes]) -> bytes:
-        """Send ``frames`` as one message and read its first frame on the receiving end (the rest stay there)."""
-        self.out.send_multipart(frames)
-        return self.into.recv()
+    def chunk(self, inbox: PushReceiver, seq: int, payload: bytes) -> bytes | None:
+        """Hand ``inbox`` chunk 0 of push ``seq`` as the RX thread does (its tag read, its payload frame next on the
+        socket); the answer."""
+        self.out.send_multipart([wire.encode_chunk_tag(seq, 0), payload])
+        tag = wire.decode_chunk_tag(self.into.recv())
+        assert tag is not None
+        return inbox.chunk(b"id", *tag, self.into)
 
     def close(self) -> None:
         self.into.close()
@@ -72,26 +78,27 @@ def receiver(layout: Layout, rejects: Counter[str], *, host_id: str = "") -> Pus
     return inbox
 
 
-def header(layout: Layout, seq: int, **kw: object) -> wire.Push:
-    message = wire.decode_message(
-        wire.encode_push("w2", seq, clock=1.0, loss=1.0, extras={"w_given": 0.5, "round": ROUND}, layout=layout, **kw)
-    )
+def header(seq: int, extras: dict[str, object] | None = None, **kw: object) -> wire.Push:
+    """Push ``seq`` of ``w2``'s header (by default of round :data:`ROUND`), as the RX thread decodes it."""
+    extras = {"w_given": 0.5, "round": ROUND} if extras is None else extras
+    message = wire.decode_message(wire.encode_push("w2", seq, clock=1.0, loss=1.0, extras=extras, layout=LAYOUT, **kw))
     assert isinstance(message, wire.Push)
     return message
 
 
-LAYOUT = Layout.of([np.zeros(40, np.float32)])
-GOOD = np.ones(LAYOUT.total_bytes // 4, np.float32).tobytes()
-NAN = np.full(LAYOUT.total_bytes // 4, np.nan, np.float32).tobytes()
+def query(inbox: PushReceiver, seq: int) -> wire.Message:
+    """``w2``'s SETTLE query about its push ``seq``: the decoded answer."""
+    settle = wire.decode_message(wire.encode_settle("w2", seq, "query"))
+    assert isinstance(settle, wire.Settle)
+    return wire.decode_message(inbox.settle(b"id", settle, None))
 
 
 def test_a_push_taken_whole_settles_its_round(pipe: Wire) -> None:
     rejects: Counter[str] = Counter()
     inbox = receiver(LAYOUT, rejects)
-    assert inbox.begin(b"id", header(LAYOUT, 1), None) is None
+    assert inbox.begin(b"id", header(1), None) is None
     assert inbox.latest_round("w2") == -1  # still arriving: no verdict, the round is open
-    tag = pipe.deliver([wire.encode_chunk_tag(1, 0), GOOD])
-    answer = inbox.chunk(b"id", *wire.decode_chunk_tag(tag), pipe.into)  # type: ignore[misc]
+    answer = pipe.chunk(inbox, 1, GOOD)
     assert answer is not None and wire.decode_message(answer).kind is wire.Kind.ACK
     assert inbox.latest_round("w2") == ROUND and inbox.wait_rounds({"w2": ROUND}, 0.0) == []
 
@@ -99,9 +106,8 @@ def test_a_push_taken_whole_settles_its_round(pipe: Wire) -> None:
 def test_a_push_refused_for_a_bad_chunk_settles_its_round(pipe: Wire) -> None:
     rejects: Counter[str] = Counter()
     inbox = receiver(LAYOUT, rejects)
-    assert inbox.begin(b"id", header(LAYOUT, 1), None) is None
-    tag = pipe.deliver([wire.encode_chunk_tag(1, 0), NAN])
-    answer = inbox.chunk(b"id", *wire.decode_chunk_tag(tag), pipe.into)  # type: ignore[misc]
+    assert inbox.begin(b"id", header(1), None) is None
+    answer = pipe.chunk(inbox, 1, NAN)
     assert answer is not None and wire.decode_message(answer).kind is wire.Kind.ERROR
     assert sum(rejects.values()) == 1 and inbox.occupied() == 0
     assert inbox.verdict_for("w2") == (1, False)
@@ -110,16 +116,15 @@ def test_a_push_refused_for_a_bad_chunk_settles_its_round(pipe: Wire) -> None:
 
 def test_a_push_that_expired_half_arrived_settles_its_round() -> None:
     inbox = receiver(LAYOUT, Counter())
-    assert inbox.begin(b"id", header(LAYOUT, 1), None) is None
+    assert inbox.begin(b"id", header(1), None) is None
     inbox.expire(time.monotonic() + 60.0)  # past the 30 s a push may take to arrive whole
     assert inbox.verdict_for("w2") == (1, False) and inbox.latest_round("w2") == ROUND
 
 
 def test_a_push_closed_by_its_senders_query_settles_its_round() -> None:
     inbox = receiver(LAYOUT, Counter())
-    assert inbox.begin(b"id", header(LAYOUT, 1), None) is None
-    answer = inbox.settle(b"id", wire.decode_message(wire.encode_settle("w2", 1, "query")), None)  # type: ignore[arg-type]
-    assert wire.decode_message(answer).kind is wire.Kind.ERROR
+    assert inbox.begin(b"id", header(1), None) is None
+    assert query(inbox, 1).kind is wire.Kind.ERROR
     assert inbox.verdict_for("w2") == (1, False) and inbox.latest_round("w2") == ROUND
 
 
@@ -127,7 +132,7 @@ def test_a_push_through_shared_memory_refused_settles_its_round() -> None:
     rejects: Counter[str] = Counter()
     inbox = receiver(LAYOUT, rejects, host_id="this-host")
     ref = SharedRef(pid=1, fd=3, token="0" * 32, until=1e12)
-    answer = inbox.begin(b"id", header(LAYOUT, 1, host="another-host", gen=1, shm=ref), None)
+    answer = inbox.begin(b"id", header(1, host="another-host", gen=1, shm=ref), None)
     assert answer is not None and wire.decode_message(answer).kind is wire.Kind.ERROR
     assert rejects == Counter({"shm-unasked": 1})
     assert inbox.verdict_for("w2") == (1, False) and inbox.latest_round("w2") == ROUND
@@ -136,13 +141,9 @@ def test_a_push_through_shared_memory_refused_settles_its_round() -> None:
 def test_a_repeated_header_never_moves_a_settled_round(pipe: Wire) -> None:
     """A push's header sent again after its verdict (a stale repeat) gets that verdict and settles nothing new."""
     inbox = receiver(LAYOUT, Counter())
-    assert inbox.begin(b"id", header(LAYOUT, 1), None) is None
-    tag = pipe.deliver([wire.encode_chunk_tag(1, 0), NAN])
-    inbox.chunk(b"id", *wire.decode_chunk_tag(tag), pipe.into)  # type: ignore[misc]
-    late = wire.decode_message(
-        wire.encode_push("w2", 1, clock=1.0, loss=1.0, extras={"w_given": 0.5, "round": 99}, layout=LAYOUT)
-    )
-    answer = inbox.begin(b"id", late, None)  # type: ignore[arg-type]
+    assert inbox.begin(b"id", header(1), None) is None
+    pipe.chunk(inbox, 1, NAN)
+    answer = inbox.begin(b"id", header(1, {"w_given": 0.5, "round": 99}), None)
     assert answer is not None and wire.decode_message(answer).kind is wire.Kind.ERROR
     assert inbox.latest_round("w2") == ROUND
 
@@ -150,10 +151,8 @@ def test_a_repeated_header_never_moves_a_settled_round(pipe: Wire) -> None:
 def test_a_push_naming_no_round_settles_nothing(pipe: Wire) -> None:
     """An exchange's push (AD-PSGD names no round) refused for a bad chunk: refused, and no round appears."""
     inbox = receiver(LAYOUT, Counter())
-    plain = wire.decode_message(wire.encode_push("w2", 1, clock=1.0, loss=1.0, extras={}, layout=LAYOUT, hold=True))
-    assert inbox.begin(b"id", plain, None) is None  # type: ignore[arg-type]
-    tag = pipe.deliver([wire.encode_chunk_tag(1, 0), NAN])
-    inbox.chunk(b"id", *wire.decode_chunk_tag(tag), pipe.into)  # type: ignore[misc]
+    assert inbox.begin(b"id", header(1, {}, hold=True), None) is None
+    pipe.chunk(inbox, 1, NAN)
     assert inbox.verdict_for("w2") == (1, False) and inbox.latest_round("w2") == -1
 
 
@@ -161,12 +160,9 @@ def test_a_query_closes_a_held_exchange_so_its_verdict_never_changes(pipe: Wire)
     """A SETTLE query about an exchange's push held for its FETCH answers not-delivered and frees it: a FETCH (and so
     a commit) after that finds nothing to pair with, and the verdict stays refused."""
     inbox = receiver(LAYOUT, Counter())
-    held = wire.decode_message(wire.encode_push("w2", 1, clock=1.0, loss=1.0, extras={}, layout=LAYOUT, hold=True))
-    assert inbox.begin(b"id", held, None) is None  # type: ignore[arg-type]
-    tag = pipe.deliver([wire.encode_chunk_tag(1, 0), GOOD])
-    assert inbox.chunk(b"id", *wire.decode_chunk_tag(tag), pipe.into) is None  # type: ignore[misc]
+    assert inbox.begin(b"id", header(1, {}, hold=True), None) is None
+    assert pipe.chunk(inbox, 1, GOOD) is None
     assert inbox.holds_exchange("w2", 1)
-    answer = inbox.settle(b"id", wire.decode_message(wire.encode_settle("w2", 1, "query")), None)  # type: ignore[arg-type]
-    assert wire.decode_message(answer).kind is wire.Kind.ERROR
+    assert query(inbox, 1).kind is wire.Kind.ERROR
     assert not inbox.holds_exchange("w2", 1) and inbox.occupied() == 0
     assert not inbox.serve_exchange("w2", 1, object()) and inbox.verdict_for("w2") == (1, False)

@@ -287,23 +287,12 @@ class PushReceiver:
                 self._on_event("pushes_stale", 1)
                 return self._verdict_reply(header.req, last, verdict)
             if self.closing:  # the node is leaving: it takes no more mass, the sender keeps it
-                self._verdicts[sender] = (header.req, False)
-                self._settle_round(sender, header)
-                self._on_event("pushes_busy", 1)
-                return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "this node is leaving")
+                return self._busy(header, "this node is leaving")
             if sum(s.state != SlotState.FREE and s.sender == sender for s in self._slots) >= self._per_sender:
-                self._verdicts[sender] = (header.req, False)
-                self._settle_round(sender, header)
-                self._on_event("pushes_busy", 1)
-                return wire.encode_error(
-                    self.name, header.req, ErrorCode.BUSY, f"this sender has {self._per_sender} unmixed pushes here"
-                )
+                return self._busy(header, f"this sender has {self._per_sender} unmixed pushes here")
             slot = next((s for s in self._slots if s.state == SlotState.FREE), None)
             if slot is None:
-                self._verdicts[sender] = (header.req, False)
-                self._settle_round(sender, header)
-                self._on_event("pushes_busy", 1)
-                return wire.encode_error(self.name, header.req, ErrorCode.BUSY, "inbox full")
+                return self._busy(header, "inbox full")
             self._verdicts[sender] = (header.req, None)
             _move(slot, SlotState.RECEIVING)
             slot.sender, slot.identity, slot.seq = sender, identity, header.req
@@ -349,8 +338,7 @@ class PushReceiver:
                 slot.deadline = time.monotonic() + HOLD_TIMEOUTS * self._timeout_s
                 return None
             _move(slot, SlotState.FULL)
-            self._verdicts[slot.sender] = (seq, True)
-            self._settle_round(slot.sender, slot.header)
+            self._give_verdict(slot.sender, seq, slot.header, taken=True)
         self._on_event("pushes_received", 1)
         return wire.encode_ack(self.name, seq, shm=slot.colocated)
 
@@ -450,6 +438,18 @@ class PushReceiver:
                     log.debug("node %s: %s push %d of %s expired", self.name, slot.state, slot.seq, slot.sender)
                     self._free(slot, accepted=False)
 
+    def _busy(self, header: Push, detail: str) -> bytes:
+        """Refuse ``header``'s push ``busy`` for good (caller holds the lock; the sender keeps its mass): the ERROR."""
+        self._give_verdict(header.node, header.req, header, taken=False)
+        self._on_event("pushes_busy", 1)
+        return wire.encode_error(self.name, header.req, ErrorCode.BUSY, detail)
+
+    def _give_verdict(self, sender: str, seq: int, header: Push | None, *, taken: bool) -> None:
+        """Push ``seq`` of ``sender`` is taken or refused for good (caller holds the lock): record its verdict and
+        settle the round ``header`` names."""
+        self._verdicts[sender] = (seq, taken)
+        self._settle_round(sender, header)
+
     def _settle_round(self, sender: str, header: Push | None) -> None:
         """A push of ``sender`` got its verdict (taken, or refused: its mass went back): its round, if it names
         one, is settled here (caller holds the lock)."""
@@ -473,8 +473,7 @@ class PushReceiver:
         if slot.state == SlotState.FREE:
             return
         if not accepted and self._verdicts.get(slot.sender, (-1, None))[0] == slot.seq:
-            self._verdicts[slot.sender] = (slot.seq, False)
-            self._settle_round(slot.sender, slot.header)
+            self._give_verdict(slot.sender, slot.seq, slot.header, taken=False)
         if slot.served is not None:
             self._release(slot.served)
         _move(slot, SlotState.FREE)

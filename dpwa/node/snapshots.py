@@ -187,12 +187,13 @@ class SnapshotPool:
         self._tx_writer: PayloadWriter | None = None
         self._bg_writer: PayloadWriter | None = None
         self._publish_writer = PayloadWriter(layout, self.wire) if wire_only else None
-        if self.wire is not layout and not wire_only:
+        converts = self.wire is not layout and not wire_only  # rounds each snapshot after its publish
+        if converts:
             self._rx_writer = PayloadWriter(layout, self.wire)
             self._tx_writer = PayloadWriter(layout, self.wire)
             self._bg_writer = PayloadWriter(layout, self.wire)
-        if (self.wire is not layout and not wire_only) or self._attest is not None:
-            role = "wire" if self.wire is not layout else "check"
+        if converts or self._attest is not None:
+            role = "wire" if converts else "check"
             self._converter = threading.Thread(target=self._convert_loop, name=f"dpwa-{role}-{name}", daemon=True)
             self._converter.start()
 
@@ -246,11 +247,12 @@ class SnapshotPool:
             return None
         if free.segment is not None:
             free.segment.set_gen(0)  # being written
-        if self._publish_writer is not None:
+        if self._publish_writer is not None:  # wire-only: no plain copy
             assert free.wire_views is not None
             self._publish_writer.write(arrays, free.wire_views, 0, self.wire.total_bytes)
-        for dst, src in zip(free.views, arrays):
-            np.copyto(dst, src, casting="no")
+        else:
+            for dst, src in zip(free.views, arrays):
+                np.copyto(dst, src, casting="no")
         with self._lock:
             if free.wire_views is not None and not self.wire_only:
                 free.ready = 0  # no other thread touches a buffer that is neither current nor leased
