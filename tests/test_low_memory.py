@@ -26,6 +26,8 @@ from dpwa.node import core, sharedmem
 from dpwa.node.snapshots import SnapshotPool
 from dpwa.node.transport import rx
 from dpwa.node.wire import Layout
+from dpwa.rules.mixing import interpolate_
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
 
 def one_buffer_pool(size: int, drain_s: float, **kwargs: object) -> SnapshotPool:
@@ -325,9 +327,9 @@ def test_a_wire_only_pool_holds_the_wire_buffer_alone_with_the_bits_a_converter_
 def test_a_low_memory_pull_node_keeps_its_snapshot_in_a_narrower_wire_dtype_alone(
     tmp_path: Path, rule: str, memory: str, wire_only: bool
 ) -> None:
-    """``memory: low`` and a 16-bit wire: a pull rule that never reads what it published keeps its one snapshot in
-    the wire's dtype alone (GEM reads it, push-sum returns refused mass from it: a plain copy stays, as in the
-    default mode); two such nodes mix each other's rounded model, whole."""
+    """``memory: low`` and a 16-bit wire: a pull rule that never reads what it published keeps its one snapshot (and
+    its receive buffer) in the wire's dtype alone (GEM reads it, push-sum returns refused mass from it: a plain copy
+    stays, as in the default mode); two such nodes mix each other's rounded model, whole."""
     transport = {"shared_memory": "off", "memory": memory}
     config = write_cluster(
         tmp_path / "c.yaml", free_ports(2), interpolation=rule, transport=transport, wire_dtype="bfloat16"
@@ -347,6 +349,47 @@ def test_a_low_memory_pull_node_keeps_its_snapshot_in_a_narrower_wire_dtype_alon
             pool = conn._node.pool
             assert pool is not None and pool.wire_only is wire_only
             assert all(s.buffer.nbytes == (8192 if wire_only else 16384) for s in pool._all)
+            # and so does what it receives (the mix widens it): a rule reading its snapshot back receives float32
+            assert all(buf.nbytes == (8192 if wire_only else 16384) for buf, _ in conn._node.transfer.fetcher.slots)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shared_memory", ["off", "auto"])
+def test_a_low_memory_node_receives_a_16_bit_wire_in_its_dtype_and_mixes_the_widened_bits(
+    tmp_path: Path, wire: str, shared_memory: str
+) -> None:
+    """``memory: low``, a 16-bit wire, a rule that reads nothing back: the receive buffer is in the wire's dtype
+    (half a float32 model), and the mix widens it as it reads: ``y <- (1-f)*y + f*widen(round(v))`` to the bit,
+    over the socket and through shared memory; in the default mode the buffer stays float32."""
+    n = 3 * 65536 + 5  # several mixing blocks and a partial one
+    transport = {"shared_memory": shared_memory, "memory": "low"}
+    config = write_cluster(tmp_path / "c.yaml", free_ports(2), transport=transport, wire_dtype=wire)
+    rng = np.random.default_rng(7)
+    v, y0 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    if wire == "float16":
+        rounded = v.astype(np.float16).astype(np.float32)
+    else:
+        rounded = to_float32(from_float32(v, np.empty(n, BFLOAT16)), np.empty(n, np.float32))
+    a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
+    try:
+        a.update_send([v.copy()], 1.0)  # a publishes v once and never again: what b fetches stays round(v)
+        deadline = time.monotonic() + 30.0
+        while True:
+            y = y0.copy()
+            b.update_send([y], 1.0)
+            f = b.update_wait(1.0)
+            if f > 0:
+                break
+            assert time.monotonic() < deadline, b.stats()
+        buffers = b._node.transfer.fetcher.slots
+        wire_bytes = b._node.wire_layout.total_bytes
+        assert buffers and all(buffer.nbytes == wire_bytes < 4 * n for buffer, _ in buffers), "not in 16 bits"
+        expected = [y0.copy()]
+        interpolate_(expected, [rounded], f)
+        np.testing.assert_array_equal(y.view(np.uint32), expected[0].view(np.uint32))
     finally:
         a.close()
         b.close()

@@ -34,7 +34,7 @@ from dpwa.node.membership import Membership
 from dpwa.node.peers import FlowControl
 from dpwa.node.pushes import Push
 from dpwa.node.sharedmem import host_identity
-from dpwa.node.snapshots import Snapshot, SnapshotPool, open_pool
+from dpwa.node.snapshots import Snapshot, SnapshotPool, open_pool, receive_layout
 from dpwa.node.states import FetchStatus, FlowEffect, PushStatus
 from dpwa.node.stats import NodeStats, OnceLog
 from dpwa.node.timeouts import Timeouts
@@ -153,7 +153,7 @@ class Node:
         self.state_lock = threading.Lock()
         self.flow = FlowControl(peers, self.rng)
         self.flow_lock = threading.Lock()
-        self.param_layout: Layout | None = None  # the trainer's arrays; `layout` is what a snapshot publishes
+        self.param_layout: Layout | None = None  # the trainer's arrays; `layout`: what replies are received in
         self.layout: Layout | None = None
         self.wire_layout: Layout | None = None
         self.pool: SnapshotPool | None = None
@@ -183,7 +183,7 @@ class Node:
         return self.mixing or self.transfer.in_flight()
 
     def layouts(self) -> tuple[Layout, Layout] | None:
-        """(wire layout, local layout) once the first update_send set them up, else None."""
+        """(wire layout, receive layout) once the first update_send set them up, else None."""
         layout, wire_layout = self.layout, self.wire_layout
         return None if layout is None or wire_layout is None else (wire_layout, layout)
 
@@ -204,8 +204,8 @@ class Node:
             unpair=self.transfer.unpair,
             wire_only=self.config.transport.memory == "low" and not self.rule.reads_published(),
         )
-        self.transfer.allocate(pool.layout)
-        self.wire_layout, self.layout = pool.wire, pool.layout
+        self.transfer.allocate(receiving := receive_layout(pool))  # the wire's 16 bits when the pool keeps them alone
+        self.wire_layout, self.layout = pool.wire, receiving
 
     def check_threads(self) -> None:
         """RuntimeError when the RX or TX thread died of a bug (:func:`~dpwa.node.wiring.raise_if_dead`)."""

@@ -33,6 +33,7 @@ import numpy as np
 
 from dpwa.checkpoint import CheckpointError, DpwaState, scalar_extras
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.mixing import copy_widened
 from dpwa.rules.outer import OuterRule
 
 __all__ = [
@@ -146,7 +147,7 @@ def copy_peer(own: NodeState, rule: Rule, params: Sequence[np.ndarray], peer: Pe
     theirs = rule.params_of(peer.arrays)
     assert theirs is not None, "copy_peer of a snapshot that holds no parameters"
     for dst, src in zip(params, theirs):
-        np.copyto(dst, src, casting="no")
+        copy_widened(dst, src)  # a receive buffer in a narrower wire dtype is widened
     own.clock = float(peer.state.clock)
     rule.on_params_replaced(own)
 

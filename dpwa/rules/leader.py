@@ -326,7 +326,7 @@ class LeaderRule(Rule):
         if self._me is None:
             raise RuntimeError("leader: mix() before initial_extras(): the node's place is unknown")
         for p in peers:
-            check_pairs(arrays, p.arrays)
+            check_pairs(arrays, p.arrays, narrower_peer=True)
         self._step += 1
         self._losses.append(float(own.loss))
         bad = sum(self._merge(p.state.extras) for p in peers)

@@ -14,6 +14,10 @@ the three-operation form for a block whose sum would overflow;
 special-cased).  For other ``f``, ``x == peer`` may move by up to one ulp.
 float16 and bfloat16 (:data:`dpwa.utils.bfloat16.BFLOAT16` arrays: raw bits in
 uint16) are computed in float32 (block-sized scratch) and rounded once.
+
+A *narrower peer*: :func:`interpolate_`, :func:`weighted_sum_` and :func:`relative_distance` also take a peer
+array held in float16 or bfloat16 beside a float32 ``x`` (a receive buffer kept in the wire's dtype); each block
+of it is widened (exactly) into scratch as it is read, so the result is the bits of widening the peer first.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ __all__ = [
     "apply_divergence",
     "check_pairs",
     "compute_dtype",
+    "copy_widened",
     "interpolate_",
     "interpolate_elementwise_",
     "is_half",
     "mix_clock",
     "narrow",
+    "narrower",
     "relative_distance",
     "scale_motion_",
     "weighted_sum_",
@@ -67,6 +73,11 @@ def widen(src: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def narrower(x: np.dtype, peer: np.dtype) -> bool:
+    """Whether a ``peer`` array is a float16 or bfloat16 one beside a float32 ``x`` (widened as it is read)."""
+    return np.dtype(x) == np.float32 and not is_bfloat16(x) and is_half(peer)
+
+
 def narrow(src: np.ndarray, out: np.ndarray, spare: np.ndarray) -> None:
     """``out <- src`` rounded once (to nearest even) from float32 to ``out``'s float16 or bfloat16.
 
@@ -82,8 +93,11 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
-def check_pairs(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], what: str = "peer") -> None:
-    """Raise unless x/peer are same-length lists of same-dtype, same-shape, C-contiguous float arrays.
+def check_pairs(
+    x: Sequence[np.ndarray], peer: Sequence[np.ndarray], what: str = "peer", *, narrower_peer: bool = False
+) -> None:
+    """Raise unless x/peer are same-length lists of same-dtype, same-shape, C-contiguous float arrays
+    (``narrower_peer``: a peer array may also be float16 or bfloat16 beside a float32 ``x``, :func:`narrower`).
 
     TypeError for non-arrays; ValueError for everything else."""
     if len(x) != len(peer):
@@ -93,7 +107,8 @@ def check_pairs(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], what: str =
             raise TypeError(f"array {i}: expected numpy arrays, got {type(a).__name__} and {type(b).__name__}")
         if a.dtype not in _SUPPORTED and not is_bfloat16(a.dtype):
             raise ValueError(f"array {i}: dtype {a.dtype} is not float16/float32/float64/BFLOAT16")
-        if a.dtype != b.dtype or is_bfloat16(a.dtype) != is_bfloat16(b.dtype) or a.shape != b.shape:
+        same = a.dtype == b.dtype and is_bfloat16(a.dtype) == is_bfloat16(b.dtype)
+        if not (same or (narrower_peer and narrower(a.dtype, b.dtype))) or a.shape != b.shape:
             raise ValueError(f"array {i}: x is {a.dtype}{a.shape} but {what} is {b.dtype}{b.shape}")
         if not (a.flags.c_contiguous and b.flags.c_contiguous):
             raise ValueError(f"array {i}: arrays must be C-contiguous")
@@ -130,17 +145,18 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
     ``peer`` arrays are used as scratch when writable (their contents are then
     undefined afterwards); read-only peers are left alone and a block-sized
     buffer is used instead.  ``f == 0``: ``x`` untouched; ``f == 1``: ``x``
-    becomes ``peer`` exactly.  All arrays are validated before any is written.
+    becomes ``peer`` exactly.  A peer array may be narrower (see the module
+    doc-string).  All arrays are validated before any is written.
     Raises ValueError on mismatched layouts, overlap or ``f`` outside [0, 1]
     (TypeError for non-arrays).
     """
     f = _check_factor(f)
-    check_pairs(x, peer)
+    check_pairs(x, peer, narrower_peer=True)
     if f == 0.0:
         return
     if f == 1.0:
         for a, b in zip(x, peer):
-            np.copyto(a, b)
+            copy_widened(a, b)
         return
     scratch = Scratch()
     for a, b in zip(x, peer):
@@ -149,7 +165,7 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
         xv, pv = _flat(a), _flat(b)
         c = compute_dtype(a.dtype)
         fc, gc = c.type(f), c.type(1.0 - f)
-        half = is_half(a.dtype)
+        half, wide = is_half(a.dtype), narrower(a.dtype, b.dtype)
         if f == 0.5 and not half:
             _mean_(xv, pv, scratch)
             continue
@@ -158,6 +174,8 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
             stop = min(start + BLOCK, xv.size)
             xb, pb = xv[start:stop], pv[start:stop]
             n = stop - start
+            if wide:  # a narrower peer: its block widened into writable scratch
+                pb = widen(pb, scratch.get(c, n, 1))
             if half:
                 acc = widen(xb, scratch.get(c, n, 0))
                 tmp = widen(pb, scratch.get(c, n, 1))
@@ -166,7 +184,7 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
                 np.add(acc, tmp, out=acc)
                 narrow(acc, xb, tmp)
             else:
-                tmp = pb if in_place else scratch.get(c, n, 0)
+                tmp = pb if in_place or wide else scratch.get(c, n, 0)
                 np.multiply(pb, fc, out=tmp)
                 np.multiply(xb, gc, out=xb)
                 np.add(xb, tmp, out=xb)
@@ -254,20 +272,33 @@ def scale_motion_(x: Sequence[np.ndarray], reference: Sequence[np.ndarray], s: f
                 np.add(rv[start:stop], diff, out=xv[start:stop])
 
 
+def copy_widened(x: np.ndarray, peer: np.ndarray) -> None:
+    """``x <- peer`` exactly, of the same dtype or a narrower one (widened block by block straight into ``x``)."""
+    if not narrower(x.dtype, peer.dtype):
+        np.copyto(x, peer, casting="no")
+        return
+    xv, pv = _flat(x), _flat(peer)
+    for start in range(0, xv.size, BLOCK):
+        widen(pv[start : start + BLOCK], xv[start : start + BLOCK])
+
+
 def _mean_(xv: np.ndarray, pv: np.ndarray, scratch: Scratch) -> None:
     """``xv <- (xv + pv) / 2`` for float32/float64, two operations per block (the mix's common case, f = 0.5).
 
     ``RN(x + p) * 0.5`` is the correctly rounded mean whenever the sum does not
     overflow (halving is exact; in the subnormal range the sum is exact). A block
     whose sum overflows (both values beyond half the largest float) is computed
-    as ``0.5*x + 0.5*p`` instead. ``pv`` is only read.
+    as ``0.5*x + 0.5*p`` instead. ``pv`` is only read (a narrower one widened block by block).
     """
     c = xv.dtype
     half = c.type(0.5)
+    wide = narrower(c, pv.dtype)
     with np.errstate(over="raise"):
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             xb, pb = xv[start:stop], pv[start:stop]
+            if wide:
+                pb = widen(pb, scratch.get(c, stop - start, 1))
             tmp = scratch.get(c, stop - start, 0)
             try:
                 np.add(xb, pb, out=tmp)
@@ -374,7 +405,8 @@ def weighted_sum_(
     that sum the same arrays in the same order get bit-identical results;
     weights of 1.0 skip the multiplication (a plain sum then one correctly
     rounded division).  float16/bfloat16 are accumulated in float32 and rounded
-    once.  Terms are only read; at most two block-sized scratch buffers are
+    once.  A term other than ``x`` may be narrower (see the module doc-string).
+    Terms are only read; at most two block-sized scratch buffers are
     used.  All arrays are validated before any is written.  Raises ValueError
     for no terms, a weights/terms length mismatch, a negative or non-finite
     weight, a divisor that is not finite and > 0, or mismatched layouts
@@ -393,7 +425,7 @@ def weighted_sum_(
         raise ValueError(f"divisor must be finite and > 0, got {divisor!r}")
     for i, t in enumerate(terms):
         if not _same_arrays(t, x):
-            check_pairs(x, t, what=f"term {i}")
+            check_pairs(x, t, what=f"term {i}", narrower_peer=True)
     scratch = Scratch()
     for ai, a in enumerate(x):
         if a.size == 0:
@@ -410,7 +442,7 @@ def weighted_sum_(
             acc, tmp = scratch.get(c, n, 0), scratch.get(c, n, 1)
             for i, (v, w) in enumerate(zip(tv, ws)):
                 src = v[start:stop]
-                if half:  # widen exactly to float32 first
+                if half or narrower(a.dtype, v.dtype):  # widen exactly to float32 first
                     src = widen(src, tmp)
                 if i == 0:
                     if w == 1.0:
@@ -445,17 +477,14 @@ def relative_distance(x: Sequence[np.ndarray], peer: Sequence[np.ndarray]) -> fl
             if a.shape != b.shape:
                 raise ValueError(f"x is {a.shape} but peer is {b.shape}")
             xv, pv = a.reshape(-1), b.reshape(-1)
-            half = is_half(a.dtype)
+            x_half, p_half = is_half(a.dtype), is_half(b.dtype)  # a peer may be narrower than x
             for start in range(0, xv.size, BLOCK):
                 stop = min(start + BLOCK, xv.size)
                 n = stop - start
                 xw, pw = scratch.get(wide, n, 0), scratch.get(wide, n, 1)
-                if half:
-                    np.copyto(xw, widen(xv[start:stop], scratch.get(np.float32, n, 2)))
-                    np.copyto(pw, widen(pv[start:stop], scratch.get(np.float32, n, 3)))
-                else:
-                    np.copyto(xw, xv[start:stop])
-                    np.copyto(pw, pv[start:stop])
+                xs, ps = xv[start:stop], pv[start:stop]
+                np.copyto(xw, widen(xs, scratch.get(np.float32, n, 2)) if x_half else xs)
+                np.copyto(pw, widen(ps, scratch.get(np.float32, n, 3)) if p_half else ps)
                 norm2 += float(np.dot(xw, xw))
                 np.subtract(xw, pw, out=pw)
                 diff2 += float(np.dot(pw, pw))

@@ -76,7 +76,7 @@ class Host(Protocol):
     params: list[np.ndarray] | None
 
     def layouts(self) -> tuple[Layout, Layout] | None:
-        """(wire layout, local layout) once the first publish set them up, else None."""
+        """(wire layout, the layout replies are received in) once the first publish set them up, else None."""
         ...
 
     def publish(self, *, tick: bool) -> Snapshot | None:

@@ -1,0 +1,126 @@
+"""A narrower peer: the mixing kernels read a float16 or bfloat16 peer beside a float32 ``x`` (a receive buffer
+kept in the wire's dtype under ``transport: {memory: low}``), widening it block by block as they read it.
+
+Widening is exact, so each kernel must give the very bits it gives for the peer widened first, allocate no more
+than its block scratch, leave the peer as it was, and still refuse every other dtype mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from conftest import traced_peak
+
+from dpwa.rules.mixing import (
+    BLOCK,
+    add_difference_,
+    interpolate_,
+    interpolate_elementwise_,
+    relative_distance,
+    scale_motion_,
+    weighted_sum_,
+)
+from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
+
+MULTI_BLOCK = 2 * BLOCK + 123  # several blocks and a partial one
+WIRES = ["float16", "bfloat16"]
+
+
+def narrow_and_wide(rng: np.random.Generator, n: int, wire: str) -> tuple[np.ndarray, np.ndarray]:
+    """A peer array in ``wire``'s dtype, and the same values widened to float32."""
+    values = (rng.standard_normal(n) * 3).astype(np.float32)
+    if wire == "bfloat16":
+        narrow = from_float32(values, np.empty(n, BFLOAT16))
+        return narrow, to_float32(narrow, np.empty(n, np.float32))
+    narrow = values.astype(np.float16)
+    return narrow, narrow.astype(np.float32)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("f", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("writeable", [True, False])
+def test_interpolate_with_a_narrower_peer_gives_the_bits_of_the_peer_widened_first(
+    wire: str, f: float, writeable: bool
+) -> None:
+    rng = np.random.default_rng(1)
+    narrow, widened = narrow_and_wide(rng, MULTI_BLOCK, wire)
+    small, small_wide = narrow_and_wide(rng, 7, wire)
+    narrow.flags.writeable = writeable
+    before = narrow.copy()
+    x = [rng.standard_normal(MULTI_BLOCK).astype(np.float32), rng.standard_normal(7).astype(np.float32)]
+    expected = [a.copy() for a in x]
+    interpolate_(expected, [widened, small_wide], f)
+    interpolate_(x, [narrow, small], f)
+    for a, b in zip(x, expected):
+        same_bits(a, b)
+    np.testing.assert_array_equal(narrow, before)  # a narrower peer is only read, writable or not
+
+
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("with_x", [True, False])
+def test_weighted_sum_with_narrower_terms_gives_the_bits_of_the_terms_widened_first(wire: str, with_x: bool) -> None:
+    rng = np.random.default_rng(2)
+    (p1, w1), (p2, w2) = narrow_and_wide(rng, MULTI_BLOCK, wire), narrow_and_wide(rng, MULTI_BLOCK, wire)
+    x = [rng.standard_normal(MULTI_BLOCK).astype(np.float32)]
+    expected = [x[0].copy()]
+    weights = [0.25, 0.5, 0.25] if with_x else [1.0, 3.0]
+    weighted_sum_(expected, [[w1], [w2], expected][: len(weights)], weights, sum(weights))
+    weighted_sum_(x, [[p1], [p2], x][: len(weights)], weights, sum(weights))
+    same_bits(x[0], expected[0])
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_relative_distance_to_a_narrower_peer_is_the_distance_to_the_peer_widened(wire: str) -> None:
+    rng = np.random.default_rng(3)
+    narrow, widened = narrow_and_wide(rng, MULTI_BLOCK, wire)
+    x = [rng.standard_normal(MULTI_BLOCK).astype(np.float32)]
+    assert relative_distance(x, [narrow]) == relative_distance(x, [widened]) > 0.5
+
+
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        lambda x, p: interpolate_(x, p, 0.3),
+        lambda x, p: interpolate_(x, p, 0.5),
+        lambda x, p: weighted_sum_(x, [p, x], [1.0, 1.0], 2.0),
+    ],
+    ids=["interpolate", "mean", "weighted-sum"],
+)
+def test_a_narrower_peer_costs_no_more_than_block_scratch(
+    wire: str, kernel: Callable[[list[np.ndarray], list[np.ndarray]], None]
+) -> None:
+    n = 1 << 22  # 16 MiB of float32 x: block scratch is a small part of it
+    narrow, _ = narrow_and_wide(np.random.default_rng(4), n, wire)
+    x = [np.ones(n, np.float32)]
+    peak = traced_peak(lambda: kernel(x, [narrow]))
+    assert peak < 4 * BLOCK * 4 + 128 * 1024 and peak < x[0].nbytes / 10
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_every_other_dtype_mismatch_is_still_refused_before_anything_is_written(wire: str) -> None:
+    rng = np.random.default_rng(5)
+    narrow, widened = narrow_and_wide(rng, 64, wire)
+    x32 = np.ones(64, np.float32)
+    for x, peer in (
+        (np.ones(64, np.float64), narrow),  # a narrower peer beside float64: not taken
+        (narrow.copy(), widened),  # a wider peer beside a 16-bit x
+    ):
+        before = x.copy()
+        with pytest.raises(ValueError, match="array 0"):
+            interpolate_([x], [peer], 0.5)
+        np.testing.assert_array_equal(x, before)
+    # the kernels that take a reference or per-element factors take no narrower peer
+    with pytest.raises(ValueError, match="array 0"):
+        add_difference_([x32], [narrow], [x32.copy()], 0.5)
+    with pytest.raises(ValueError, match="array 0"):
+        interpolate_elementwise_([x32], [narrow], [np.full(64, 0.5, np.float32)])
+    with pytest.raises(ValueError, match="array 0"):
+        scale_motion_([x32], [narrow], 2.0)
+    np.testing.assert_array_equal(x32, 1.0)
