@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 from dpwa.config import ClusterConfig, ConfigError, load_config
-from dpwa.tools.demo import LINGER_MAX_S, configure_logging
+from dpwa.tools.demo import LINGER_MAX_S, configure_logging, linger_idle_s
 from dpwa.utils.atomic import write_atomically
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the example's own modules, next to this file
@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         if len(names) > 1:
             per_step = seconds / max(1, steps - start_step)
             peers = [n for n in names if n != name]
-            conn.close(linger=LINGER_MAX_S, idle=max(2.0, 3.0 * len(peers) * per_step))
+            conn.close(linger=LINGER_MAX_S, idle=linger_idle_s(len(peers), per_step))
     return 0
 
 

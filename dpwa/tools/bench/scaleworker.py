@@ -239,7 +239,8 @@ def run(spec: dict[str, Any], rank: int) -> int:
             "node %s: %d steps in %.2f s, %d mixes, %d timeouts, cpu %.2f s",
             name, result.steps, result.seconds, stats["mixes"], stats["fetches_timed_out"], cpu_s,
         )  # fmt: skip
-        conn.close(linger=demo.LINGER_MAX_S, idle=demo.LINGER_IDLE_S)
+        idle = demo.linger_idle_s(len(spec["names"]) - 1, result.seconds / max(1, result.steps))
+        conn.close(linger=demo.LINGER_MAX_S, idle=idle)
     return 0
 
 

@@ -92,6 +92,7 @@ from dpwa.tools.demo.node import (
     LINGER_IDLE_S,
     LINGER_MAX_S,
     PEERS_WAIT_S,
+    linger_idle_s,
     run_node,
     set_threads,
 )
@@ -124,6 +125,7 @@ __all__ = [
     "HIDDEN",
     "LINGER_IDLE_S",
     "LINGER_MAX_S",
+    "linger_idle_s",
     "META_KEY",
     "MODEL_SUFFIX",
     "MOMENTUM",

@@ -46,6 +46,7 @@ __all__ = [
     "ENV_THREADS",
     "LINGER_IDLE_S",
     "LINGER_MAX_S",
+    "linger_idle_s",
     "PEERS_WAIT_S",
     "run_node",
     "set_threads",
@@ -60,8 +61,15 @@ ENV_THREADS = "DPWA_TORCH_THREADS"
 ENV_LOG_LEVEL = "DPWA_LOG_LEVEL"
 
 PEERS_WAIT_S = 30.0  # before training, wait at most this long until every peer's node is up
-LINGER_IDLE_S = 2.0  # keep serving until no peer fetched for this long ...
+LINGER_IDLE_S = 0.5  # keep serving until no peer fetched for this long (at least; see linger_idle_s) ...
 LINGER_MAX_S = 60.0  # ... but never longer than this
+
+
+def linger_idle_s(peers: int, seconds_per_step: float) -> float:
+    """How long a node done training keeps serving after the last fetch it served: three times the steps in which
+    a training peer that fetches one of its ``peers`` a step comes to it once on average, and at least
+    :data:`LINGER_IDLE_S` (a node that leaves announces it, so a peer still training loses a partner, not time)."""
+    return max(LINGER_IDLE_S, 3.0 * peers * seconds_per_step)
 
 
 def set_threads() -> None:
@@ -183,7 +191,8 @@ def _finish(
         seconds=result.seconds,
     )
     if place.count > 1:
-        conn.close(linger=LINGER_MAX_S, idle=LINGER_IDLE_S)  # serve peers still training, then leave
+        idle = linger_idle_s(place.count - 1, result.seconds / max(1, result.steps))
+        conn.close(linger=LINGER_MAX_S, idle=idle)  # serve peers still training, then leave
     if place.run_dir is not None:  # after leaving: a push-sum node's weight then says where its mass went
         meta = {"node": place.name, "index": place.index, "nodes": place.count, "samples": result.samples}
         conn.save_model(place.run_dir / f"{place.name}{MODEL_SUFFIX}", {**meta, "config": config.to_dict()})
