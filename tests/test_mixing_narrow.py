@@ -7,6 +7,7 @@ than its block scratch, leave the peer as it was, and still refuse every other d
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +22,7 @@ from dpwa.rules.mixing import (
     relative_distance,
     scale_motion_,
     weighted_sum_,
+    widen,
 )
 from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
@@ -124,3 +126,18 @@ def test_every_other_dtype_mismatch_is_still_refused_before_anything_is_written(
     with pytest.raises(ValueError, match="array 0"):
         scale_motion_([x32], [narrow], 2.0)
     np.testing.assert_array_equal(x32, 1.0)
+
+
+def test_widen_gives_every_float16_exactly_through_torch_and_through_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float16 is widened by torch's cast once the process has imported torch (the adapter's), else by numpy's:
+    every one of the 65,536 bit patterns comes out as numpy's exact cast (NaNs as NaNs)."""
+    pytest.importorskip("torch")
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    expected = every.astype(np.float32)
+    finite = ~np.isnan(expected)
+    through_torch = widen(every.copy(), np.empty(every.size, np.float32))
+    monkeypatch.delitem(sys.modules, "torch")
+    through_numpy = widen(every.copy(), np.empty(every.size, np.float32))
+    for got in (through_torch, through_numpy):
+        np.testing.assert_array_equal(got[finite].view(np.uint32), expected[finite].view(np.uint32))
+        assert np.isnan(got[~finite]).all()

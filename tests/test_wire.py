@@ -213,7 +213,10 @@ def test_finite_checker_finds_every_bad_element(dtype, bad):
     buf = layout.allocate()
     views = layout.views(buf)
     checker = wire.FiniteChecker(layout, block=64)
+    info = np.finfo(np.dtype(dtype))
+    views[0][:4] = [info.max, -info.max, info.smallest_subnormal, -info.smallest_subnormal]  # finite, every one
     assert checker.all_finite(views, 0, layout.total_bytes)
+    views[0][:4] = 0
     for index in (0, 63, 64, 999):
         views[0][index] = bad
         assert not checker.all_finite(views, 0, layout.total_bytes)

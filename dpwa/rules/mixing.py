@@ -23,6 +23,7 @@ of it is widened (exactly) into scratch as it is read, so the result is the bits
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -66,9 +67,15 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def widen(src: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out <- float32(src)`` for a float16 or bfloat16 block (exact)."""
+    """``out <- float32(src)`` for a float16 or bfloat16 block (exact). float16 goes through torch's cast when this
+    process has imported torch (the rules never import it) and ``src`` is writable: the same values, about 15x
+    numpy's emulated cast."""
     if is_bfloat16(src.dtype):
         return to_float32(src, out)
+    torch = sys.modules.get("torch")
+    if torch is not None and src.dtype == np.float16 and src.flags.writeable and src.flags.c_contiguous:
+        torch.from_numpy(out).copy_(torch.from_numpy(src))  # torch takes no read-only array (a peer's segment)
+        return out
     np.copyto(out, src)
     return out
 

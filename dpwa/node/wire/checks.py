@@ -32,6 +32,8 @@ __all__ = [
 
 DOT_CHECKED = ("<f4", "<f8")
 """The layout codes :class:`FiniteChecker` checks with one dot product per block (:func:`all_finite_by_dot`)."""
+_F16_EXPONENT = np.uint16(0x7C00)
+"""float16's exponent bits: all ones is an infinity or a NaN."""
 NON_FINITE = "non-finite"
 """The rejection reason of a payload holding a NaN or an infinity (a value, or an int8 array's scale)."""
 INDEX_RANGE = "index-range"
@@ -48,7 +50,7 @@ class FiniteChecker:
         self._layout = layout
         self._block = block
         self._scratch = np.empty(block, dtype=bool)
-        self._bits = np.empty(block, dtype=np.uint16) if "bf16" in layout.dtypes else None
+        self._bits = np.empty(block, dtype=np.uint16) if {"bf16", "<f2"} & set(layout.dtypes) else None
         self._zeros = {code: np.zeros(block, code) for code in DOT_CHECKED if code in layout.dtypes}
 
     def all_finite(self, views: Sequence[np.ndarray], start: int, end: int) -> bool:
@@ -75,6 +77,11 @@ class FiniteChecker:
         if code == "bf16":
             assert self._bits is not None
             bf16_isfinite(values, out, scratch=self._bits)
+        elif code == "<f2":  # by its exponent bits: numpy's float16 isfinite is emulated, about 4x slower
+            assert self._bits is not None
+            bits = self._bits[: values.size]
+            np.bitwise_and(values.view(np.uint16), _F16_EXPONENT, out=bits)
+            np.not_equal(bits, _F16_EXPONENT, out=out)
         else:
             np.isfinite(values, out=out)
         return bool(out.all())
