@@ -229,3 +229,16 @@ def _averaged_accuracy(params: dict[str, list[torch.Tensor]]) -> float:
 
 def _distance(params: dict[str, list[torch.Tensor]]) -> float:
     return float(sum(((a - b) ** 2).sum() for a, b in zip(params["w1"], params["w2"])) ** 0.5)
+
+
+def test_a_finished_node_lingers_longer_for_a_peer_that_fetches_it_seldom() -> None:
+    """The idle a demo node waits after its last served fetch before it leaves: 0.5 s on the demo (4 nodes, 6 ms
+    steps, about one fetch served a step), three peer-rounds of its steps with many peers, and three times the
+    mean interval of the fetches it served when a straggler fetches it seldom (2 nodes: itself at 0.1 s a step,
+    the peer fetching once a second)."""
+    from dpwa.tools.demo import LINGER_IDLE_S, linger_idle_s
+
+    assert linger_idle_s(3, 1.92, 300, 310) == LINGER_IDLE_S == 0.5
+    assert linger_idle_s(31, 19.2, 300, 290) == pytest.approx(3 * 31 * 0.064)
+    assert linger_idle_s(1, 30.0, 300, 30) == pytest.approx(3.0)
+    assert linger_idle_s(1, 30.0, 300, 0) == LINGER_IDLE_S  # no fetch at all: no peer to wait for

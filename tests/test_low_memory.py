@@ -393,3 +393,27 @@ def test_a_low_memory_node_receives_a_16_bit_wire_in_its_dtype_and_mixes_the_wid
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(
+    ("arrays", "wire", "wire_only", "narrower", "receives_in_wire"),
+    [
+        ([np.float32, np.float32], "bfloat16", True, True, True),
+        ([np.float32, np.float32], "float16", True, True, True),
+        ([np.float32, np.float32], "bfloat16", True, False, False),  # the rule mixes through another kernel
+        ([np.float32, np.float32], "bfloat16", False, True, False),  # a plain copy beside the wire (gem's)
+        ([np.float32, np.float64], "bfloat16", True, True, False),  # float64 travels narrowed: no kernel widens it
+        ([np.float32, np.float32], "int8", True, True, False),  # int8 travels with its scales
+    ],
+)
+def test_the_receive_layout_is_the_wires_only_where_every_array_can_be_mixed_from_it(
+    arrays: list[type], wire: str, wire_only: bool, narrower: bool, receives_in_wire: bool
+) -> None:
+    from dpwa.node.snapshots import receive_layout
+
+    layout = Layout.of([np.zeros(64, dtype) for dtype in arrays])
+    pool = SnapshotPool(layout, 1, 1, wire=layout.on_wire(wire), wire_only=wire_only)
+    try:
+        assert receive_layout(pool, narrower) is (pool.wire if receives_in_wire else pool.layout)
+    finally:
+        pool.close()

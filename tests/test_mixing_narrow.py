@@ -141,3 +141,46 @@ def test_widen_gives_every_float16_exactly_through_torch_and_through_numpy(monke
     for got in (through_torch, through_numpy):
         np.testing.assert_array_equal(got[finite].view(np.uint32), expected[finite].view(np.uint32))
         assert np.isnan(got[~finite]).all()
+
+
+@pytest.mark.parametrize("rule_name", ["constant", "clock", "loss", "dpsgd"])
+def test_a_rule_that_says_it_mixes_narrower_peers_mixes_the_bits_of_the_peers_widened(rule_name: str) -> None:
+    """What ``Rule.mixes_narrower_peers`` promises (the node then receives 16-bit replies as they travel): the
+    rule's whole mix, given a peer in float16 or bfloat16, moves the parameters exactly as given it widened."""
+    from dpwa.rules import NodeState, PeerSnapshot, make_rule
+
+    for wire in WIRES:
+        rng = np.random.default_rng(6)
+        (narrow, widened), x0 = narrow_and_wide(rng, MULTI_BLOCK, wire), rng.standard_normal(MULTI_BLOCK)
+        results = []
+        for peer_array in (narrow, widened):
+            rule = make_rule(rule_name, None, 0.0)
+            assert rule.mixes_narrower_peers()
+            own = NodeState("w1", clock=5.0, loss=1.0, extras=rule.initial_extras("w1", ["w1", "w2"]))
+            peer = NodeState("w2", clock=7.0, loss=0.5, extras=rule.initial_extras("w2", ["w1", "w2"]))
+            x = [x0.astype(np.float32)]
+            outcome = rule.mix(own, x, [PeerSnapshot(peer, [peer_array])])
+            assert outcome.factor > 0, outcome
+            results.append(x[0])
+        same_bits(results[0], results[1])
+
+
+def test_the_rules_that_mix_otherwise_say_so() -> None:
+    """A rule whose mix reads a peer through another kernel (or keeps it) must not be handed 16-bit peers."""
+    from dpwa.rules import make_rule
+
+    for name in ("gem", "pushsum", "adpsgd", "group", "gt", "choco"):
+        assert not make_rule(name, None, 0.0).mixes_narrower_peers(), name
+
+
+def test_a_catch_up_copy_of_a_16_bit_peer_takes_its_values_widened() -> None:
+    from dpwa.node.recovery import copy_peer
+    from dpwa.rules import NodeState, PeerSnapshot, make_rule
+
+    for wire in WIRES:
+        narrow, widened = narrow_and_wide(np.random.default_rng(8), MULTI_BLOCK, wire)
+        rule, own = make_rule("constant", None, 0.0), NodeState("w1", clock=1.0)
+        params = [np.zeros(MULTI_BLOCK, np.float32)]
+        copy_peer(own, rule, params, PeerSnapshot(NodeState("w2", clock=9.0), [narrow]))
+        same_bits(params[0], widened)
+        assert own.clock == 9.0

@@ -204,7 +204,7 @@ class Node:
             unpair=self.transfer.unpair,
             wire_only=self.config.transport.memory == "low" and not self.rule.reads_published(),
         )
-        self.transfer.allocate(receiving := receive_layout(pool))  # the wire's 16 bits when the pool keeps them alone
+        self.transfer.allocate(receiving := receive_layout(pool, self.rule.mixes_narrower_peers()))
         self.wire_layout, self.layout = pool.wire, receiving
 
     def check_threads(self) -> None:

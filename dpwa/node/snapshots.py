@@ -421,13 +421,13 @@ _WIDENED = frozenset({"<f2", "bf16"})
 """The wire codes a float32 array may be received in and mixed from (each block widened as it is read)."""
 
 
-def receive_layout(pool: SnapshotPool) -> Layout:
+def receive_layout(pool: SnapshotPool, narrower: bool) -> Layout:
     """The layout a node with ``pool`` receives replies in: the wire's when the pool keeps its snapshots in it
-    alone (``wire_only``: the rule reads nothing back) and every array travels as itself or as a float32 one
-    narrowed to 16 bits, which the mixing kernels widen block by block as they read it (``narrower_peer`` in
-    :mod:`dpwa.rules.mixing`): half the receive buffer of a float32 model. Else the local layout."""
+    alone (``wire_only``), the rule mixes ``narrower`` peers (:meth:`~dpwa.rules.Rule.mixes_narrower_peers`:
+    its kernels widen a 16-bit peer block by block as they read it) and every array travels as itself or as a
+    float32 one narrowed to 16 bits: half the receive buffer of a float32 model. Else the local layout."""
     wire, local = pool.wire, pool.layout
-    if not pool.wire_only or len(wire.dtypes) != len(local.dtypes):  # an int8 wire adds its scales
+    if not (pool.wire_only and narrower) or len(wire.dtypes) != len(local.dtypes):  # int8 adds its scales
         return local
     narrowed = all(w == own or (own == "<f4" and w in _WIDENED) for w, own in zip(wire.dtypes, local.dtypes))
     return wire if narrowed else local

@@ -94,8 +94,9 @@ class PeerSnapshot:
     """One fetched peer: its state as received and its parameters.
 
     ``arrays`` has the same layout (dtypes, shapes, order) as the node's own
-    parameters.  A rule MAY overwrite them (they are scratch, discarded after
-    mixing).
+    parameters, except that a rule whose :meth:`Rule.mixes_narrower_peers` is
+    True may get a float32 array in the 16-bit wire dtype it travelled in.  A rule
+    MAY overwrite them (they are scratch, discarded after mixing).
     """
 
     state: NodeState
@@ -218,6 +219,13 @@ class Rule(ABC):
         overrides :meth:`on_publish`), or its pushes and exchanges do (returned mass, the pair's reference). A node
         whose rule does not keeps its snapshot in a narrower wire dtype alone under ``transport.memory: low``."""
         return self.transfer is not Transfer.PULL or type(self).on_publish is not Rule.on_publish
+
+    def mixes_narrower_peers(self) -> bool:
+        """Whether :meth:`mix` reads its peers' arrays only through kernels that take a narrower peer (a float16
+        or bfloat16 array beside float32 parameters, widened block by block as it is read: ``interpolate_``,
+        ``weighted_sum_``; :mod:`dpwa.rules.mixing`), so that a node keeping its snapshot in a 16-bit wire dtype
+        alone may receive in it too. Default False: peers come in the parameters' dtypes."""
+        return False
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:  # noqa: B027 - optional hook
         """At ``update_send``: ``published`` are read-only views of the parameters just published (empty for a

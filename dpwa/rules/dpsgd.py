@@ -104,6 +104,9 @@ class DpsgdRule(Rule):
         self.left_out = 0
         self._degree = 0
 
+    def mixes_narrower_peers(self) -> bool:
+        return True  # weighted_sum_
+
     def _params(self) -> dict[str, Any]:
         return {
             "graph": self.graph,

@@ -170,6 +170,9 @@ class LeaderRule(Rule):
         self._pull: _Pull | None = None
         self._bad_requests = 0  # garbage entries in requesters' tables (on_request)
 
+    def mixes_narrower_peers(self) -> bool:
+        return True  # check_pairs(narrower_peer=True), interpolate_
+
     def _params(self) -> dict[str, Any]:
         keys = ("strength", "window", "every", "group_size", "local_strength", "local_every", "divergence_threshold")
         return {k: getattr(self, k) for k in keys}

@@ -258,6 +258,9 @@ class OuterRule(Rule):
     def reads_published(self) -> bool:
         return self.base.reads_published()
 
+    def mixes_narrower_peers(self) -> bool:
+        return self.base.mixes_narrower_peers()
+
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         self.base.on_publish(own, published)
 

@@ -61,6 +61,9 @@ class PairwiseRule(Rule):
         self.repeats = check_repeats(repeats)
         self.repeats_skipped = 0
 
+    def mixes_narrower_peers(self) -> bool:
+        return True  # interpolate_
+
     def _params(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "repeats_skipped"}
 

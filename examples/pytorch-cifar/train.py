@@ -281,9 +281,8 @@ def run(args: argparse.Namespace) -> int:
             log.info("node %s: checkpoint %s", name, ckpt)
         # Keep serving the final weights while peers still fetch them (they would otherwise time out on us).
         if len(names) > 1:
-            per_step = seconds / max(1, steps - start_step)
-            peers = [n for n in names if n != name]
-            conn.close(linger=LINGER_MAX_S, idle=linger_idle_s(len(peers), per_step))
+            idle = linger_idle_s(len(names) - 1, seconds, steps - start_step, conn.stats()["served"])
+            conn.close(linger=LINGER_MAX_S, idle=idle)
     return 0
 
 

@@ -58,7 +58,7 @@ class Fetcher:
     def __init__(self, host: Host) -> None:
         self.host = host
         self.slots: list[tuple[np.ndarray, list[np.ndarray]]] = []
-        """The receive buffers: (flat buffer, its views in the local layout)."""
+        """The receive buffers: (flat buffer, its views in the node's receive layout: ``receive_layout``)."""
         self.pending: FetchJob | None = None
         """The job ``update_send`` started and ``update_wait`` has not waited for yet."""
         self._waited: FetchJob | None = None

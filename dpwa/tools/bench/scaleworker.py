@@ -42,6 +42,7 @@ __all__ = [
     "EXIT_NO_GO",
     "GO_FILE",
     "GO_POLL_S",
+    "LINGER_IDLE_S",
     "Job",
     "READY_SUFFIX",
     "RecordingExchange",
@@ -59,6 +60,8 @@ log = logging.getLogger("dpwa.tools.bench.scaleworker")
 READY_SUFFIX = ".ready"
 GO_FILE = "go"
 GO_POLL_S = 0.02
+LINGER_IDLE_S = 2.0
+"""A node done training serves until nobody fetched for this long (flat: the figures of docs/performance.md)."""
 EXIT_NO_GO = 3
 
 
@@ -239,8 +242,7 @@ def run(spec: dict[str, Any], rank: int) -> int:
             "node %s: %d steps in %.2f s, %d mixes, %d timeouts, cpu %.2f s",
             name, result.steps, result.seconds, stats["mixes"], stats["fetches_timed_out"], cpu_s,
         )  # fmt: skip
-        idle = demo.linger_idle_s(len(spec["names"]) - 1, result.seconds / max(1, result.steps))
-        conn.close(linger=demo.LINGER_MAX_S, idle=idle)
+        conn.close(linger=demo.LINGER_MAX_S, idle=LINGER_IDLE_S)
     return 0
 
 

@@ -65,11 +65,15 @@ LINGER_IDLE_S = 0.5  # keep serving until no peer fetched for this long (at leas
 LINGER_MAX_S = 60.0  # ... but never longer than this
 
 
-def linger_idle_s(peers: int, seconds_per_step: float) -> float:
-    """How long a node done training keeps serving after the last fetch it served: three times the steps in which
-    a training peer that fetches one of its ``peers`` a step comes to it once on average, and at least
-    :data:`LINGER_IDLE_S` (a node that leaves announces it, so a peer still training loses a partner, not time)."""
-    return max(LINGER_IDLE_S, 3.0 * peers * seconds_per_step)
+def linger_idle_s(peers: int, seconds: float, steps: int, served: int) -> float:
+    """How long a node done training keeps serving after the last fetch it served (it trained ``steps`` steps in
+    ``seconds`` and served ``served`` fetches): at least :data:`LINGER_IDLE_S`, three times the steps in which a
+    peer that fetches one of its ``peers`` a step comes to it once on average, and three times the mean interval
+    between the fetches it served (a straggler fetches it less often than its own steps say). A node that leaves
+    announces it, so a peer still training loses a partner, not a timeout."""
+    per_step = seconds / max(1, steps)
+    per_fetch = seconds / served if served > 0 else 0.0
+    return max(LINGER_IDLE_S, 3.0 * peers * per_step, 3.0 * per_fetch)
 
 
 def set_threads() -> None:
@@ -191,7 +195,7 @@ def _finish(
         seconds=result.seconds,
     )
     if place.count > 1:
-        idle = linger_idle_s(place.count - 1, result.seconds / max(1, result.steps))
+        idle = linger_idle_s(place.count - 1, result.seconds, result.steps, stats["served"])
         conn.close(linger=LINGER_MAX_S, idle=idle)  # serve peers still training, then leave
     if place.run_dir is not None:  # after leaving: a push-sum node's weight then says where its mass went
         meta = {"node": place.name, "index": place.index, "nodes": place.count, "samples": result.samples}

@@ -5,7 +5,7 @@ loopback (``python -m dpwa.tools.bench.exchange.memory``, default settings other
 build the benchmark's model (:func:`make_model`), measure their memory, connect, run :data:`STEPS` rounds of
 ``update_send`` / ``update_wait`` with no training, measure again, and close once both measured (``low`` with a
 push or exchange rule: also one inbox slot, :data:`LOW_PUSH_INBOX`); then :data:`NARROW_ROWS`, the same with a
-16-bit ``wire_dtype`` (a pull rule in ``low`` mode keeps its snapshot in it alone). The figure is
+16-bit ``wire_dtype`` (a pull rule in ``low`` mode keeps its snapshot and its receive buffer in it alone). The figure is
 the growth of the *proportional* set size (``Pss`` of ``/proc/self/smaps_rollup``: a page shared by k processes
 counts 1/k in each, so a peer's segment a node reads is not counted twice), the larger of the two nodes. Less
 the node's fixed cost (the same pair with a :data:`FIXED_FLOATS`-float model: about 1 MB), in model sizes, it
