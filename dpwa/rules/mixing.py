@@ -443,13 +443,14 @@ def weighted_sum_(
         wc = [c.type(w) for w in ws]
         dc = c.type(d)
         half = is_half(a.dtype)
+        widened = [half or narrower(a.dtype, v.dtype) for v in tv]  # per term, once per array
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             n = stop - start
             acc, tmp = scratch.get(c, n, 0), scratch.get(c, n, 1)
             for i, (v, w) in enumerate(zip(tv, ws)):
                 src = v[start:stop]
-                if half or narrower(a.dtype, v.dtype):  # widen exactly to float32 first
+                if widened[i]:  # widen exactly to float32 first
                     src = widen(src, tmp)
                 if i == 0:
                     if w == 1.0:

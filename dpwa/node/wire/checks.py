@@ -73,18 +73,7 @@ class FiniteChecker:
         """Every element of ``values`` (at most one block, layout code ``code``) is finite."""
         if code in self._zeros:
             return all_finite_by_dot(values, self._zeros[code])
-        out = self._scratch[: values.size]
-        if code == "bf16":
-            assert self._bits is not None
-            bf16_isfinite(values, out, scratch=self._bits)
-        elif code == "<f2":  # by its exponent bits: numpy's float16 isfinite is emulated, about 4x slower
-            assert self._bits is not None
-            bits = self._bits[: values.size]
-            np.bitwise_and(values.view(np.uint16), _F16_EXPONENT, out=bits)
-            np.not_equal(bits, _F16_EXPONENT, out=out)
-        else:
-            np.isfinite(values, out=out)
-        return bool(out.all())
+        return _finite(values, code, self._scratch, self._bits)
 
 
 def all_finite_by_dot(values: np.ndarray, zeros: np.ndarray) -> bool:
@@ -130,17 +119,30 @@ class PayloadChecker:
         return None
 
 
+def _finite(values: np.ndarray, code: str, ok: np.ndarray, bits: np.ndarray | None) -> bool:
+    """Every element of the float block ``values`` (layout code ``code``) is finite; ``ok`` (bool) and, for a 16-bit
+    code, ``bits`` (uint16) are scratch of at least ``values.size`` elements. 16-bit floats are judged by their
+    exponent bits (numpy's float16 ``isfinite`` is emulated, about 4x slower)."""
+    out = ok[: values.size]
+    if code == "bf16":
+        assert bits is not None
+        bf16_isfinite(values, out, scratch=bits)
+    elif code == "<f2":
+        assert bits is not None
+        exponent = bits[: values.size]
+        np.bitwise_and(values.view(np.uint16), _F16_EXPONENT, out=exponent)
+        np.not_equal(exponent, _F16_EXPONENT, out=out)
+    else:
+        np.isfinite(values, out=out)
+    return bool(out.all())
+
+
 def block_fault(values: np.ndarray, code: str, bound: int, ok: np.ndarray, bits: np.ndarray) -> str | None:
     """The reason block ``values`` (layout code ``code``, bound ``bound``) fails its check, or None.
 
     ``ok`` (bool) and ``bits`` (uint16) are scratch of at least ``values.size`` elements."""
     if code in FLOAT_CODES:
-        out = ok[: values.size]
-        if code == "bf16":
-            bf16_isfinite(values, out, scratch=bits)
-        else:
-            np.isfinite(values, out=out)
-        return None if out.all() else NON_FINITE
+        return None if _finite(values, code, ok, bits) else NON_FINITE
     if 0 < bound < MAX_BOUND and values.size and int(values.max()) >= bound:
         return INDEX_RANGE
     return None
