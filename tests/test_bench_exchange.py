@@ -67,7 +67,7 @@ def bench(*args: str, **kwargs: object) -> subprocess.Popen[str]:
     )  # type: ignore[call-overload]
 
 
-@pytest.mark.slow  # two processes, gloo, every wire dtype and shared memory, then 9 x 2 memory processes: ~35 s
+@pytest.mark.slow  # two processes, gloo, every wire dtype and shared memory, then 10 x 2 memory processes: ~35 s
 def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
     plot = importlib.util.find_spec("matplotlib") is not None
     proc = bench("--floats", "10000,2k", "--repeat", "2", "--run-dir", str(tmp_path), *(["--plot"] if plot else []))
@@ -100,8 +100,9 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
     assert rows[0]["pf_memcpy"] is None
     memory = json.loads((tmp_path / "memory.json").read_text())
     rules = ["constant", "pushsum", "adpsgd", "dpsgd"]
-    rows_wanted = [(r, m, "float32") for m in ("normal", "low") for r in rules] + [("constant", "low", "bfloat16")]
-    assert [(r["rule"], r["memory"], r["wire"]) for r in memory["rows"]] == rows_wanted
+    rows_wanted = [(r, m, "float32", "-") for m in ("normal", "low") for r in rules]
+    rows_wanted += [("constant", "low", "bfloat16", "-"), ("adpsgd", "low", "float32", "bipartite: true")]
+    assert [(r["rule"], r["memory"], r["wire"], r["settings"]) for r in memory["rows"]] == rows_wanted
     for row in memory["rows"]:
         assert row["floats"] == 10000 and math.isfinite(row["model_sizes"]) and len(row["mixes"]) == 2, row
         # a low-memory node declines the fetches that come while it rewrites its snapshot: no count is promised

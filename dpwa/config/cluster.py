@@ -415,11 +415,23 @@ class ClusterConfig:
                 f"interpolation {self.interpolation!r} needs its snapshots bit for bit ({rule.wire_exact}); "
                 "leave wire_dtype at auto",
             )
+        if getattr(self.settings, "bipartite", False):
+            self._check_bipartite()
         hazard = momentum_hazard(self.interpolation, self.schedule) if self.outer and self.outer.momentum else ""
         if hazard:
             way_out = "" if self.interpolation == "adpsgd" else " or another schedule than ring"
             raise self.error("outer.momentum", f"{hazard} (docs/rules.md); use momentum: 0{way_out}")
         self._check_public_keys()
+
+    def _check_bipartite(self) -> None:
+        """``bipartite`` draws the roles from the file's nodes in order, and an active node's peer at random."""
+        key = f"{self.interpolation}.bipartite"
+        if self.schedule != "random":
+            raise self.error(
+                key, f"an active node picks a passive peer at random: it takes peers random, not {self.peers}"
+            )
+        if self.join:
+            raise self.error(key, "the roles come from the cluster file's nodes in order, which a joining file lacks")
 
     def _every_rules_settings(self) -> dict[str, object]:
         """``rule_settings`` checked (each an instance of its rule's ``settings_class``), with the defaults of

@@ -191,16 +191,13 @@ class ClusterFileReader:
         """The settings object of ``rule``: a map of its fields, or 0/null/{} for the defaults."""
         cls = RULES[rule].settings_class
         allowed = [f.name for f in dataclasses.fields(cls)]
-        shape = f"a map of settings ({', '.join(allowed)})" if allowed else "0, null or {} (it takes no settings)"
         if not isinstance(node, yaml.MappingNode):
             value = self.value(node, rule)
             if value is None or (type(value) in (int, float) and value == 0):  # not False
                 return cls()
-            raise self.error(rule, f"must be {shape}, got {show_value(value)}", node)
+            raise self.error(rule, f"must be a map of settings ({', '.join(allowed)}), got {show_value(value)}", node)
         given = {}
         for key, value_node in self.mapping(node, rule):
-            if not allowed:
-                raise self.error(f"{rule}.{key}", f"unknown setting; {rule} takes no settings (use 0, null or {{}})")
             if key not in allowed:
                 raise self.error(f"{rule}.{key}", f"unknown setting{suggest(key, allowed)}")
             given[key] = self.value(value_node, f"{rule}.{key}")

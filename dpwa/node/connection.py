@@ -62,7 +62,9 @@ class DpwaConnection:
         cfg.node(name)  # a clear ConfigError before anything starts
         if rule is None:
             rule = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
-        rule, schedule = with_outer(rule, make_schedule(cfg.schedule, cfg.settings), cfg.outer)
+        rule, schedule = with_outer(
+            rule, make_schedule(cfg.schedule, cfg.settings, [n.name for n in cfg.nodes]), cfg.outer
+        )
         self._node = Node(name, cfg, rule, schedule, seed, params, transport)
         self._finalizer = weakref.finalize(self, Node.close, self._node)
 

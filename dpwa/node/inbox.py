@@ -192,12 +192,13 @@ class PushReceiver:
                 del self._verdicts[sender]
                 self._rounds.pop(sender, None)
 
-    def allocate(self, local: Layout) -> None:
-        """Allocate the slots for ``local`` (once, at the node's first publish)."""
+    def allocate(self, local: Layout, slots: int | None = None) -> None:
+        """Allocate the slots for ``local`` (once, at the node's first publish): ``slots`` of them (None: the
+        number given at construction)."""
         with self._lock:
             if self._slots:
                 return
-            for i in range(self._n_slots):
+            for i in range(self._n_slots if slots is None else slots):
                 buffer = local.allocate()
                 self._slots.append(InboxSlot(i, buffer, local.views(buffer)))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -112,8 +112,8 @@ class FlowControl:
             np.delete(a, i) for a in (self._score, self._failures, self._down, self._backoff, self._next_probe)
         )
 
-    def choose(self, k: int = 1) -> list[str]:
-        """Up to ``k`` distinct peers to fetch from, best first.
+    def choose(self, k: int = 1, among: Collection[str] | None = None) -> list[str]:
+        """Up to ``k`` distinct peers to fetch from, best first (``among``: only those peers; None: any).
 
         If a down peer is due for a probe, the most overdue one takes the first
         slot (at most one probe per call) and its next probe is pushed back by
@@ -128,13 +128,15 @@ class FlowControl:
             return []
         now = self._now()
         chosen: list[str] = []
-        if self._down.any():
-            due = np.flatnonzero(self._down & (now >= self._next_probe))
+        allowed = None if among is None else np.array([name in among for name in self._names], dtype=bool)
+        if self._down.any() or allowed is not None:
+            due_mask = self._down & (now >= self._next_probe)
+            due = np.flatnonzero(due_mask if allowed is None else due_mask & allowed)
             if due.size:
                 probe = min(due.tolist(), key=lambda i: (self._next_probe[i], self._names[i]))
                 self._next_probe[probe] = now + self._backoff[probe]
                 chosen.append(self._names[probe])
-            up = np.flatnonzero(~self._down)
+            up = np.flatnonzero(~self._down if allowed is None else ~self._down & allowed)
         else:
             up = None
         need = k - len(chosen)

@@ -11,11 +11,16 @@ with ``a = 1/2`` (divergence damping may lower it). The two moves cancel, so the
 pair -- and the cluster's mean -- changes only by the local training steps. ``j`` mixes only
 once ``i`` confirmed it got ``s_j`` (a SETTLE commit); an exchange whose reply was lost is
 aborted on both sides. ``clock <- (clock + peer_clock) / 2``.
+
+``bipartite: true`` splits the nodes as the paper's code does: *active* nodes start every exchange, each with a
+*passive* peer, and passive nodes only answer (:func:`is_active`), so no node is ever in two exchanges of one step
+as both ends, and each keeps one exchange buffer (a receive buffer, or an inbox slot) instead of both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,15 +28,26 @@ import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
 from dpwa.rules.mixing import add_difference_, mix_clock
-from dpwa.utils.settings import Settings
+from dpwa.utils.settings import Flag, Settings, setting
 
-__all__ = ["AdpsgdRule", "AdpsgdSettings"]
+__all__ = ["AdpsgdRule", "AdpsgdSettings", "is_active"]
 
 
 @dataclasses.dataclass(frozen=True)
 class AdpsgdSettings(Settings):
-    """AD-PSGD: a fetch carries the fetcher's snapshot; both ends move ``x <- x + (x_peer - x_sent)/2``;
-    no settings."""
+    """AD-PSGD: a fetch carries the fetcher's snapshot; both ends move ``x <- x + (x_peer - x_sent)/2``.
+    ``bipartite``: active nodes start the exchanges, with passive peers only (:func:`is_active`)."""
+
+    bipartite: bool = setting(False, spec=Flag(), omit_default=True)
+
+
+def is_active(name: str, roster: Sequence[str]) -> bool:
+    """A node's role under ``bipartite: true``: the first, third, ... node of ``roster`` (the cluster file's nodes,
+    in file order) is active, the second, fourth, ... passive; a node not in it by the parity of the CRC-32 of its
+    name. A pure function: every node computes every role alike."""
+    if name in roster:
+        return list(roster).index(name) % 2 == 0
+    return zlib.crc32(name.encode()) % 2 == 0
 
 
 class AdpsgdRule(Rule):
@@ -46,14 +62,16 @@ class AdpsgdRule(Rule):
     settings_class = AdpsgdSettings
     transfer = Transfer.EXCHANGE
 
-    def __init__(self, divergence_threshold: float = 0.0) -> None:
+    def __init__(self, bipartite: bool = False, divergence_threshold: float = 0.0) -> None:
         super().__init__(divergence_threshold)
+        self.bipartite = bool(bipartite)
+        """Only active nodes start exchanges, with passive peers (the schedule's part: ``make_schedule``)."""
         self._published: list[np.ndarray] | None = None
         self.active = 0
         self.passive = 0
 
     def _params(self) -> dict[str, Any]:
-        return {"divergence_threshold": self.divergence_threshold}
+        return {"bipartite": self.bipartite, "divergence_threshold": self.divergence_threshold}
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         """Keep the views of the model just published: what this node's next exchange sends."""

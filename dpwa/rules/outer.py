@@ -438,6 +438,16 @@ class OuterSchedule(Schedule):
         outer = self.outer_round(rnd)
         return [] if outer is None else self.base.sources(outer)
 
+    def candidates(self, rnd: Round) -> frozenset[str] | None:
+        outer = self.outer_round(rnd)
+        return None if outer is None else self.base.candidates(outer)
+
+    def fetches(self, me: str, names: Sequence[str]) -> bool:
+        return self.base.fetches(me, names)
+
+    def fetched(self, me: str, names: Sequence[str]) -> bool:
+        return self.base.fetched(me, names)
+
     def __repr__(self) -> str:
         return f"OuterSchedule({self.base!r}, every={self.every})"
 

@@ -16,6 +16,10 @@ due), so a dead peer in a fixed schedule costs a skipped round, not a timeout.
 | ``groups`` | WAGMA's rotating groups of ``S``: even steps ``j // S == i // S``, odd steps |
 |            | ``j mod ceil(N/S) == i mod ceil(N/S)``; every ``sync_every``-th step everyone |
 | ``neighbours`` | each step every graph neighbour: ring ``i +- 1``, exponential ``i +- 2^k``, directed ring ``i-1`` |
+
+AD-PSGD's ``bipartite: true`` turns ``random`` into :class:`BipartiteSchedule`: an active node's one peer is
+chosen by flow control among the passive members alone (:meth:`Schedule.candidates`), and a passive node fetches
+nobody (:meth:`Schedule.fetches` False); nobody fetches an active node (:meth:`Schedule.fetched` False).
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dpwa.rules.adpsgd import is_active
 from dpwa.rules.base import NodeState
 from dpwa.rules.dpsgd import neighbours, readers
 from dpwa.rules.group import is_sync_step
 
 __all__ = [
     "SCHEDULES",
+    "BipartiteSchedule",
     "ExponentialSchedule",
     "GroupsSchedule",
     "LeaderSchedule",
@@ -80,6 +86,18 @@ class Schedule(ABC):
         """The nodes whose ``targets`` at round ``rnd.index`` include ``rnd.me`` (a push rule's in-neighbours of
         the round), or None when that depends on state this node cannot see (flow control's choice)."""
         return None
+
+    def candidates(self, rnd: Round) -> frozenset[str] | None:
+        """The peers flow control may pick from when :meth:`targets` returns None; None: any member."""
+        return None
+
+    def fetches(self, me: str, names: Sequence[str]) -> bool:
+        """Whether node ``me`` ever starts a round (fetches or pushes); False: it needs no receive buffer."""
+        return True
+
+    def fetched(self, me: str, names: Sequence[str]) -> bool:
+        """Whether a peer ever starts a round with node ``me``; False: it needs no inbox."""
+        return True
 
 
 class RandomSchedule(Schedule):
@@ -208,17 +226,51 @@ class NeighboursSchedule(Schedule):
         return [rnd.names[j] for j in readers(rnd.rank, len(rnd.names), self.graph)]
 
 
+class BipartiteSchedule(Schedule):
+    """``random`` between two roles (:func:`dpwa.rules.adpsgd.is_active`): an active node's one peer is flow
+    control's choice among the passive members; a passive node starts no round. ``roster``: the cluster file's
+    nodes, in file order (empty: each round's members, which a simulation without churn keeps)."""
+
+    name = "bipartite"
+
+    def __init__(self, roster: Sequence[str] = ()) -> None:
+        self.roster = tuple(roster)
+
+    def _active(self, name: str, names: Sequence[str]) -> bool:
+        return is_active(name, self.roster or names)
+
+    def targets(self, rnd: Round) -> list[str] | None:
+        return None if self._active(rnd.me, rnd.names) else []
+
+    def candidates(self, rnd: Round) -> frozenset[str]:
+        return frozenset(n for n in rnd.names if n != rnd.me and not self._active(n, rnd.names))
+
+    def fetches(self, me: str, names: Sequence[str]) -> bool:
+        return self._active(me, names)
+
+    def fetched(self, me: str, names: Sequence[str]) -> bool:
+        return not self._active(me, names)
+
+    def __repr__(self) -> str:
+        return f"BipartiteSchedule(roster={self.roster!r})"
+
+
 SCHEDULES: dict[str, type[Schedule]] = {
     cls.name: cls
     for cls in (RandomSchedule, ExponentialSchedule, RingSchedule, LeaderSchedule, GroupsSchedule, NeighboursSchedule)
 }
 
 
-def make_schedule(name: str, settings: Any = None) -> Schedule:
+def make_schedule(name: str, settings: Any = None, roster: Sequence[str] = ()) -> Schedule:
     """The schedule ``name``; ``groups`` takes ``group_size`` and ``sync_every`` from the rule's ``settings``,
-    ``neighbours`` its ``graph`` (default ring)."""
+    ``neighbours`` its ``graph`` (default ring); ``random`` with AD-PSGD's ``bipartite`` is
+    :class:`BipartiteSchedule` over ``roster`` (the cluster file's nodes)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown peer schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
+    if getattr(settings, "bipartite", False):
+        if name != "random":
+            raise ValueError(f"bipartite chooses among the passive nodes at random: it takes peers random, not {name}")
+        return BipartiteSchedule(roster)
     if name == "groups":
         if settings is None or not hasattr(settings, "group_size"):
             raise ValueError("the groups schedule needs group_size (and sync_every) from the group rule's settings")

@@ -131,7 +131,7 @@ def _simulation(
     return Simulation(
         [[a.copy() for a in start] for _ in names],
         lambda: outer_rule(make_rule(rule, settings, 0.0), checked),
-        lambda: outer_schedule(make_schedule(schedule or RULES[rule].default_schedule, settings), checked),
+        lambda: outer_schedule(make_schedule(schedule or RULES[rule].default_schedule, settings, names), checked),
         seed=seed,
     )
 

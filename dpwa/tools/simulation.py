@@ -178,11 +178,11 @@ class Simulation:
 
     def _choose(self, node: SimNode) -> list[str]:
         """Step 3 for one node: the schedule's targets (admitted by flow control, never itself), or flow
-        control's choice of ``fanout`` peers when the schedule names none."""
+        control's choice of ``fanout`` peers (among the schedule's candidates) when the schedule names none."""
         rnd = Round(node.name, self.names, node.step, node.state)
         wanted = node.schedule.targets(rnd)
         if wanted is None:
-            return node.flow.choose(node.schedule.fanout)
+            return node.flow.choose(node.schedule.fanout, node.schedule.candidates(rnd))
         return node.flow.admit([p for p in wanted if p != node.name])
 
     def _fetch(

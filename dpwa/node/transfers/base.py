@@ -113,8 +113,11 @@ class TransferPattern(ABC):
         """Before a one-buffer pool rewrites ``snapshot`` (any thread that publishes): let go of it."""
 
     def allocate(self, layout: Layout) -> None:
-        """The first publish: allocate the buffers replies (and pushes) land in."""
-        self.fetcher.allocate(layout, self.receive_buffers())
+        """The first publish: allocate the buffers replies (and pushes) land in: at least one, none for a node
+        whose schedule never has it fetch (AD-PSGD's passive nodes) unless it bootstraps from a peer."""
+        host = self.host
+        fetches = host.schedule.fetches(host.name, host.names) or host.config.bootstrap != "none"
+        self.fetcher.allocate(layout, max(1, self.receive_buffers()) if fetches else 0)
 
     # ------------------------------------------------------------ the step (trainer thread)
 

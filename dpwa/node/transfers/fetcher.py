@@ -40,12 +40,14 @@ reuse the buffer)."""
 
 def round_peers(host: Host) -> tuple[list[str], bool]:
     """This round's peers, to fetch from or push to: the schedule's (down peers left out unless a probe is due),
-    else flow control's choice; and whether any peer was wanted at all."""
+    else flow control's choice (among the schedule's candidates); and whether any peer was wanted at all."""
     with host.state_lock:
-        wanted = host.schedule.targets(Round(host.name, host.names, host.step, host.state))
+        rnd = Round(host.name, host.names, host.step, host.state)
+        wanted = host.schedule.targets(rnd)
+        among = host.schedule.candidates(rnd) if wanted is None else None
     with host.flow_lock:
         if wanted is None:
-            chosen = host.flow.choose(host.schedule.fanout)
+            chosen = host.flow.choose(host.schedule.fanout, among)
         else:
             chosen = host.flow.admit([p for p in wanted if p != host.name])
     return chosen, wanted is None or bool(wanted)
@@ -70,8 +72,9 @@ class Fetcher:
         """The targets of the collected job whose views lie in a peer's segment, with the job's request id."""
 
     def allocate(self, layout: Layout, count: int) -> None:
-        """Allocate ``count`` (at least one) receive buffers in ``layout`` (once, at the first publish)."""
-        for _ in range(max(1, count)):
+        """Allocate ``count`` receive buffers in ``layout`` (once, at the first publish; 0: a node that never
+        fetches)."""
+        for _ in range(count):
             buffer = layout.allocate()
             self.slots.append((buffer, layout.views(buffer)))
 

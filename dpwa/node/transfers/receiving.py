@@ -53,8 +53,11 @@ class InboxTransfer(TransferPattern):
         return host.config.inbox_slots + max(1, host.schedule.max_fanout(len(host.names))) * (host.rule.overlap + 2)
 
     def allocate(self, layout: Layout) -> None:
+        """The receive buffers, and the inbox's slots unless no peer ever pushes to this node (AD-PSGD's active
+        nodes: a push reaching one is refused ``not-ready``)."""
         super().allocate(layout)
-        self.inbox.allocate(layout)
+        host = self.host
+        self.inbox.allocate(layout, host.config.inbox_slots if host.schedule.fetched(host.name, host.names) else 0)
 
     def drain(self, *, every: bool, upto: int | None, window: int) -> tuple[list[InboxSlot], list[PeerSnapshot]]:
         """The inbox's slots to mix now (:meth:`PushReceiver.drain`) and the peers they hold, for the rule; the

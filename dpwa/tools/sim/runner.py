@@ -233,7 +233,9 @@ def _cluster(
 
     def rule() -> Any:  # the rule and the schedule are made together (an outer optimizer wraps both)
         made = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
-        pairs.append(with_outer(made, make_schedule(cfg.schedule, cfg.settings), cfg.outer))
+        pairs.append(
+            with_outer(made, make_schedule(cfg.schedule, cfg.settings, [n.name for n in cfg.nodes]), cfg.outer)
+        )
         return pairs[-1][0]
 
     settings = ClusterSettings(

@@ -23,7 +23,7 @@ from dpwa.tools.bench.exchange.control import running_peer
 from dpwa.tools.bench.exchange.gloo import gloo_group, gloo_usable
 from dpwa.tools.bench.exchange.measure import WARMUP_ROUNDS, measure_size
 from dpwa.tools.bench.exchange.memory import COLUMNS as MEMORY_COLUMNS
-from dpwa.tools.bench.exchange.memory import NARROW_ROWS, RULES, STEPS, measure_memory
+from dpwa.tools.bench.exchange.memory import EXTRA_ROWS, RULES, STEPS, measure_memory
 from dpwa.tools.bench.exchange.plot import plot_rows
 from dpwa.tools.bench.exchange.table import TARGETS, finite_or_none, render
 from dpwa.tools.bench.report import Report, bench_run_dir, render_table
@@ -156,8 +156,8 @@ def exchange(
     click.echo(f"\nwrote {path}")
     if not no_memory:
         n = max(floats)
-        narrow = ", ".join(f"{r} {m} {w}" for r, m, w in NARROW_ROWS)
-        click.echo(f"\nmemory: {', '.join(RULES)}, then {narrow}; two nodes each, {n:,} floats, {STEPS} steps ...")
+        extra = ", ".join(f"{r} {m} {w}" + "".join(f" {k}" for k in opts) for r, m, w, opts in EXTRA_ROWS)
+        click.echo(f"\nmemory: {', '.join(RULES)}, then {extra}; two nodes each, {n:,} floats, {STEPS} steps ...")
         memory = measure_memory(directory, n)
         click.echo(render_table(memory, MEMORY_COLUMNS))
         click.echo(f"wrote {Report('memory', rows=memory, settings={'floats': n, 'steps': STEPS}).write(directory)}")

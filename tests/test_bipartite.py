@@ -1,0 +1,192 @@
+"""AD-PSGD's bipartite split (``adpsgd: {bipartite: true}``): active nodes start every exchange, with a passive peer.
+
+The roles are a pure function of a node's name and the cluster file's order (:func:`dpwa.rules.adpsgd.is_active`);
+flow control picks an active node's peer among the passive members alone; a passive node never fetches and so
+allocates no receive buffer, an active node is never pushed to and allocates no inbox. Checked here without
+sockets (the roles, the schedule, flow control, the config), in the simulator (every exchange joins an active and a
+passive node and the models' mean is kept), and on the network: four nodes in ``memory: low``, each with one
+exchange buffer, keep the mean of their models.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import free_ports, write_cluster
+from test_push import close_all, quiesce, run_threads, start_params
+
+from dpwa.config import ConfigError, load_config
+from dpwa.node.connection import DpwaConnection
+from dpwa.node.peers import FlowControl
+from dpwa.rules import NodeState, make_rule
+from dpwa.rules.adpsgd import AdpsgdSettings, is_active
+from dpwa.rules.outer import OuterSchedule
+from dpwa.rules.schedules import BipartiteSchedule, RandomSchedule, Round, make_schedule
+from dpwa.tools.simulation import Simulation
+
+NAMES = ("w1", "w2", "w3", "w4", "w5")
+
+
+def rnd(me: str, names: tuple[str, ...] = NAMES, index: int = 0) -> Round:
+    return Round(me, names, index, NodeState(me))
+
+
+# --------------------------------------------------------------------------- roles and the schedule
+
+
+def test_roles_alternate_in_file_order_and_a_joiner_takes_one_by_its_name() -> None:
+    assert [is_active(n, NAMES) for n in NAMES] == [True, False, True, False, True]
+    assert [is_active(n, ("b", "a")) for n in ("a", "b")] == [False, True]  # the file's order, not the names'
+    joiners = [f"joiner-{i}" for i in range(40)]
+    roles = [is_active(n, NAMES) for n in joiners]
+    assert roles == [is_active(n, NAMES[:2]) for n in joiners]  # the same whatever the file holds
+    assert 0 < sum(roles) < len(roles)  # both roles among joiners
+
+
+def test_an_active_node_lets_flow_control_pick_among_the_passive_and_a_passive_one_fetches_nobody() -> None:
+    schedule = make_schedule("random", AdpsgdSettings(bipartite=True), NAMES)
+    assert isinstance(schedule, BipartiteSchedule)
+    for me in NAMES:
+        active = is_active(me, NAMES)
+        assert schedule.fetches(me, NAMES) is active and schedule.fetched(me, NAMES) is not active
+        if active:
+            assert schedule.targets(rnd(me)) is None
+            assert schedule.candidates(rnd(me)) == {"w2", "w4"}
+        else:
+            assert schedule.targets(rnd(me)) == []
+    # a member that joined is placed by its name; one that left takes no place from the others
+    joined = ("w1", "w2", "w3", "w5", "zed")
+    assert schedule.candidates(rnd("w1", joined)) == {"w2"} | ({"zed"} if not is_active("zed", NAMES) else set())
+    # without a roster (a simulation), the members of the round are the roster
+    bare = make_schedule("random", AdpsgdSettings(bipartite=True))
+    assert bare.candidates(rnd("a", ("a", "w1", "b"))) == bare.candidates(rnd("b", ("a", "w1", "b"))) == {"w1"}
+    assert bare.targets(rnd("w1", ("a", "w1", "b"))) == []
+
+
+def test_without_bipartite_every_node_fetches_and_is_fetched() -> None:
+    plain = make_schedule("random", AdpsgdSettings())
+    assert isinstance(plain, RandomSchedule)
+    assert plain.candidates(rnd("w1")) is None and plain.fetches("w2", NAMES) and plain.fetched("w1", NAMES)
+
+
+def test_bipartite_takes_only_random_peers_and_the_config_says_where() -> None:
+    with pytest.raises(ValueError, match="peers random"):
+        make_schedule("exponential", AdpsgdSettings(bipartite=True), NAMES)
+
+
+def test_a_cluster_file_with_bipartite_on_another_schedule_or_joining_names_the_key_and_line(tmp_path: Path) -> None:
+    path = write_cluster(tmp_path / "c.yaml", [1, 2], interpolation="adpsgd", peers="exponential")
+    path.write_text(path.read_text() + "adpsgd:\n  bipartite: true\n")
+    line = path.read_text().splitlines().index("  bipartite: true") + 1
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert (info.value.key, info.value.line) == ("adpsgd.bipartite", line)
+    assert "peers random" in info.value.reason
+    joining = tmp_path / "j.yaml"
+    joining.write_text("join: 127.0.0.1:5000\ninterpolation: adpsgd\nadpsgd:\n  bipartite: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(joining)
+    assert (info.value.key, info.value.line) == ("adpsgd.bipartite", 4)
+    assert "joining" in info.value.reason
+
+
+def test_the_outer_optimizer_passes_the_roles_through() -> None:
+    outer = OuterSchedule(make_schedule("random", AdpsgdSettings(bipartite=True), NAMES), every=2)
+    assert outer.targets(rnd("w1", index=0)) == [] and outer.candidates(rnd("w1", index=0)) is None  # off-boundary
+    assert outer.targets(rnd("w1", index=1)) is None and outer.candidates(rnd("w1", index=1)) == {"w2", "w4"}
+    assert not outer.fetches("w2", NAMES) and not outer.fetched("w1", NAMES)
+
+
+# --------------------------------------------------------------------------- flow control among candidates
+
+
+def test_flow_control_picks_only_among_the_candidates_and_probes_only_them() -> None:
+    now = [0.0]
+    flow = FlowControl(["a", "b", "c", "d"], random.Random(1), now=lambda: now[0])
+    picked = {p for _ in range(300) for p in flow.choose(1, {"b", "d"})}
+    assert picked == {"b", "d"}
+    assert flow.choose(2, {"c"}) == ["c"]  # fewer candidates than asked: only them
+    assert flow.choose(1, set()) == []
+    for peer in ("a", "b"):  # both down, both due for a probe
+        while flow.is_up(peer):
+            flow.failure(peer)
+    now[0] = 1e6
+    assert flow.choose(1, {"b", "c"}) == ["b"]  # the due probe among the candidates, never "a"
+    assert "a" not in {p for _ in range(50) for p in flow.choose(1, {"b", "c"})}
+
+
+# --------------------------------------------------------------------------- in the simulator
+
+
+def test_in_the_simulator_every_exchange_joins_an_active_and_a_passive_node_and_keeps_the_mean() -> None:
+    """Six nodes on quadratics with different centres (each node pulled elsewhere), no loss: the active nodes
+    count only exchanges they started, the passive ones only exchanges they answered, both many; the mean of the
+    models moves only by the local steps (no local steps here: it stays put to rounding)."""
+    names = [f"w{i + 1}" for i in range(6)]
+    rng = np.random.default_rng(3)
+    start = [[rng.normal(size=4)] for _ in names]
+    mean0 = np.mean([s[0] for s in start], axis=0)
+    settings = AdpsgdSettings(bipartite=True)
+    sim = Simulation(
+        start, lambda: make_rule("adpsgd", settings, 0.0), lambda: make_schedule("random", settings), seed=4
+    )
+    for _ in range(300):
+        sim.run_round({n: 1.0 for n in names})
+    for name in names:
+        rule = sim[name].rule
+        if is_active(name, names):
+            assert rule.active > 100 and rule.passive == 0, (name, rule.active, rule.passive)
+        else:
+            assert rule.passive > 50 and rule.active == 0, (name, rule.active, rule.passive)
+    flats = sim.flats()
+    assert np.abs(np.mean(flats, axis=0) - mean0).max() < 1e-12
+    assert max(float(np.abs(x - mean0).max()) for x in flats) < 1e-6  # and they met
+
+
+# --------------------------------------------------------------------------- on the network
+
+
+@pytest.mark.integration
+def test_four_low_memory_nodes_keep_one_exchange_buffer_each_and_the_mean(tmp_path: Path) -> None:
+    """``memory: low`` and one inbox slot: an active node has one receive buffer and no inbox slot, a passive one
+    no receive buffer and one slot; whatever the timing, no active node answers an exchange and no passive node
+    starts one, exchanges commit, and the mean of the models is kept (1e-6: each committed exchange moves the
+    two ends by opposite amounts, an aborted one moves nothing)."""
+    cfg = load_config(
+        write_cluster(
+            tmp_path / "c.yaml",
+            free_ports(4),
+            interpolation="adpsgd",
+            adpsgd={"bipartite": True},
+            transport={"memory": "low"},
+            inbox_slots=1,
+            inbox_per_sender=1,
+            timeout_ms=3000,
+        )
+    )
+    conns = [DpwaConnection(f"w{i + 1}", cfg, seed=i) for i in range(4)]
+    try:
+        params = start_params(4, seed=7)
+        mean0 = [np.mean([p[j] for p in params], axis=0) for j in range(2)]
+        jitter = random.Random(5)
+        run_threads(conns, params, 120, lambda i, k: jitter.random() * 0.003)
+        quiesce(conns)
+        mean1 = [np.mean([p[j] for p in params], axis=0) for j in range(2)]
+        assert max(float(np.abs(a - b).max()) for a, b in zip(mean0, mean1)) < 1e-6
+        committed = 0
+        for conn in conns:
+            node, stats = conn._node, conn.stats()
+            active = is_active(conn.name, [n.name for n in cfg.nodes])
+            assert len(node.transfer.fetcher.slots) == int(active), conn.name
+            assert len(node.transfer.inbox._slots) == int(not active), conn.name
+            if active:
+                assert node.rule.passive == 0 and stats.get("exchanges_committed", 0) == 0, conn.name
+            else:
+                assert node.rule.active == 0 and stats.get("fetches_started", 0) == 0, conn.name
+                committed += stats.get("exchanges_committed", 0)
+        assert committed > 0
+    finally:
+        close_all(conns)
