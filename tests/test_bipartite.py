@@ -10,21 +10,23 @@ exchange buffer, keep the mean of their models.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_ports, write_cluster
+from conftest import free_ports, wait_until, write_cluster
 from test_push import close_all, quiesce, run_threads, start_params
 
-from dpwa.config import ConfigError, load_config
+from dpwa.config import ClusterConfig, ConfigError, load_config
 from dpwa.node.connection import DpwaConnection
 from dpwa.node.peers import FlowControl
 from dpwa.rules import NodeState, make_rule
 from dpwa.rules.adpsgd import AdpsgdSettings, is_active
 from dpwa.rules.outer import OuterSchedule
 from dpwa.rules.schedules import BipartiteSchedule, RandomSchedule, Round, make_schedule
+from dpwa.tools.sim.runner import SimOptions, simulate
 from dpwa.tools.simulation import Simulation
 
 NAMES = ("w1", "w2", "w3", "w4", "w5")
@@ -146,6 +148,17 @@ def test_in_the_simulator_every_exchange_joins_an_active_and_a_passive_node_and_
     assert max(float(np.abs(x - mean0).max()) for x in flats) < 1e-6  # and they met
 
 
+def test_the_event_simulator_gives_its_own_members_their_roles(tmp_path: Path) -> None:
+    """``dpwa simulate`` names its members w1..wN whatever the file's nodes: they are the roster (w1, w3 active)."""
+    config = ClusterConfig(interpolation="adpsgd", timeout_ms=100.0, rule_settings={"adpsgd": AdpsgdSettings(True)})
+    simulate(SimOptions(config, nodes=4, steps=40), tmp_path)
+    for i in range(4):
+        lines = (tmp_path / f"w{i + 1}.metrics.jsonl").read_text().splitlines()
+        last = [r for r in map(json.loads, lines) if "event" not in r][-1]
+        started, answered = last["exchanges_active"], last["exchanges_passive"]
+        assert (started > 0 and answered == 0) if i % 2 == 0 else (started == 0 and answered > 0), (i, last)
+
+
 # --------------------------------------------------------------------------- on the network
 
 
@@ -190,3 +203,46 @@ def test_four_low_memory_nodes_keep_one_exchange_buffer_each_and_the_mean(tmp_pa
         assert committed > 0
     finally:
         close_all(conns)
+
+
+def bipartite_cluster(tmp_path: Path, **settings: object) -> Path:
+    return write_cluster(
+        tmp_path / "c.yaml", free_ports(2), interpolation="adpsgd", adpsgd={"bipartite": True}, **settings
+    )
+
+
+@pytest.mark.timing  # the bootstrap waits for the peer's answer (20 s at most)
+def test_a_passive_node_that_bootstraps_takes_a_receive_buffer_then_and_copies_the_peer(tmp_path: Path) -> None:
+    """A passive node allocates no receive buffer at its first publish, but a bootstrap (``dpwa run --resume``
+    asks for one whatever the file says) fetches: it takes its one buffer then."""
+    cfg = load_config(bipartite_cluster(tmp_path, fetch_probability=0.0))
+    with DpwaConnection("w1", cfg, seed=1) as ahead, DpwaConnection("w2", cfg, seed=2) as passive:
+        theirs, mine = start_params(2)
+        for _ in range(3):
+            ahead.update_send(theirs, 1.0)
+            ahead.update_wait(1.0)
+        assert passive.bootstrap(mine, timeout_s=20) == "w1"
+        assert all(np.array_equal(m, t) for m, t in zip(mine, theirs))
+        assert len(passive._node.transfer.fetcher.slots) == 1
+        passive.update_send(mine, 1.0)  # then it trains, fetching nobody
+        passive.update_wait(1.0)
+        assert passive.stats().get("fetches_started", 0) == 1  # the bootstrap's
+
+
+@pytest.mark.timing  # the refusal is awaited (10 s at most)
+def test_an_active_node_refuses_a_peers_exchange_as_unsupported_and_keeps_its_params(tmp_path: Path) -> None:
+    """A member that runs the plain rule (another file) and starts an exchange with an active node: refused
+    ``unsupported`` and counted; the active node's parameters never see the push."""
+    bipartite = load_config(bipartite_cluster(tmp_path, fetch_probability=0.0))  # w1 starts no exchange itself
+    plain = load_config(write_cluster(tmp_path / "p.yaml", [n.port for n in bipartite.nodes], interpolation="adpsgd"))
+    with DpwaConnection("w1", bipartite, seed=1) as active, DpwaConnection("w2", plain, seed=2) as other:
+        mine, theirs = start_params(2)
+        before = [a.copy() for a in mine]
+        active.update_send(mine, 1.0)  # publishes
+        for _ in range(3):
+            other.update_send(theirs, 1.0)
+            other.update_wait(1.0)
+        wait_until(lambda: active.stats().get("pushes_unsupported", 0) >= 1, 10, message="an exchange refused")
+        active.update_wait(1.0)  # a push taken would be mixed here
+        assert all(np.array_equal(a, b) for a, b in zip(mine, before))
+        assert len(active._node.transfer.inbox._slots) == 0

@@ -171,6 +171,8 @@ class PushReceiver:
         self._lock = threading.Condition()
         """Guards everything below; notified when a sender's round is settled here (:meth:`wait_rounds`)."""
         self._slots: list[InboxSlot] = []
+        self._takes = True
+        """False once allocated with no slot (an active AD-PSGD node): every push is refused ``unsupported``."""
         self._reader: PayloadReader | None = None
         self._bounds: list[tuple[int, int]] = []
         self._verdicts: dict[str, tuple[int, bool | None]] = {}
@@ -196,8 +198,9 @@ class PushReceiver:
         """Allocate the slots for ``local`` (once, at the node's first publish): ``slots`` of them (None: the
         number given at construction)."""
         with self._lock:
-            if self._slots:
+            if self._slots or not self._takes:
                 return
+            self._takes = slots != 0
             for i in range(self._n_slots if slots is None else slots):
                 buffer = local.allocate()
                 self._slots.append(InboxSlot(i, buffer, local.views(buffer)))
@@ -271,6 +274,11 @@ class PushReceiver:
         sender = header.node
         if self._stranger(sender, user):
             return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
+        if not self._takes:  # an active AD-PSGD node: it starts exchanges, it takes none
+            self._on_event("pushes_unsupported", 1)
+            with self._lock:
+                self._settle_round(sender, header)
+            return wire.encode_error(self.name, header.req, ErrorCode.UNSUPPORTED, "this node takes no exchanges")
         ready = self._ready()
         if ready is None:  # refused before this node's first publish: the sender keeps its mass, the round is over
             with self._lock:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,12 +41,13 @@ class AdpsgdSettings(Settings):
     bipartite: bool = setting(False, spec=Flag(), omit_default=True)
 
 
-def is_active(name: str, roster: Sequence[str]) -> bool:
+def is_active(name: str, roster: Sequence[str] | Mapping[str, int]) -> bool:
     """A node's role under ``bipartite: true``: the first, third, ... node of ``roster`` (the cluster file's nodes,
-    in file order) is active, the second, fourth, ... passive; a node not in it by the parity of the CRC-32 of its
-    name. A pure function: every node computes every role alike."""
-    if name in roster:
-        return list(roster).index(name) % 2 == 0
+    in file order; or a mapping of each to its position) is active, the second, fourth, ... passive; a node not in
+    it by the parity of the CRC-32 of its name. A pure function: every node computes every role alike."""
+    position = roster.get(name) if isinstance(roster, Mapping) else (roster.index(name) if name in roster else None)
+    if position is not None:
+        return position % 2 == 0
     return zlib.crc32(name.encode()) % 2 == 0
 
 

@@ -235,15 +235,26 @@ class BipartiteSchedule(Schedule):
 
     def __init__(self, roster: Sequence[str] = ()) -> None:
         self.roster = tuple(roster)
+        self._positions = {n: i for i, n in enumerate(self.roster)}
+        self._passive: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())
+        """The members last asked about and the passive ones among them (a step costs O(1) until they change)."""
 
     def _active(self, name: str, names: Sequence[str]) -> bool:
-        return is_active(name, self.roster or names)
+        return is_active(name, self._positions or {n: i for i, n in enumerate(names)})
+
+    def _passive_among(self, names: tuple[str, ...]) -> frozenset[str]:
+        members, passive = self._passive
+        if members != names:
+            positions = self._positions or {n: i for i, n in enumerate(names)}
+            passive = frozenset(n for n in names if not is_active(n, positions))
+            self._passive = (names, passive)
+        return passive
 
     def targets(self, rnd: Round) -> list[str] | None:
-        return None if self._active(rnd.me, rnd.names) else []
+        return [] if rnd.me in self._passive_among(rnd.names) else None
 
     def candidates(self, rnd: Round) -> frozenset[str]:
-        return frozenset(n for n in rnd.names if n != rnd.me and not self._active(n, rnd.names))
+        return self._passive_among(rnd.names) - {rnd.me}
 
     def fetches(self, me: str, names: Sequence[str]) -> bool:
         return self._active(me, names)

@@ -114,9 +114,9 @@ class TransferPattern(ABC):
 
     def allocate(self, layout: Layout) -> None:
         """The first publish: allocate the buffers replies (and pushes) land in: at least one, none for a node
-        whose schedule never has it fetch (AD-PSGD's passive nodes) unless it bootstraps from a peer."""
+        whose schedule never has it fetch (AD-PSGD's passive nodes; a bootstrap allocates its one then)."""
         host = self.host
-        fetches = host.schedule.fetches(host.name, host.names) or host.config.bootstrap != "none"
+        fetches = host.schedule.fetches(host.name, host.names)
         self.fetcher.allocate(layout, max(1, self.receive_buffers()) if fetches else 0)
 
     # ------------------------------------------------------------ the step (trainer thread)

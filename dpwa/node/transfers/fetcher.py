@@ -68,12 +68,15 @@ class Fetcher:
         """No peer was up at the latest fetch: the node trains alone until one answers."""
         self._gens: dict[str, int] = {}
         self._gens_lock = threading.Lock()
+        self._layout: Layout | None = None
+        """The receive layout :meth:`allocate` was given."""
         self._lent: list[tuple[FetchTarget, int]] = []
         """The targets of the collected job whose views lie in a peer's segment, with the job's request id."""
 
     def allocate(self, layout: Layout, count: int) -> None:
         """Allocate ``count`` receive buffers in ``layout`` (once, at the first publish; 0: a node that never
-        fetches)."""
+        fetches, which still gets one if it bootstraps: :meth:`fetch_one`)."""
+        self._layout = layout
         for _ in range(count):
             buffer = layout.allocate()
             self.slots.append((buffer, layout.views(buffer)))
@@ -106,7 +109,7 @@ class Fetcher:
         if not chosen:
             host.stats.add("fetches_skipped")
             if not self.alone and len(host.names) > 1 and wanted:
-                log.warning("node %s: no peer is up; training alone (factor 0) until one answers", host.name)
+                log.warning("node %s: no peer to fetch is up; training alone (factor 0) until one answers", host.name)
             self.alone = True
             return None
         return [FetchTarget(peer, buf, views) for peer, (buf, views) in zip(chosen, self.slots)], extras
@@ -182,7 +185,12 @@ class Fetcher:
 
     def fetch_one(self, peer: str, deadline: float) -> PeerSnapshot | None:
         """Fetch ``peer``'s snapshot into the first receive buffer, waiting at most until one exchange timeout from
-        now (or ``deadline``, if sooner) plus the verdict slack; the snapshot, or None when it did not come."""
+        now (or ``deadline``, if sooner) plus the verdict slack; the snapshot, or None when it did not come. A node
+        that allocated no receive buffer (it never fetches: AD-PSGD's passive nodes) allocates one now."""
+        if not self.slots:
+            assert self._layout is not None, "fetch_one before the first publish"
+            buffer = self._layout.allocate()
+            self.slots.append((buffer, self._layout.views(buffer)))
         buffer, views = self.slots[0]
         target = FetchTarget(peer, buffer, views)
         due = min(deadline, time.monotonic() + self.host.timeouts.exchange_s)

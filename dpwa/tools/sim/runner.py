@@ -230,12 +230,11 @@ def _cluster(
         return problem.step_batch(np.array([m.index for m in members]), params, lrs)
 
     pairs: list[Any] = []
+    names = [f"w{i + 1}" for i in range(n)]
 
     def rule() -> Any:  # the rule and the schedule are made together (an outer optimizer wraps both)
         made = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
-        pairs.append(
-            with_outer(made, make_schedule(cfg.schedule, cfg.settings, [n.name for n in cfg.nodes]), cfg.outer)
-        )
+        pairs.append(with_outer(made, make_schedule(cfg.schedule, cfg.settings, names), cfg.outer))
         return pairs[-1][0]
 
     settings = ClusterSettings(
@@ -246,7 +245,7 @@ def _cluster(
         wire_itemsize=WIRE_ITEMSIZE.get(cfg.wire_dtype, 0),
     )
     return EventSimulation(
-        [f"w{i + 1}" for i in range(n)],
+        names,
         [problem.views(params[i]) for i in range(n)],
         rule,
         lambda: pairs[-1][1],
