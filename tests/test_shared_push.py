@@ -123,7 +123,9 @@ def test_a_push_naming_a_bad_segment_is_refused_counted_and_never_mixed(tmp_path
     parameters untouched; a PUSH from a name that is no member is refused ``identity`` before anything is looked
     at. Then a good one: ACKed saying the sender may push through shared memory, and mixed."""
     ports = free_ports(2)
-    config = write_cluster(tmp_path / "c.yaml", ports, interpolation="pushsum", timeout_ms=2000)
+    # w2 never runs: its pushes wait out timeout_ms in each update_wait and twice at close (the refusals come
+    # back at once whatever it is, and a push taken is held until the next update_wait, not timed out)
+    config = write_cluster(tmp_path / "c.yaml", ports, interpolation="pushsum", timeout_ms=500)
     x = [np.zeros(1000, np.float32)]
     layout = Layout.of(x)
     conn = DpwaConnection("w1", str(config), seed=1, params=x)
