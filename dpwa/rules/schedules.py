@@ -239,10 +239,8 @@ class BipartiteSchedule(Schedule):
         self._passive: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())
         """The members last asked about and the passive ones among them (a step costs O(1) until they change)."""
 
-    def _active(self, name: str, names: Sequence[str]) -> bool:
-        return is_active(name, self._positions or {n: i for i, n in enumerate(names)})
-
-    def _passive_among(self, names: tuple[str, ...]) -> frozenset[str]:
+    def _passive_among(self, names: Sequence[str]) -> frozenset[str]:
+        names = tuple(names)
         members, passive = self._passive
         if members != names:
             positions = self._positions or {n: i for i, n in enumerate(names)}
@@ -257,10 +255,10 @@ class BipartiteSchedule(Schedule):
         return self._passive_among(rnd.names) - {rnd.me}
 
     def fetches(self, me: str, names: Sequence[str]) -> bool:
-        return self._active(me, names)
+        return me not in self._passive_among(names)
 
     def fetched(self, me: str, names: Sequence[str]) -> bool:
-        return not self._active(me, names)
+        return me in self._passive_among(names)
 
     def __repr__(self) -> str:
         return f"BipartiteSchedule(roster={self.roster!r})"

@@ -78,8 +78,11 @@ class Fetcher:
         fetches, which still gets one if it bootstraps: :meth:`fetch_one`)."""
         self._layout = layout
         for _ in range(count):
-            buffer = layout.allocate()
-            self.slots.append((buffer, layout.views(buffer)))
+            self._add_slot(layout)
+
+    def _add_slot(self, layout: Layout) -> None:
+        buffer = layout.allocate()
+        self.slots.append((buffer, layout.views(buffer)))
 
     def in_flight(self) -> bool:
         """True while the pending job has a target without a verdict (any thread)."""
@@ -189,8 +192,7 @@ class Fetcher:
         that allocated no receive buffer (it never fetches: AD-PSGD's passive nodes) allocates one now."""
         if not self.slots:
             assert self._layout is not None, "fetch_one before the first publish"
-            buffer = self._layout.allocate()
-            self.slots.append((buffer, self._layout.views(buffer)))
+            self._add_slot(self._layout)
         buffer, views = self.slots[0]
         target = FetchTarget(peer, buffer, views)
         due = min(deadline, time.monotonic() + self.host.timeouts.exchange_s)

@@ -54,7 +54,7 @@ class InboxTransfer(TransferPattern):
 
     def allocate(self, layout: Layout) -> None:
         """The receive buffers, and the inbox's slots unless no peer ever pushes to this node (AD-PSGD's active
-        nodes: a push reaching one is refused ``not-ready``)."""
+        nodes: a push reaching one is refused ``unsupported``)."""
         super().allocate(layout)
         host = self.host
         self.inbox.allocate(layout, host.config.inbox_slots if host.schedule.fetched(host.name, host.names) else 0)
