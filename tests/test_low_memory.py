@@ -331,8 +331,14 @@ def test_a_low_memory_pull_node_keeps_its_snapshot_in_a_narrower_wire_dtype_alon
     its receive buffer) in the wire's dtype alone (GEM reads it, push-sum returns refused mass from it: a plain copy
     stays, as in the default mode); two such nodes mix each other's rounded model, whole."""
     transport = {"shared_memory": "off", "memory": memory}
+    # timeout_ms 500: push-sum's one step waits that long for the push of w1, which only publishes
     config = write_cluster(
-        tmp_path / "c.yaml", free_ports(2), interpolation=rule, transport=transport, wire_dtype="bfloat16"
+        tmp_path / "c.yaml",
+        free_ports(2),
+        interpolation=rule,
+        transport=transport,
+        wire_dtype="bfloat16",
+        timeout_ms=500,
     )
     a, b = DpwaConnection("w1", str(config), seed=1), DpwaConnection("w2", str(config), seed=2)
     try:

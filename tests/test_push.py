@@ -205,10 +205,14 @@ def test_every_local_step_lands_whole_on_the_numerator_over_the_network(tmp_path
         close_all(conns)
 
 
-@pytest.mark.slow  # 13 s here
+@pytest.mark.slow  # 6 s here
 def test_pushsum_mass_survives_dropped_pushes_and_dropped_acks(tmp_path: Path) -> None:
     """A faulty transport loses pushes (the receiver never sees them) and ACKs (it took the push, the sender never
-    hears): SETTLE queries settle each one, and the weights still sum to N within 1e-9, the average exact."""
+    hears): SETTLE queries settle each one, and the weights still sum to N within 1e-9, the average exact.
+
+    60 steps of 4 nodes, a fifth of the pushes and of the ACKs lost: 5 runs (2026-11-28) each lost 48 pushes and 35
+    ACKs, queried 83 and had 50 pushes returned, against the bounds of 5-10 asserted (a step whose push waits out
+    the 150 ms timeout is most of the test's time)."""
 
     def lossy(seed: int) -> Faults:
         rng = random.Random(seed)
@@ -220,7 +224,7 @@ def test_pushsum_mass_survives_dropped_pushes_and_dropped_acks(tmp_path: Path) -
         params = start_params(4, seed=3)
         mean0 = np.mean([np.concatenate([a.ravel() for a in p]) for p in params], axis=0)
         rng = random.Random(2)
-        run_threads(conns, params, 120, lambda i, k: rng.random() * 0.003)
+        run_threads(conns, params, 60, lambda i, k: rng.random() * 0.003)
         for f in faults:
             f.drop = None
         quiesce(conns)
@@ -235,7 +239,7 @@ def test_pushsum_mass_survives_dropped_pushes_and_dropped_acks(tmp_path: Path) -
         close_all(conns)
 
 
-@pytest.mark.slow  # ~11 s here: the receiver is slow on purpose
+@pytest.mark.slow  # ~8 s here: the receiver is slow on purpose
 def test_osgp_keeps_at_most_overlap_pushes_unacknowledged_under_a_slow_receiver(tmp_path: Path) -> None:
     """OSGP (overlap 2) against receivers that hold every ACK 0.2 s: update_wait returns with at most two
     pushes unacknowledged, blocking only beyond; with overlap 0 every push is acknowledged by its step's end."""
@@ -261,7 +265,7 @@ def test_osgp_keeps_at_most_overlap_pushes_unacknowledged_under_a_slow_receiver(
                     lags.append(sum(p.status == "sending" for p in ledger.unresolved()))
                     waits.append(conn.last_exchange["wait_ms"])
 
-            run_threads(conns, params, 30, lambda i, k: 0.01, record)
+            run_threads(conns, params, 20, lambda i, k: 0.01, record)
             assert max(lags) <= overlap, lags
             if overlap:
                 assert lags.count(overlap) >= 3, lags  # the overlap is used, not only allowed
