@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from dpwa.tools import demo
 from dpwa.tools.bench.fingerprint import SUFFIX, ParamRecorder
 from dpwa.tools.bench.procs import read_rss_kib, worker_start
 from dpwa.utils.atomic import write_atomically
+from dpwa.utils.exiting import exit_now
 
 __all__ = [
     "EXIT_NO_GO",
@@ -253,4 +253,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # its adapter closed, its files written: no teardown

@@ -40,7 +40,6 @@ import logging
 import mmap
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from dpwa.tools import demo
 from dpwa.tools.bench.fingerprint import SUFFIX, ParamRecorder
 from dpwa.tools.bench.procs import worker_start
 from dpwa.utils.atomic import write_atomically
+from dpwa.utils.exiting import exit_now
 from dpwa.utils.partition import class_histogram
 
 __all__ = [
@@ -357,4 +357,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # its adapter closed, its files written: no teardown
