@@ -283,7 +283,8 @@ def test_no_model_sized_allocation_after_warm_up(tmp_path: Path, wire_dtype: str
 @pytest.mark.timing
 def test_close_stops_the_converter_thread_too(tmp_path: Path):
     ports = free_ports(2)
-    cfg = write_cluster(tmp_path / "c.yaml", ports, wire_dtype="bfloat16")
+    # timeout_ms 300: update_wait waits that long for w2, which never comes; nothing asserted depends on it
+    cfg = write_cluster(tmp_path / "c.yaml", ports, wire_dtype="bfloat16", timeout_ms=300)
     conn = DpwaConnection("w1", cfg)
     conn.update_send([np.ones(3_000_000, np.float32)], 1.0)  # the converter starts on it
     assert any(t.name == "dpwa-wire-w1" for t in threading.enumerate())
