@@ -28,7 +28,6 @@ import functools
 import multiprocessing
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -166,21 +165,39 @@ def _id(case: tuple[str, str, Any]) -> str:
 WORKERS = max(1, min(4, len(os.sched_getaffinity(0))))
 """Processes that compute the simulator's cases (:func:`averaging_figures`): the simulator is deterministic, so
 a case's figures are the same in any process; only the wall time changes."""
+CASE_TIMEOUT_S = 60.0
+"""The longest one case may take (about 1 s on 2 cores)."""
+Figures = tuple[float, float, float]
 
 
-def in_processes(calls: list[tuple[Any, ...]]) -> list[tuple[float, float, float]]:
-    """``consensus_error(*call)`` for every call, WORKERS processes at a time (spawned: nothing of this process but
-    its imports travels), in the order given."""
-    with ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(consensus_error, *call) for call in calls]
-        return [future.result(timeout=300) for future in futures]
+def in_processes(calls: list[tuple[Any, ...]]) -> list[Figures | Exception]:
+    """``consensus_error(*call)`` for every call, in the order given, WORKERS spawned processes at a time (nothing of
+    this process but its imports travels). A call that raised, or took over CASE_TIMEOUT_S, gives its exception in
+    its place; leaving the pool terminates its workers, also when the test's own timeout interrupts the wait."""
+    with multiprocessing.get_context("spawn").Pool(WORKERS) as pool:
+        pending = [pool.apply_async(consensus_error, call) for call in calls]
+        results: list[Figures | Exception] = []
+        for job in pending:
+            try:
+                results.append(job.get(timeout=CASE_TIMEOUT_S))
+            except Exception as exc:  # that case's failure, raised in its own test (figures_of)
+                results.append(exc)
+        return results
 
 
 @functools.cache
-def averaging_figures(seed: int, loss_rate: float) -> dict[str, tuple[float, float, float]]:
+def averaging_figures(seed: int, loss_rate: float) -> dict[str, Figures | Exception]:
     """``consensus_error`` of every AVERAGING case (by its id) for ``seed`` and ``loss_rate``, computed once."""
     figures = in_processes([(*case, seed, loss_rate) for case in AVERAGING])
     return {_id(case): f for case, f in zip(AVERAGING, figures)}
+
+
+def figures_of(case: tuple[str, str, Any], seed: int, loss_rate: float) -> Figures:
+    """The case's figures from :func:`averaging_figures`, or the exception its computation raised."""
+    figures = averaging_figures(seed, loss_rate)[_id(case)]
+    if isinstance(figures, Exception):
+        raise figures
+    return figures
 
 
 @pytest.mark.parametrize("case", AVERAGING, ids=_id)
@@ -188,7 +205,7 @@ def averaging_figures(seed: int, loss_rate: float) -> dict[str, tuple[float, flo
 def test_an_averaging_rule_reaches_the_minimizer_of_the_average_objective(
     case: tuple[str, str, Any], seed: int, record_property: Callable[[str, object], None]
 ) -> None:
-    _, spread, bias = averaging_figures(seed, 0.0)[_id(case)]
+    _, spread, bias = figures_of(case, seed, 0.0)
     record_property("bias", bias)
     record_property("spread", spread)
     bias_tol, spread_tol = bounds(case)
@@ -203,7 +220,7 @@ def test_lost_messages_do_not_move_the_consensus_point(
 ) -> None:
     """Replies lost and pushes refused in the first third: push-sum's mass comes back, a pull rule only mixes
     less; either way the point stays the unweighted mean."""
-    _, spread, bias = averaging_figures(seed, LOSS_RATE)[_id(case)]
+    _, spread, bias = figures_of(case, seed, LOSS_RATE)
     record_property("bias", bias)
     bias_tol, spread_tol = bounds(case)
     assert bias < bias_tol and spread < spread_tol, (bias, spread)
@@ -229,6 +246,8 @@ def test_gem_weighs_the_nodes_by_their_motion_a_bias_the_pull_rule_does_not_have
     simulator), its mean bias is more than twice the plain pull rule's (measured 0.066 against 0.021), and its
     nodes still meet (spread below the averaging rules' bound)."""
     figures = in_processes([(rule, "random", None, seed) for rule in ("gem", "constant") for seed in GEM_SEEDS])
+    for failed in (f for f in figures if isinstance(f, Exception)):
+        raise failed
     gem, pull = figures[: len(GEM_SEEDS)], figures[len(GEM_SEEDS) :]
     gem_bias, pull_bias = float(np.mean([b for _, _, b in gem])), float(np.mean([b for _, _, b in pull]))
     record_property("gem_bias", gem_bias)

@@ -214,6 +214,7 @@ def run(spec: dict[str, Any], rank: int) -> int:
         write_atomically(run_dir / f"{name}{READY_SUFFIX}", json.dumps(ready))
         if not wait_for_go(run_dir / GO_FILE, float(spec["start_timeout_s"])):
             log.error("node %s: no go from the bench within %s s", name, spec["start_timeout_s"])
+            recorder.close()
             return EXIT_NO_GO
         recorder.record(0, flat(model))
         cpu = time.process_time()
