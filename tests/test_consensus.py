@@ -173,14 +173,15 @@ Figures = tuple[float, float, float]
 def in_processes(calls: list[tuple[Any, ...]]) -> list[Figures | Exception]:
     """``consensus_error(*call)`` for every call, in the order given, WORKERS spawned processes at a time (nothing of
     this process but its imports travels). A call that raised, or took over CASE_TIMEOUT_S, gives its exception in
-    its place; leaving the pool terminates its workers, also when the test's own timeout interrupts the wait."""
+    its place (:func:`checked` raises it); leaving the pool terminates its workers, also when the test's own
+    timeout interrupts the wait."""
     with multiprocessing.get_context("spawn").Pool(WORKERS) as pool:
         pending = [pool.apply_async(consensus_error, call) for call in calls]
         results: list[Figures | Exception] = []
         for job in pending:
             try:
                 results.append(job.get(timeout=CASE_TIMEOUT_S))
-            except Exception as exc:  # that case's failure, raised in its own test (figures_of)
+            except Exception as exc:  # that case's failure, raised in its own test (checked)
                 results.append(exc)
         return results
 
@@ -192,12 +193,16 @@ def averaging_figures(seed: int, loss_rate: float) -> dict[str, Figures | Except
     return {_id(case): f for case, f in zip(AVERAGING, figures)}
 
 
-def figures_of(case: tuple[str, str, Any], seed: int, loss_rate: float) -> Figures:
-    """The case's figures from :func:`averaging_figures`, or the exception its computation raised."""
-    figures = averaging_figures(seed, loss_rate)[_id(case)]
+def checked(figures: Figures | Exception) -> Figures:
+    """The figures :func:`in_processes` gave, or the exception their computation raised."""
     if isinstance(figures, Exception):
         raise figures
     return figures
+
+
+def figures_of(case: tuple[str, str, Any], seed: int, loss_rate: float) -> Figures:
+    """The case's figures from :func:`averaging_figures` (:func:`checked`)."""
+    return checked(averaging_figures(seed, loss_rate)[_id(case)])
 
 
 @pytest.mark.parametrize("case", AVERAGING, ids=_id)
@@ -245,9 +250,8 @@ def test_gem_weighs_the_nodes_by_their_motion_a_bias_the_pull_rule_does_not_have
     """GEM is ``constant`` with element-wise factors from each node's own motion: over the same seeds (exact: the
     simulator), its mean bias is more than twice the plain pull rule's (measured 0.066 against 0.021), and its
     nodes still meet (spread below the averaging rules' bound)."""
-    figures = in_processes([(rule, "random", None, seed) for rule in ("gem", "constant") for seed in GEM_SEEDS])
-    for failed in (f for f in figures if isinstance(f, Exception)):
-        raise failed
+    calls = [(rule, "random", None, seed) for rule in ("gem", "constant") for seed in GEM_SEEDS]
+    figures = [checked(f) for f in in_processes(calls)]
     gem, pull = figures[: len(GEM_SEEDS)], figures[len(GEM_SEEDS) :]
     gem_bias, pull_bias = float(np.mean([b for _, _, b in gem])), float(np.mean([b for _, _, b in pull]))
     record_property("gem_bias", gem_bias)
