@@ -16,11 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_ports, wait_until, write_cluster
+from conftest import free_ports, port_is_free, wait_until, write_cluster
+from test_membership import FAST, Trainers, fetched_ok, flat
 from test_push import close_all, quiesce, run_threads, start_params
 
-from dpwa.config import ClusterConfig, ConfigError, load_config
+from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
 from dpwa.node.connection import DpwaConnection
+from dpwa.node.members import JoinRefused
 from dpwa.node.peers import FlowControl
 from dpwa.rules import NodeState, make_rule
 from dpwa.rules.adpsgd import AdpsgdSettings, is_active
@@ -79,7 +81,9 @@ def test_bipartite_takes_only_random_peers_and_the_config_says_where() -> None:
         make_schedule("exponential", AdpsgdSettings(bipartite=True), NAMES)
 
 
-def test_a_cluster_file_with_bipartite_on_another_schedule_or_joining_names_the_key_and_line(tmp_path: Path) -> None:
+def test_a_cluster_file_with_bipartite_on_another_schedule_names_the_key_and_line_a_joining_one_loads(
+    tmp_path: Path,
+) -> None:
     path = write_cluster(tmp_path / "c.yaml", [1, 2], interpolation="adpsgd", peers="exponential")
     path.write_text(path.read_text() + "adpsgd:\n  bipartite: true\n")
     line = path.read_text().splitlines().index("  bipartite: true") + 1
@@ -89,10 +93,27 @@ def test_a_cluster_file_with_bipartite_on_another_schedule_or_joining_names_the_
     assert "peers random" in info.value.reason
     joining = tmp_path / "j.yaml"
     joining.write_text("join: 127.0.0.1:5000\ninterpolation: adpsgd\nadpsgd:\n  bipartite: true\n")
+    assert load_config(joining).settings == AdpsgdSettings(bipartite=True)
+    joining.write_text(joining.read_text() + "peers: ring\n")
     with pytest.raises(ConfigError) as info:
         load_config(joining)
     assert (info.value.key, info.value.line) == ("adpsgd.bipartite", 4)
-    assert "joining" in info.value.reason
+
+
+def test_a_joining_node_places_everyone_by_name_until_it_adopts_the_files_order() -> None:
+    """Before its JOIN is answered a joining node knows no file order: every role comes from the name (its own is
+    the one the cluster gives it); then the file's order places the file's nodes, whatever their names' order."""
+    schedule = make_schedule("random", AdpsgdSettings(bipartite=True), ())
+    assert schedule.splits_roles() and not make_schedule("random", AdpsgdSettings()).splits_roles()
+    names = ("b", "a", "c", "j4")
+    by_name = {n: is_active(n, ()) for n in names}
+    assert {n: schedule.fetches(n, names) for n in names} == by_name
+    schedule.adopt_roster(("b", "a", "c"))
+    assert {n: schedule.fetches(n, names) for n in names} == {"b": True, "a": False, "c": True, "j4": by_name["j4"]}
+    assert schedule.candidates(rnd("b", names)) == {"a"} | ({"j4"} if not by_name["j4"] else set())
+    outer = OuterSchedule(make_schedule("random", AdpsgdSettings(bipartite=True), ()), every=2)
+    outer.adopt_roster(("a", "b"))
+    assert outer.splits_roles() and outer.fetches("a", ("a", "b")) and not outer.fetches("b", ("a", "b"))
 
 
 def test_the_outer_optimizer_passes_the_roles_through() -> None:
@@ -246,3 +267,79 @@ def test_an_active_node_refuses_a_peers_exchange_as_unsupported_and_keeps_its_pa
         active.update_wait(1.0)  # a push taken would be mixed here
         assert all(np.array_equal(a, b) for a, b in zip(mine, before))
         assert len(active._node.transfer.inbox._slots) == 0
+
+
+# --------------------------------------------------------------------------- joining a bipartite cluster
+
+ROLES = {"interpolation": "adpsgd", "rule_settings": {"adpsgd": AdpsgdSettings(bipartite=True)}, **FAST}
+
+
+def joining(name: str, port: int, via: int, **settings: object) -> DpwaConnection:
+    """Node ``name`` joins through the member on ``via`` with a file of its own (``ROLES`` unless overridden)."""
+    nodes = (NodeSpec(name, "127.0.0.1", port),)
+    cfg = ClusterConfig(nodes=nodes, join=f"127.0.0.1:{via}", **{**ROLES, **settings})  # type: ignore[arg-type]
+    return DpwaConnection(name, cfg, seed=port)
+
+
+@pytest.mark.integration
+def test_nodes_joining_a_bipartite_cluster_take_the_roles_of_their_names_and_the_mean_is_kept() -> None:
+    """The file's nodes b, a, c (file order is not the names' order: b and c active, a passive) and two joiners
+    whose files say ``bipartite: true``, one active and one passive by the CRC-32 of their names. A joiner learns
+    the file's order from its JOIN's answer; each takes its role: an active node fetches passive members only and
+    allocates no inbox, a passive one fetches nobody and allocates no receive buffer. Every exchange joins an
+    active and a passive node, so the mean of the five models is kept (1e-6; nobody trains). A joiner whose file
+    takes no roles is refused, with the reason."""
+    ports = free_ports(6)
+    roster = ("b", "a", "c")
+    cfg = ClusterConfig(nodes=tuple(NodeSpec(n, "127.0.0.1", p) for n, p in zip(roster, ports)), **ROLES)  # type: ignore[arg-type]
+    conns = [DpwaConnection(name, cfg, seed=i) for i, name in enumerate(roster)]
+    candidates = [f"j{i}" for i in range(16)]
+    active, passive = (next(n for n in candidates if is_active(n, ()) is role) for role in (True, False))
+    trainers = Trainers()
+    try:
+        for i, conn in enumerate(conns):
+            trainers.start(conn, float(i))
+        with pytest.raises(JoinRefused, match="must say bipartite: true"):
+            joining("plain", ports[5], via=ports[0], rule_settings={})
+        conns += [joining(active, ports[3], via=ports[1]), joining(passive, ports[4], via=ports[2])]
+        trainers.start(conns[3], 100.0)
+        trainers.start(conns[4], -100.0)
+        by_name = {c.name: c for c in conns}
+        wait_until(  # 20 of its exchanges: one with a node it took for passive by mistake would show
+            lambda: (
+                fetched_ok(by_name[active], "a") + fetched_ok(by_name[active], passive) >= 20
+                and min(fetched_ok(by_name[active], "a"), fetched_ok(by_name[active], passive)) > 0
+                and fetched_ok(by_name["b"], passive) + fetched_ok(by_name["c"], passive) > 0
+            ),
+            30,
+            message="the active joiner fetched both passive nodes 20 times, a file node the passive joiner",
+        )
+        trainers.halt()
+        quiesce(conns)
+        mean = np.mean([flat(trainers.params[c.name]) for c in conns])
+        assert abs(mean - (0 + 1 + 2 + 100 - 100) / 5) < 1e-6
+        for conn in conns:
+            node, stats = conn._node, conn.stats()
+            assert node.names[:3] == roster, conn.name  # the file's order, on the joiners too
+            if is_active(conn.name, roster):
+                tried = {p for p, counts in stats["by_peer"].items() if any(counts.values())}
+                assert tried <= {"a", passive}, (conn.name, stats["by_peer"])  # never an active node
+                assert stats.get("pushes_unsupported", 0) == 0, conn.name  # so none refused an exchange
+                assert node.rule.passive == 0 and len(node.transfer.inbox._slots) == 0, conn.name
+            else:
+                assert stats.get("fetches_started", 0) == 0 and len(node.transfer.fetcher.slots) == 0, conn.name
+                assert node.rule.active == 0 and node.rule.passive > 0, conn.name
+    finally:
+        trainers.halt()
+        close_all(conns)
+
+
+@pytest.mark.integration
+def test_a_joiner_that_takes_a_role_is_refused_by_a_cluster_without_roles() -> None:
+    """The other way round: a joining file that says ``bipartite: true``, a cluster whose nodes take no roles."""
+    ports = free_ports(2)
+    plain = ClusterConfig(nodes=(NodeSpec("w1", "127.0.0.1", ports[0]),), interpolation="adpsgd", **FAST)
+    with DpwaConnection("w1", plain, seed=0) as member:
+        with pytest.raises(JoinRefused, match="take no active/passive roles"):
+            joining("j1", ports[1], via=ports[0])
+        assert member.stats()["joins_refused"] == 1 and port_is_free(ports[1])

@@ -237,6 +237,13 @@ def test_fetch_may_carry_rule_extras():
         wire.decode_message(_raw(1, {"node": "w1", "req": 1, "fp": "x", "extras": [1]}))
 
 
+def test_a_join_says_whether_its_file_splits_the_nodes_into_roles():
+    assert wire.decode_message(wire.encode_join("j1", 2, "127.0.0.1", 5000, bipartite=True)).bipartite is True
+    assert wire.decode_message(wire.encode_join("j1", 2, "127.0.0.1", 5000)).bipartite is False
+    with pytest.raises(WireError, match="bipartite"):
+        wire.decode_message(_raw(7, {"node": "j1", "req": 1, "host": "h", "port": 1, "bipartite": 1}))
+
+
 @pytest.mark.parametrize("key", ["clock", "loss"])
 def test_an_integer_beyond_float_range_is_a_wire_error_not_a_crash(key):
     with pytest.raises(WireError) as err:

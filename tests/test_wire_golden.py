@@ -78,6 +78,10 @@ GOLDEN = {
         wire.encode_join("j1", 5, "10.0.0.9", 46000),
         header(7, '{"node":"j1","req":5,"host":"10.0.0.9","port":46000}'),
     ),
+    "join bipartite": (
+        wire.encode_join("j1", 6, "10.0.0.9", 46000, bipartite=True),
+        header(7, '{"node":"j1","req":6,"host":"10.0.0.9","port":46000,"bipartite":true}'),
+    ),
     "members": (
         wire.encode_members("w1", 5, NEWS, permanent=("w1", "w2"), settled=(9, True), mass=2.0),
         header(8, '{"node":"w1","req":5,"permanent":["w1","w2"],"settled":[9,true],"mass":2.0,' + MEMBERS_JSON + "}"),

@@ -424,14 +424,13 @@ class ClusterConfig:
         self._check_public_keys()
 
     def _check_bipartite(self) -> None:
-        """``bipartite`` draws the roles from the file's nodes in order, and an active node's peer at random."""
+        """``bipartite``: an active node picks its passive peer at random (a joining file may say it too: its nodes
+        learn the cluster file's order from their JOIN's answer and take the role their names give them)."""
         key = f"{self.interpolation}.bipartite"
         if self.schedule != "random":
             raise self.error(
                 key, f"an active node picks a passive peer at random: it takes peers random, not {self.peers}"
             )
-        if self.join:
-            raise self.error(key, "the roles come from the cluster file's nodes in order, which a joining file lacks")
 
     def _every_rules_settings(self) -> dict[str, object]:
         """``rule_settings`` checked (each an instance of its rule's ``settings_class``), with the defaults of

@@ -62,9 +62,8 @@ class DpwaConnection:
         cfg.node(name)  # a clear ConfigError before anything starts
         if rule is None:
             rule = make_rule(cfg.interpolation, cfg.settings, cfg.divergence_threshold)
-        rule, schedule = with_outer(
-            rule, make_schedule(cfg.schedule, cfg.settings, [n.name for n in cfg.nodes]), cfg.outer
-        )
+        roster = () if cfg.join_address is not None else [n.name for n in cfg.nodes]  # a joiner: at its JOIN
+        rule, schedule = with_outer(rule, make_schedule(cfg.schedule, cfg.settings, roster), cfg.outer)
         self._node = Node(name, cfg, rule, schedule, seed, params, transport)
         self._finalizer = weakref.finalize(self, Node.close, self._node)
 

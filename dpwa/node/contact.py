@@ -30,6 +30,7 @@ from dpwa.node.timeouts import Timeouts
 from dpwa.node.transfers import TransferPattern
 from dpwa.node.transport import Transport
 from dpwa.node.wire import Kind
+from dpwa.rules.schedules import Schedule
 from dpwa.security.curve import NodeSecurity
 
 __all__ = ["Contacting", "announce", "ask_members", "join", "join_answer", "wait_for_peers"]
@@ -50,6 +51,8 @@ class Contacting(Protocol):
     security: NodeSecurity | None
     flow: FlowControl
     flow_lock: threading.Lock
+    schedule: Schedule
+    """Sent the cluster file's nodes once a JOIN is answered (AD-PSGD's roles come from their order)."""
     transfer: TransferPattern
     """What the leave announcement says of each member's latest push here (its ``verdict_for``)."""
     started_with: set[str]
@@ -66,7 +69,7 @@ def join(node: Contacting, address: JoinAddress, timeout_s: float) -> Member:
 
     def request() -> tuple[int, bytes]:
         req = next(node.requests)
-        return req, wire.encode_join(node.name, req, me.host, me.port)
+        return req, wire.encode_join(node.name, req, me.host, me.port, bipartite=node.schedule.splits_roles())
 
     own = node.transport.control.join(
         address.name,
@@ -104,8 +107,10 @@ def join_answer(node: Contacting, frames: list[bytes], req: int, address: JoinAd
     if header.kind is not Kind.MEMBERS or header.members is None:
         node.stats.add("stale_replies")
         return None
-    fixed = [m.spec() for m in header.members if m.name in header.permanent]
+    listed = {m.name: m for m in header.members}
+    fixed = [listed[name].spec() for name in header.permanent if name in listed]  # in the file's order
     own = node.membership.adopt(fixed, header.members, mass=header.mass)
+    node.schedule.adopt_roster([spec.name for spec in fixed])
     log.info(
         "node %s: joined the cluster through %s (%s) as version %d; %d members",
         node.name,

@@ -162,6 +162,10 @@ class MemberTable:
     def is_permanent(self, name: str) -> bool:
         return name in self._permanent
 
+    def permanent(self) -> tuple[str, ...]:
+        """The cluster file's nodes in file order, those that left included (AD-PSGD's roles come from it)."""
+        return tuple(self._permanent)
+
     def members(self) -> list[Member]:
         """Every entry, in a stable order (by name)."""
         return [self._entries[n] for n in sorted(self._entries)]

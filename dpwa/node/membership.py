@@ -209,8 +209,10 @@ class Membership:
         return entry
 
     def permanent(self) -> list[str]:
+        """The cluster file's nodes in file order (a JOIN's answer lists them so: the joiner's schedules and
+        AD-PSGD's roles see the order the file's nodes see)."""
         with self._lock:
-            return [m.name for m in self._table.members() if self._table.is_permanent(m.name)]
+            return list(self._table.permanent())
 
     def adopt(self, permanent: Sequence[NodeSpec], entries: Sequence[Member], mass: float | None = None) -> Member:
         """A JOIN was answered: the cluster's file nodes and its table replace this node's (``mass``: the

@@ -30,6 +30,7 @@ from dpwa.node.transfers import TransferPattern
 from dpwa.node.transport import Reply
 from dpwa.node.wire import ErrorCode, Kind, Layout, MemberNews
 from dpwa.rules import NodeState, Rule
+from dpwa.rules.schedules import Schedule
 from dpwa.security.curve import NodeSecurity
 
 __all__ = ["Served", "answer_membership", "give_back", "linger", "serve"]
@@ -45,6 +46,8 @@ class Served(Protocol):
     stats: NodeStats
     once: OnceLog
     rule: Rule
+    schedule: Schedule
+    """Whether the nodes take roles (a JOIN must agree)."""
     state: NodeState
     state_lock: threading.Lock
     """Guards ``state`` and the rule."""
@@ -222,6 +225,8 @@ def _answer_join(node: Served, header: wire.Join, user: str | None) -> bytes:
         refused = f"{node.name} is leaving the cluster; join through another member"
     elif node.security is not None and user != header.node:
         refused = f"the joining node calls itself {header.node!r} but its CURVE key is {user!r}'s"
+    elif header.bipartite != node.schedule.splits_roles():
+        refused = _roles_differ(header.bipartite)
     else:
         try:
             entry = membership.admit(header.node, header.host, header.port)
@@ -239,6 +244,17 @@ def _answer_join(node: Served, header: wire.Join, user: str | None) -> bytes:
         membership.full_news(),
         permanent=membership.permanent(),
         mass=float(membership.incarnations()),
+    )
+
+
+def _roles_differ(joiner_splits: bool) -> str:
+    """Why a JOIN whose file splits AD-PSGD's nodes into roles (or does not) is refused by a member whose does not
+    (or does): a node that takes no role would exchange with either kind, and an active node refuses exchanges."""
+    if joiner_splits:
+        return "the joining file says adpsgd: {bipartite: true}, the cluster's nodes take no active/passive roles"
+    return (
+        "the cluster's AD-PSGD nodes are active or passive (adpsgd: {bipartite: true}); "
+        "the joining file must say bipartite: true too (it then takes the role its name gives it)"
     )
 
 

@@ -448,6 +448,12 @@ class OuterSchedule(Schedule):
     def fetched(self, me: str, names: Sequence[str]) -> bool:
         return self.base.fetched(me, names)
 
+    def splits_roles(self) -> bool:
+        return self.base.splits_roles()
+
+    def adopt_roster(self, roster: Sequence[str]) -> None:
+        self.base.adopt_roster(roster)
+
     def __repr__(self) -> str:
         return f"OuterSchedule({self.base!r}, every={self.every})"
 

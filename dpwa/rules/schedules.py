@@ -99,6 +99,15 @@ class Schedule(ABC):
         """Whether a peer ever starts a round with node ``me``; False: it needs no inbox."""
         return True
 
+    def splits_roles(self) -> bool:
+        """Whether the nodes take roles (AD-PSGD's active and passive, :class:`BipartiteSchedule`): a joining
+        node must agree with the member it joins through (its JOIN says so)."""
+        return False
+
+    def adopt_roster(self, roster: Sequence[str]) -> None:  # noqa: B027 - optional step
+        """A joined node learnt the cluster file's nodes, in file order (the answer to its JOIN): the schedules
+        that place nodes by it take it from now on; the others ignore it."""
+
 
 class RandomSchedule(Schedule):
     """Flow control picks the peer: largest ``score + U{10..1000}``, dead peers probed rarely."""
@@ -229,21 +238,33 @@ class NeighboursSchedule(Schedule):
 class BipartiteSchedule(Schedule):
     """``random`` between two roles (:func:`dpwa.rules.adpsgd.is_active`): an active node's one peer is flow
     control's choice among the passive members; a passive node starts no round. ``roster``: the cluster file's
-    nodes, in file order (empty: each round's members, which a simulation without churn keeps)."""
+    nodes, in file order; ``()`` for a joining node until its JOIN is answered (:meth:`adopt_roster`: until then
+    every member's role comes from its name, its own included, which is the role the cluster gives it); None:
+    each round's members, which a simulation without churn keeps."""
 
     name = "bipartite"
 
-    def __init__(self, roster: Sequence[str] = ()) -> None:
-        self.roster = tuple(roster)
-        self._positions = {n: i for i, n in enumerate(self.roster)}
+    def __init__(self, roster: Sequence[str] | None = None) -> None:
+        self.roster: tuple[str, ...] | None = None
+        self._positions: dict[str, int] = {}
         self._passive: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())
         """The members last asked about and the passive ones among them (a step costs O(1) until they change)."""
+        if roster is not None:
+            self.adopt_roster(roster)
+
+    def splits_roles(self) -> bool:
+        return True
+
+    def adopt_roster(self, roster: Sequence[str]) -> None:
+        self.roster = tuple(roster)
+        self._positions = {n: i for i, n in enumerate(self.roster)}
+        self._passive = ((), frozenset())
 
     def _passive_among(self, names: Sequence[str]) -> frozenset[str]:
         names = tuple(names)
         members, passive = self._passive
         if members != names:
-            positions = self._positions or {n: i for i, n in enumerate(names)}
+            positions = self._positions if self.roster is not None else {n: i for i, n in enumerate(names)}
             passive = frozenset(n for n in names if not is_active(n, positions))
             self._passive = (names, passive)
         return passive
@@ -270,10 +291,11 @@ SCHEDULES: dict[str, type[Schedule]] = {
 }
 
 
-def make_schedule(name: str, settings: Any = None, roster: Sequence[str] = ()) -> Schedule:
+def make_schedule(name: str, settings: Any = None, roster: Sequence[str] | None = None) -> Schedule:
     """The schedule ``name``; ``groups`` takes ``group_size`` and ``sync_every`` from the rule's ``settings``,
     ``neighbours`` its ``graph`` (default ring); ``random`` with AD-PSGD's ``bipartite`` is
-    :class:`BipartiteSchedule` over ``roster`` (the cluster file's nodes)."""
+    :class:`BipartiteSchedule` over ``roster`` (the cluster file's nodes; ``()`` for a joining node, None: each
+    round's members)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown peer schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
     if getattr(settings, "bipartite", False):

@@ -266,9 +266,10 @@ def encode_error(node: str, req: int, code: ErrorCode, detail: str = "", news: M
     return Error(node=node, req=req, code=code.value, detail=detail, news=news).encode()
 
 
-def encode_join(node: str, req: int, host: str, port: int) -> bytes:
-    """Node ``node``, listening on ``host:port``, asks to join; the answer is MEMBERS or ERROR join-refused."""
-    return Join(node=node, req=req, host=host, port=port).encode()
+def encode_join(node: str, req: int, host: str, port: int, bipartite: bool = False) -> bytes:
+    """Node ``node``, listening on ``host:port``, asks to join (``bipartite``: its file splits AD-PSGD's nodes
+    into roles); the answer is MEMBERS or ERROR join-refused."""
+    return Join(node=node, req=req, host=host, port=port, bipartite=bipartite).encode()
 
 
 def encode_members(

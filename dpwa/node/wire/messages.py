@@ -465,18 +465,26 @@ class Join(_Message):
     KIND: ClassVar[Kind] = Kind.JOIN
     host: str
     port: int
+    bipartite: bool = False
+    """The joining node's file splits AD-PSGD's nodes into active and passive ones (left out of the frame when
+    false); a member whose own file says otherwise refuses the join."""
 
     def encode(self) -> bytes:
         """The JOIN header frame."""
-        return _frame(Kind.JOIN, {"node": self.node, "req": self.req, "host": self.host, "port": self.port})
+        body: dict[str, Any] = {"node": self.node, "req": self.req, "host": self.host, "port": self.port}
+        if self.bipartite:
+            body["bipartite"] = True
+        return _frame(Kind.JOIN, body)
 
     @classmethod
     def decode(cls, body: dict[str, Any]) -> Join:
         """A JOIN from its parsed JSON body; raises WireError."""
         node, req, _ = envelope(body)
-        return cls(
-            node=node, req=req, host=required(body, "host", str)[:MAX_NAME_CHARS], port=required(body, "port", int)
-        )
+        bipartite = body.get("bipartite", False)
+        if not isinstance(bipartite, bool):
+            raise WireError("header", "field 'bipartite' of the wrong type")
+        host = required(body, "host", str)[:MAX_NAME_CHARS]
+        return cls(node=node, req=req, host=host, port=required(body, "port", int), bipartite=bipartite)
 
 
 @dataclass(frozen=True, kw_only=True)
