@@ -449,12 +449,16 @@ def test_a_sender_fills_at_most_inbox_per_sender_and_its_oldest_push_is_mixed_fi
     in-neighbour is folded with the round's)."""
     cfg = load_config(
         write_cluster(
-            tmp_path / "c.yaml", free_ports(2), interpolation="pushsum", inbox_per_sender=per_sender, timeout_ms=300
+            tmp_path / "c.yaml",
+            free_ports(2),
+            interpolation="pushsum",
+            inbox_per_sender=per_sender,
+            fetch_probability=0.0,  # it pushes nothing itself: nobody runs w2 (nor waits on it at update_wait, close)
         )
-    )  # timeout_ms: how long the first update_wait waits on the push to w2, which nobody takes
+    )
     node = DpwaConnection("w1", cfg, seed=1)
     params = [np.zeros(40, np.float32)]
-    node.update_send(params, 1.0)  # publishes (its own push to w2 is refused: nobody there)
+    node.update_send(params, 1.0)  # publishes
     node.update_wait(1.0)
     weight = node.dpwa_state().extras["weight"]
     fake = FakePusher(node.endpoint, wire.Layout.of(params))
@@ -476,22 +480,20 @@ def test_a_sender_fills_at_most_inbox_per_sender_and_its_oldest_push_is_mixed_fi
         assert node.stats()["inbox_occupied"] == 0
     finally:
         fake.close()
-        node.close()
+        node._node.close(announce=False)  # no leave: it would wait out a hand-off to w2, which nobody runs
 
 
-@pytest.mark.slow  # 11-15 s here
 @given(kinds=st.lists(st.sampled_from(FLOOD_KINDS), min_size=1, max_size=25), fill=st.floats(-1e3, 1e3))
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Path, kinds: list[str], fill: float):
     """Valid, busy, malformed, oversized-in-count, non-finite, stray and unknown-sender pushes at a live node:
     nothing reaches the parameters before update_wait, every message is counted by reason, the inbox holds
     at most two pushes of the sender, and the next update_wait folds exactly the accepted ones, oldest first."""
-    cfg = load_config(
-        write_cluster(tmp_path / f"f{random.random()}.yaml", free_ports(2), interpolation="pushsum", timeout_ms=300)
-    )
+    path = tmp_path / f"f{random.random()}.yaml"  # fetch_probability 0: it pushes nothing to w2, which nobody runs
+    cfg = load_config(write_cluster(path, free_ports(2), interpolation="pushsum", fetch_probability=0.0))
     node = DpwaConnection("w1", cfg, seed=1)
     params = [np.linspace(-1, 1, 120).astype(np.float32)]
-    node.update_send(params, 1.0)  # publishes (its own push to w2 is refused: nobody there)
+    node.update_send(params, 1.0)  # publishes
     node.update_wait(1.0)
     before = params[0].copy()
     weight0 = node.dpwa_state().extras["weight"]
@@ -568,4 +570,4 @@ def test_a_flood_of_pushes_never_touches_the_params_and_is_counted(tmp_path: Pat
             assert np.array_equal(params[0], before)
     finally:
         fake.close()
-        node.close()
+        node._node.close(announce=False)  # no leave: it would wait out a hand-off to w2, which nobody runs
