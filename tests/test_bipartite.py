@@ -17,12 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import free_ports, port_is_free, wait_until, write_cluster
+from fakes import FakePeer
 from test_membership import FAST, Trainers, fetched_ok, flat
 from test_push import close_all, quiesce, run_threads, start_params
 
-from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
+from dpwa.config import ClusterConfig, ConfigError, JoinAddress, NodeSpec, load_config
+from dpwa.node import wire
 from dpwa.node.connection import DpwaConnection
-from dpwa.node.members import JoinRefused
+from dpwa.node.contact import file_roster
+from dpwa.node.members import JoinRefused, Member
 from dpwa.node.peers import FlowControl
 from dpwa.rules import NodeState, make_rule
 from dpwa.rules.adpsgd import AdpsgdSettings, is_active
@@ -301,7 +304,8 @@ def test_nodes_joining_a_bipartite_cluster_take_the_roles_of_their_names_and_the
             trainers.start(conn, float(i))
         with pytest.raises(JoinRefused, match="must say bipartite: true"):
             joining("plain", ports[5], via=ports[0], rule_settings={})
-        conns += [joining(active, ports[3], via=ports[1]), joining(passive, ports[4], via=ports[2])]
+        conns.append(joining(active, ports[3], via=ports[1]))
+        conns.append(joining(passive, ports[4], via=ports[3]))  # through a node that joined itself
         trainers.start(conns[3], 100.0)
         trainers.start(conns[4], -100.0)
         by_name = {c.name: c for c in conns}
@@ -343,3 +347,39 @@ def test_a_joiner_that_takes_a_role_is_refused_by_a_cluster_without_roles() -> N
         with pytest.raises(JoinRefused, match="take no active/passive roles"):
             joining("j1", ports[1], via=ports[0])
         assert member.stats()["joins_refused"] == 1 and port_is_free(ports[1])
+
+
+def test_a_joiners_roster_is_the_answers_file_order_and_a_malformed_one_is_refused() -> None:
+    """The file's nodes, in the order the answer lists them; a list that repeats a name, names a node the table
+    lacks or names the joiner itself would place nodes wrongly: the join is refused, with the reason."""
+    address = JoinAddress("127.0.0.1", 5000)
+    table = tuple(Member(n, "127.0.0.1", 5000 + i) for i, n in enumerate(("a", "b", "c", "j4")))
+
+    def answer(*permanent: str) -> wire.Members:
+        return wire.Members(node="b", req=1, news=wire.MemberNews("0" * 16, table), permanent=permanent)
+
+    assert [spec.name for spec in file_roster(answer("b", "a", "c"), "j4", address)] == ["b", "a", "c"]
+    for wrong in (("b", "a", "b"), ("b", "zed"), ("b", "a", "j4")):
+        with pytest.raises(JoinRefused, match="repeats a name, names one missing"):
+            file_roster(answer(*wrong), "j4", address)
+
+
+@pytest.mark.integration
+def test_a_joiner_that_takes_a_role_refuses_an_answer_that_does_not_confirm_the_roles() -> None:
+    """A member that admits a bipartite joiner without saying its own nodes take roles (an older dpwa, whose list
+    of the file's nodes is in name order): the joiner refuses to go on, with the reason, and frees its port."""
+    sponsor_port, port = free_ports(2)
+
+    def admit(header: wire.Message) -> list[list[bytes]]:
+        assert isinstance(header, wire.Join) and header.bipartite
+        table = (Member("w1", "127.0.0.1", sponsor_port), Member(header.node, header.host, header.port))
+        news = wire.MemberNews("0" * 16, table)
+        return [[wire.encode_members("w1", header.req, news, permanent=("w1",))]]
+
+    sponsor = FakePeer(sponsor_port, admit)
+    try:
+        with pytest.raises(JoinRefused, match="without saying that its nodes are active or passive"):
+            joining("j1", port, via=sponsor_port)
+        assert len(sponsor.requests) == 1 and port_is_free(port)
+    finally:
+        sponsor.close()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dpwa.node import wire
+from dpwa.node.members import Member
 from dpwa.node.wire import ErrorCode, Kind, Layout, WireError
 
 
@@ -237,11 +238,14 @@ def test_fetch_may_carry_rule_extras():
         wire.decode_message(_raw(1, {"node": "w1", "req": 1, "fp": "x", "extras": [1]}))
 
 
-def test_a_join_says_whether_its_file_splits_the_nodes_into_roles():
+def test_a_join_and_its_answer_say_whether_the_nodes_take_roles():
     assert wire.decode_message(wire.encode_join("j1", 2, "127.0.0.1", 5000, bipartite=True)).bipartite is True
     assert wire.decode_message(wire.encode_join("j1", 2, "127.0.0.1", 5000)).bipartite is False
     with pytest.raises(WireError, match="bipartite"):
         wire.decode_message(_raw(7, {"node": "j1", "req": 1, "host": "h", "port": 1, "bipartite": 1}))
+    news = wire.MemberNews("0" * 16, (Member("w1", "127.0.0.1", 5000),))
+    assert wire.decode_message(wire.encode_members("w1", 2, news, ("w1",), bipartite=True)).bipartite is True
+    assert wire.decode_message(wire.encode_members("w1", 2, news, ("w1",))).bipartite is False
 
 
 @pytest.mark.parametrize("key", ["clock", "loss"])

@@ -86,6 +86,10 @@ GOLDEN = {
         wire.encode_members("w1", 5, NEWS, permanent=("w1", "w2"), settled=(9, True), mass=2.0),
         header(8, '{"node":"w1","req":5,"permanent":["w1","w2"],"settled":[9,true],"mass":2.0,' + MEMBERS_JSON + "}"),
     ),
+    "members bipartite": (
+        wire.encode_members("w1", 6, NEWS, permanent=("w2", "w1"), mass=2.0, bipartite=True),
+        header(8, '{"node":"w1","req":6,"permanent":["w2","w1"],"mass":2.0,"bipartite":true,' + MEMBERS_JSON + "}"),
+    ),
     "fetch co-located": (
         wire.encode_fetch("w1", 3, FP, host="0123456789abcdef0123456789abcdef"),
         header(1, '{"node":"w1","req":3,"fp":"' + FP + '","host":"0123456789abcdef0123456789abcdef"}'),

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from dpwa.config import JoinAddress
+from dpwa.config import JoinAddress, NodeSpec
 from dpwa.node import wire
 from dpwa.node.members import JoinRefused, Member
 from dpwa.node.membership import Membership
@@ -33,7 +33,7 @@ from dpwa.node.wire import Kind
 from dpwa.rules.schedules import Schedule
 from dpwa.security.curve import NodeSecurity
 
-__all__ = ["Contacting", "announce", "ask_members", "join", "join_answer", "wait_for_peers"]
+__all__ = ["Contacting", "announce", "ask_members", "file_roster", "join", "join_answer", "wait_for_peers"]
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,14 @@ def join_answer(node: Contacting, frames: list[bytes], req: int, address: JoinAd
     if header.kind is not Kind.MEMBERS or header.members is None:
         node.stats.add("stale_replies")
         return None
-    listed = {m.name: m for m in header.members}
-    fixed = [listed[name].spec() for name in header.permanent if name in listed]  # in the file's order
+    fixed = file_roster(header, node.name, address)
+    if node.schedule.splits_roles() and not header.bipartite:
+        raise JoinRefused(
+            f"node {node.name}: the member at {address} admitted it without saying that its nodes are active or "
+            "passive (adpsgd: {bipartite: true}): its file does not say so, or it runs an older dpwa"
+        )
     own = node.membership.adopt(fixed, header.members, mass=header.mass)
-    node.schedule.adopt_roster([spec.name for spec in fixed])
+    node.schedule.adopt_roster(node.membership.permanent())
     log.info(
         "node %s: joined the cluster through %s (%s) as version %d; %d members",
         node.name,
@@ -120,6 +124,19 @@ def join_answer(node: Contacting, frames: list[bytes], req: int, address: JoinAd
         len(node.membership.order()),
     )
     return own
+
+
+def file_roster(answer: wire.Members, me: str, address: JoinAddress) -> list[NodeSpec]:
+    """The cluster file's nodes a JOIN's ``answer`` lists, in file order (schedules and AD-PSGD's roles place the
+    nodes by it); JoinRefused when that list names a node twice, a node the table lacks, or the joiner ``me``."""
+    listed = {m.name: m for m in answer.members or ()}
+    wrong = [name for name in answer.permanent if name not in listed or name == me]
+    if wrong or len(set(answer.permanent)) != len(answer.permanent):
+        raise JoinRefused(
+            f"node {me}: the member at {address} answered with a list of the cluster file's nodes that repeats a "
+            f"name, names one missing from its table or names the joiner ({', '.join(answer.permanent)[:300]})"
+        )
+    return [listed[name].spec() for name in answer.permanent]
 
 
 def announce(node: Contacting, deadline: float) -> None:

@@ -244,6 +244,7 @@ def _answer_join(node: Served, header: wire.Join, user: str | None) -> bytes:
         membership.full_news(),
         permanent=membership.permanent(),
         mass=float(membership.incarnations()),
+        bipartite=node.schedule.splits_roles(),
     )
 
 

@@ -106,7 +106,7 @@ class Schedule(ABC):
 
     def adopt_roster(self, roster: Sequence[str]) -> None:  # noqa: B027 - optional step
         """A joined node learnt the cluster file's nodes, in file order (the answer to its JOIN): the schedules
-        that place nodes by it take it from now on; the others ignore it."""
+        that place nodes by it take it from now on; the others ignore it. Called before the node's first step."""
 
 
 class RandomSchedule(Schedule):
@@ -245,28 +245,33 @@ class BipartiteSchedule(Schedule):
     name = "bipartite"
 
     def __init__(self, roster: Sequence[str] | None = None) -> None:
-        self.roster: tuple[str, ...] | None = None
-        self._positions: dict[str, int] = {}
-        self._passive: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())
-        """The members last asked about and the passive ones among them (a step costs O(1) until they change)."""
+        self._placed: tuple[tuple[str, ...], dict[str, int]] | None = None
+        """The roster and each of its nodes' positions, replaced whole (None: each round's members)."""
+        self._passive: tuple[tuple[object, tuple[str, ...]], frozenset[str]] = ((None, ()), frozenset())
+        """(the roster, the members) last asked about and the passive ones among them (a step costs O(1) until
+        either changes)."""
         if roster is not None:
             self.adopt_roster(roster)
+
+    @property
+    def roster(self) -> tuple[str, ...] | None:
+        return None if self._placed is None else self._placed[0]
 
     def splits_roles(self) -> bool:
         return True
 
     def adopt_roster(self, roster: Sequence[str]) -> None:
-        self.roster = tuple(roster)
-        self._positions = {n: i for i, n in enumerate(self.roster)}
-        self._passive = ((), frozenset())
+        roster = tuple(roster)
+        self._placed = (roster, {n: i for i, n in enumerate(roster)})
 
     def _passive_among(self, names: Sequence[str]) -> frozenset[str]:
-        names = tuple(names)
-        members, passive = self._passive
-        if members != names:
-            positions = self._positions if self.roster is not None else {n: i for i, n in enumerate(names)}
+        names, placed = tuple(names), self._placed
+        key = (None if placed is None else placed[0], names)
+        asked, passive = self._passive
+        if asked != key:
+            positions = {n: i for i, n in enumerate(names)} if placed is None else placed[1]
             passive = frozenset(n for n in names if not is_active(n, positions))
-            self._passive = (names, passive)
+            self._passive = (key, passive)
         return passive
 
     def targets(self, rnd: Round) -> list[str] | None:

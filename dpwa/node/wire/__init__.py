@@ -279,9 +279,14 @@ def encode_members(
     permanent: Sequence[str] = (),
     settled: tuple[int, bool | None] | None = None,
     mass: float | None = None,
+    bipartite: bool = False,
 ) -> bytes:
     """``node``'s member table (``news.members`` must be set): a join's answer (with the names of the cluster
     file's nodes, ``permanent``, and ``mass``: the sender's bound on the cluster's push-sum mass), or a leave
     announcement (with ``settled``: the receiver's latest push sequence number at ``node`` and its final verdict,
-    so the receiver settles a push that is still open)."""
-    return Members(node=node, req=req, news=news, permanent=tuple(permanent), settled=settled, mass=mass).encode()
+    so the receiver settles a push that is still open; ``bipartite``: answering a JOIN, the sender's nodes take
+    AD-PSGD's roles by ``permanent``'s order)."""
+    members = Members(
+        node=node, req=req, news=news, permanent=tuple(permanent), settled=settled, mass=mass, bipartite=bipartite
+    )
+    return members.encode()

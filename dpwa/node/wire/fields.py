@@ -115,7 +115,7 @@ def optional_count(body: dict[str, Any], key: str, lowest: int) -> int:
 
 
 def optional_flag(body: dict[str, Any], key: str) -> bool:
-    """An optional boolean header field (``stream``, ``hold``), False when absent."""
+    """An optional boolean header field (``stream``, ``hold``, ``bipartite``), False when absent."""
     value = body.get(key, False)
     if not isinstance(value, bool):
         raise WireError("header", f"field {key!r} of the wrong type")

@@ -480,11 +480,8 @@ class Join(_Message):
     def decode(cls, body: dict[str, Any]) -> Join:
         """A JOIN from its parsed JSON body; raises WireError."""
         node, req, _ = envelope(body)
-        bipartite = body.get("bipartite", False)
-        if not isinstance(bipartite, bool):
-            raise WireError("header", "field 'bipartite' of the wrong type")
-        host = required(body, "host", str)[:MAX_NAME_CHARS]
-        return cls(node=node, req=req, host=host, port=required(body, "port", int), bipartite=bipartite)
+        host, port = required(body, "host", str)[:MAX_NAME_CHARS], required(body, "port", int)
+        return cls(node=node, req=req, host=host, port=port, bipartite=optional_flag(body, "bipartite"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -500,6 +497,9 @@ class Members(WithNews):
     """Announcing a leave: the receiver's latest push sequence number there and its final verdict."""
     mass: float | None = None
     """Answering a JOIN: the sender's bound on the cluster's push-sum mass (members ever admitted)."""
+    bipartite: bool = False
+    """Answering a JOIN: the sender's nodes are AD-PSGD's active and passive ones, placed by ``permanent``'s order
+    (left out of the frame when false)."""
 
     def encode(self) -> bytes:
         """The MEMBERS header frame; ValueError when ``news`` holds no table."""
@@ -512,6 +512,8 @@ class Members(WithNews):
             body["settled"] = [self.settled[0], self.settled[1]]
         if self.mass is not None:
             body["mass"] = self.mass
+        if self.bipartite:
+            body["bipartite"] = True
         return _frame(Kind.MEMBERS, body, self.news)
 
     @classmethod
@@ -522,9 +524,9 @@ class Members(WithNews):
             raise WireError("header", "a MEMBERS message without members")
         permanent = name_list(body, "permanent")
         settled = settled_pair(body.get("settled"))
-        return cls(
-            node=node, req=req, news=news, permanent=permanent, settled=settled, mass=positive_mass(body.get("mass"))
-        )
+        mass = positive_mass(body.get("mass"))
+        bipartite = optional_flag(body, "bipartite")
+        return cls(node=node, req=req, news=news, permanent=permanent, settled=settled, mass=mass, bipartite=bipartite)
 
 
 # --------------------------------------------------------------------------- decoding a frame
