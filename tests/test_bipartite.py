@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import free_ports, port_is_free, wait_until, write_cluster
 from fakes import FakePeer
-from test_membership import FAST, Trainers, fetched_ok, flat
+from test_membership import FAST, Trainers, fetched_ok, flat, joiner
 from test_push import close_all, quiesce, run_threads, start_params
 
 from dpwa.config import ClusterConfig, ConfigError, JoinAddress, NodeSpec, load_config
@@ -274,14 +274,12 @@ def test_an_active_node_refuses_a_peers_exchange_as_unsupported_and_keeps_its_pa
 
 # --------------------------------------------------------------------------- joining a bipartite cluster
 
-ROLES = {"interpolation": "adpsgd", "rule_settings": {"adpsgd": AdpsgdSettings(bipartite=True)}, **FAST}
+ROLES = {"interpolation": "adpsgd", "rule_settings": {"adpsgd": AdpsgdSettings(bipartite=True)}}
 
 
 def joining(name: str, port: int, via: int, **settings: object) -> DpwaConnection:
     """Node ``name`` joins through the member on ``via`` with a file of its own (``ROLES`` unless overridden)."""
-    nodes = (NodeSpec(name, "127.0.0.1", port),)
-    cfg = ClusterConfig(nodes=nodes, join=f"127.0.0.1:{via}", **{**ROLES, **settings})  # type: ignore[arg-type]
-    return DpwaConnection(name, cfg, seed=port)
+    return joiner(name, port, via, **{**ROLES, **settings})
 
 
 @pytest.mark.integration
@@ -294,7 +292,8 @@ def test_nodes_joining_a_bipartite_cluster_take_the_roles_of_their_names_and_the
     takes no roles is refused, with the reason."""
     ports = free_ports(6)
     roster = ("b", "a", "c")
-    cfg = ClusterConfig(nodes=tuple(NodeSpec(n, "127.0.0.1", p) for n, p in zip(roster, ports)), **ROLES)  # type: ignore[arg-type]
+    nodes = tuple(NodeSpec(n, "127.0.0.1", p) for n, p in zip(roster, ports))
+    cfg = ClusterConfig(nodes=nodes, **{**ROLES, **FAST})  # type: ignore[arg-type]
     conns = [DpwaConnection(name, cfg, seed=i) for i, name in enumerate(roster)]
     candidates = [f"j{i}" for i in range(16)]
     active, passive = (next(n for n in candidates if is_active(n, ()) is role) for role in (True, False))
