@@ -152,7 +152,7 @@ class Timeline:
         write_atomically(path, lambda h: np.savez(h, time=self.time[: self.n], loss=self.loss[: self.n]))
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+def _step(model: nn.Module, optimizer: demo.OptimizerLike, x: torch.Tensor, y: torch.Tensor) -> float:
     loss = nn.functional.cross_entropy(model(x), y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -164,7 +164,7 @@ def _flat(model: nn.Module) -> np.ndarray:
     return nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
 
 
-def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def _set_lr(optimizer: demo.OptimizerLike, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -188,7 +188,7 @@ class Worker:
         self.stream_seed = (self.config.seed, rank + 1)
 
     def warm_up(self) -> None:
-        """A few untimed steps: the first optimizer imports torch._dynamo, autograd warms its caches."""
+        """A few untimed steps: autograd warms its caches."""
         model = demo.build_model(self.config)
         optimizer = demo.make_optimizer(model, self.config)
         stream = demo.BatchStream(self.indices, self.config.batch_size, (self.config.seed, 99, self.rank))
@@ -239,7 +239,7 @@ class Worker:
         )
 
     def train_dpwa(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Path, recorder: ParamRecorder | None, phase: str
+        self, model: nn.Module, optimizer: demo.OptimizerLike, out: Path, recorder: ParamRecorder | None, phase: str
     ) -> dict[str, Any]:
         """Train with the adapter (``phase``'s cluster file) until the nodes together reached the budget."""
         from dpwa.adapters.pytorch import DpwaPyTorchAdapter
@@ -291,7 +291,7 @@ class Worker:
         }
 
     def train_ddp(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, recorder: ParamRecorder | None
+        self, model: nn.Module, optimizer: demo.OptimizerLike, recorder: ParamRecorder | None
     ) -> dict[str, Any]:
         """``steps`` synchronous DDP steps (gradients all-reduced over gloo)."""
         from torch.nn.parallel import DistributedDataParallel

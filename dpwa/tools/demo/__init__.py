@@ -28,7 +28,9 @@ The shards (:mod:`~dpwa.tools.demo.data`)
 
 The node (:mod:`~dpwa.tools.demo.training`, :mod:`~dpwa.tools.demo.node`)
     The same 32-64-64-10 ReLU MLP everywhere (same seed, so every node starts from the same
-    weights), SGD with momentum 0.9 (``--momentum``) and a cosine learning-rate decay over
+    weights), SGD with momentum 0.9 (``--momentum``; :mod:`~dpwa.tools.demo.sgd`: torch's SGD bit for bit,
+    without the 2 s of CPU torch's optimizer class costs a process at its first use) and a cosine
+    learning-rate decay over
     ``--steps``, indexed by ``adapter.progress``: the node's own step, or the furthest node's if one is
     ahead. Asynchronous nodes drift apart (100-250 steps of 3,000 on 2 shared cores); indexed by its own
     step, a node that lags takes steps several times larger than its peers' near the end, and with data
@@ -55,10 +57,11 @@ The evaluation (:mod:`~dpwa.tools.demo.evaluation`)
     held-out accuracies go to ``<run_dir>/demo.json`` and stdout.
 
 The modules, each importing only those above it: :mod:`~dpwa.tools.demo.config` (:class:`TrainConfig`
-and the defaults), :mod:`~dpwa.tools.demo.data`, :mod:`~dpwa.tools.demo.training` (model, optimizer,
-training loop), :mod:`~dpwa.tools.demo.modelfiles`, :mod:`~dpwa.tools.demo.node` (one node's run and the
-environment it reads), :mod:`~dpwa.tools.demo.evaluation`, :mod:`~dpwa.tools.demo.cli` (the command
-line; ``__main__`` runs it).  This package re-exports their public names, so ``demo.X`` works for any.
+and the defaults), :mod:`~dpwa.tools.demo.data`, :mod:`~dpwa.tools.demo.sgd` (the optimizer),
+:mod:`~dpwa.tools.demo.training` (model, optimizer, training loop), :mod:`~dpwa.tools.demo.modelfiles`,
+:mod:`~dpwa.tools.demo.node` (one node's run and the environment it reads), :mod:`~dpwa.tools.demo.evaluation`,
+:mod:`~dpwa.tools.demo.cli` (the command line; ``__main__`` runs it).  This package re-exports their public names,
+so ``demo.X`` works for any.
 """
 
 from dpwa.tools.demo.cli import configure_logging, main, parse_args
@@ -96,6 +99,7 @@ from dpwa.tools.demo.node import (
     run_node,
     set_threads,
 )
+from dpwa.tools.demo.sgd import MomentumSGD, OptimizerLike
 from dpwa.tools.demo.training import (
     FINAL_LOSS_WINDOW,
     Exchange,
@@ -129,12 +133,14 @@ __all__ = [
     "META_KEY",
     "MODEL_SUFFIX",
     "MOMENTUM",
+    "MomentumSGD",
     "PEERS_WAIT_S",
     "BatchStream",
     "DataSpec",
     "Dataset",
     "Exchange",
     "NoExchange",
+    "OptimizerLike",
     "TrainConfig",
     "TrainResult",
     "average_states",

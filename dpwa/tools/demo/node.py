@@ -31,6 +31,7 @@ from torch import nn
 from dpwa.tools.demo.config import TrainConfig
 from dpwa.tools.demo.data import Dataset, make_dataset, node_indices, write_data_file
 from dpwa.tools.demo.modelfiles import MODEL_SUFFIX
+from dpwa.tools.demo.sgd import OptimizerLike
 from dpwa.tools.demo.training import TrainResult, build_model, evaluate, make_optimizer, train
 from dpwa.utils.partition import class_histogram
 
@@ -141,7 +142,7 @@ def _train_node(
     conn: DpwaPyTorchAdapter,
     place: _Place,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: OptimizerLike,
     data: Dataset,
     indices: np.ndarray,
     config: TrainConfig,

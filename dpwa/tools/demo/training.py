@@ -2,7 +2,8 @@
 
 * :func:`build_model` -- a 32-64-64-10 ReLU MLP, initialised from the seed (every node starts from the
   same weights, and so does the baseline).
-* :func:`make_optimizer` -- SGD with momentum; :func:`lr_at` -- its cosine learning-rate decay.
+* :func:`make_optimizer` -- SGD with momentum (:mod:`dpwa.tools.demo.sgd`); :func:`lr_at` -- its cosine
+  learning-rate decay.
 * :func:`train` -- the loop: around every batch ``exchange.update_send(previous loss)``, one SGD step,
   ``exchange.update_wait(loss)``.  A node's exchange is its
   :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter`, the baseline's a :class:`NoExchange`.
@@ -28,6 +29,7 @@ from torch import nn
 
 from dpwa.tools.demo.config import TrainConfig
 from dpwa.tools.demo.data import BatchStream, Dataset
+from dpwa.tools.demo.sgd import MomentumSGD, OptimizerLike
 
 __all__ = [
     "FINAL_LOSS_WINDOW",
@@ -110,13 +112,10 @@ class TrainResult:
     mean_factor: float
 
 
-def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """SGD with momentum; its learning rate is set per step by :func:`train`.
-
-    Build it before the adapter: the first optimizer imports ``torch._dynamo`` (over a second of CPU), and a
-    node that is already serving but not yet publishing answers its peers "not ready".
-    """
-    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+def make_optimizer(model: nn.Module, config: TrainConfig) -> MomentumSGD:
+    """SGD with momentum (:class:`~dpwa.tools.demo.sgd.MomentumSGD`: torch's SGD bit for bit, without the 2 s of
+    CPU its first use costs a process); its learning rate is set per step by :func:`train`."""
+    return MomentumSGD(model.parameters(), lr=config.lr, momentum=config.momentum)
 
 
 class _Window:
@@ -153,7 +152,7 @@ def _opening_loss(
 
 
 def _sgd_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, batch: torch.Tensor
+    model: nn.Module, optimizer: OptimizerLike, x: torch.Tensor, y: torch.Tensor, batch: torch.Tensor
 ) -> float:
     """One optimizer step on the samples ``batch`` indexes; the batch's training loss."""
     loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
@@ -165,7 +164,7 @@ def _sgd_step(
 
 def train(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: OptimizerLike,
     data: Dataset,
     indices: np.ndarray,
     config: TrainConfig,
