@@ -13,6 +13,7 @@ import time
 import torch
 
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+from dpwa.utils.exiting import exit_now
 
 rank = int(os.environ.get("RANK") or os.environ["SLURM_PROCID"])
 model = torch.nn.Linear(8, 1)
@@ -43,3 +44,4 @@ result = {"name": conn.name, "rank": rank, "restart": restart, "mixed": mixed, "
 sys.stdout.write("RESULT " + json.dumps(result) + "\n")
 sys.stdout.flush()
 conn.close(linger=2.0, idle=0.5)
+exit_now(0)  # the adapter closed, the result written: no teardown of torch's modules (about 1 s of CPU)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+from dpwa.utils.exiting import exit_now
 
 value, want = float(sys.argv[1]), int(sys.argv[2])
 go = Path(sys.argv[3]) if len(sys.argv) > 3 else None
@@ -47,3 +48,4 @@ result = {
 sys.stdout.write("RESULT " + json.dumps(result) + "\n")  # one write: see tests/engine_worker.py
 sys.stdout.flush()
 conn.close()
+exit_now(0)  # the adapter closed, the result written: no teardown of torch's modules (about 1 s of CPU)
