@@ -63,8 +63,30 @@ def test_momentum_sgd_steps_exactly_as_torchs_sgd(momentum: float) -> None:
     assert_same(model, reference)
     assert not torch.equal(next(model.parameters()), next(demo.build_model(config).parameters()))  # it trained
     for mine, theirs in zip(buffers(optimizer, model), buffers(reference_optimizer, reference)):
-        assert (mine is None and momentum == 0) or torch.equal(mine, theirs)
-    assert optimizer.param_groups[0]["lr"] == reference_optimizer.param_groups[0]["lr"]  # the schedule's last lr
+        if momentum == 0:
+            assert mine is None and theirs is None
+        else:
+            assert mine is not None and theirs is not None and torch.equal(mine, theirs)
+
+
+def test_a_parameter_without_a_gradient_is_left_alone_and_zero_grad_in_place_matches_torch() -> None:
+    models = [demo.build_model(CONFIG) for _ in range(2)]
+    optimizers = [torch_sgd(models[0], CONFIG), ours(models[1], CONFIG)]
+    batch = next(demo.BatchStream(INDICES, CONFIG.batch_size, (CONFIG.seed, 1)))
+    for model, optimizer in zip(models, optimizers):
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.cross_entropy(model(DATA.x_train[batch]), DATA.y_train[batch])
+            loss.backward()
+            model[0].bias.grad = None  # never gets a gradient: neither stepped nor given a momentum buffer
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    assert_same(models[1], models[0])
+    assert torch.equal(models[1][0].bias, demo.build_model(CONFIG)[0].bias)
+    assert models[1][0].bias not in optimizers[1].state and models[0][0].bias not in optimizers[0].state
+    for mine, theirs in zip(models[1].parameters(), models[0].parameters()):
+        assert (mine.grad is None) == (theirs.grad is None)
+        assert mine.grad is None or (not mine.grad.any() and not mine.grad.requires_grad)
 
 
 def resumed(make_first: Make, make_second: Make, at: int) -> torch.nn.Module:
@@ -112,6 +134,21 @@ def test_a_state_that_does_not_fit_is_refused() -> None:
     stray = {**state, "state": {**state["state"], 99: state["state"][0]}}
     with pytest.raises(ValueError, match="99"):
         MomentumSGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(stray)
+    rmsprop = torch.optim.RMSprop(model.parameters(), lr=0.01)  # momentum 0, and settings of its own
+    with pytest.raises(ValueError, match="alpha"):
+        MomentumSGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(rmsprop.state_dict())
+    extra = {**state, "state": {0: {**state["state"][0], "square_avg": state["state"][0]["momentum_buffer"]}}}
+    with pytest.raises(ValueError, match="square_avg"):
+        MomentumSGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(extra)
+    no_lr = {**state, "param_groups": [{k: v for k, v in state["param_groups"][0].items() if k != "lr"}]}
+    with pytest.raises(ValueError, match="lr"):
+        MomentumSGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(no_lr)
+    kept = MomentumSGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError):
+        kept.load_state_dict(nesterov)
+    assert kept.state == {} and kept.param_groups[0]["lr"] == 0.1  # a refused state changed nothing
+    foreach_off = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)  # the same arithmetic
+    kept.load_state_dict(foreach_off.state_dict())
     with pytest.raises(ValueError, match="momentum"):
         MomentumSGD(model.parameters(), lr=0.1, momentum=1.0)
 

@@ -97,7 +97,8 @@ def reference_spread() -> float:
 
     Computed in this process: a node that never fetches trains alone, with the learning rate of its own step, so
     its model is the demo's training loop on its shard (``--steps STEPS``, the demo's defaults) with no exchange,
-    on one torch thread as ``dpwa run`` gives each of 4 nodes on 2 cores. It was checked equal, element for
+    on one torch thread as ``dpwa run`` gives each of 4 nodes on up to 7 cores (more threads on a larger
+    machine may round differently; the spread stays the same statistic). It was checked equal, element for
     element, to the model files of ``dpwa run`` with ``fetch_probability: 0`` (2026-11-28); that run took 9 s."""
     import torch
 

@@ -12,6 +12,7 @@ again as importing torch, paid by every node of every ``dpwa run`` at its start,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -32,6 +33,32 @@ _GROUP_DEFAULTS: dict[str, Any] = {
 :class:`MomentumSGD` steps with (another value in a loaded state is refused)."""
 
 
+_SAME_AS_DEFAULT = {"foreach": (None, False), "fused": (None, False)}
+"""Settings for which torch's SGD on CPU does the same arithmetic whichever of these values a state records."""
+
+
+def _setting_fits(key: str, value: Any) -> bool:
+    """``value`` of the saved setting ``key`` steps as :class:`MomentumSGD` does."""
+    return value in _SAME_AS_DEFAULT.get(key, (_GROUP_DEFAULTS[key],))
+
+
+def _checked_rates(saved: Mapping[str, Any]) -> tuple[float, float]:
+    """(lr, momentum) of a saved parameter group that :class:`MomentumSGD` steps exactly; ValueError otherwise."""
+    unknown = sorted(set(saved) - {"params", "lr", "momentum", *_GROUP_DEFAULTS})
+    if unknown:
+        raise ValueError(f"optimizer state has settings MomentumSGD does not step with: {unknown}")
+    other = {k: saved[k] for k in _GROUP_DEFAULTS if k in saved and not _setting_fits(k, saved[k])}
+    if other:
+        raise ValueError(f"optimizer state has settings MomentumSGD does not step with: {other}")
+    try:
+        lr, momentum = float(saved["lr"]), float(saved["momentum"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"optimizer state has no usable lr and momentum: {err!r}") from err
+    if not (math.isfinite(lr) and lr >= 0 and 0 <= momentum < 1):
+        raise ValueError(f"optimizer state has lr {lr} and momentum {momentum}: need lr >= 0 and 0 <= momentum < 1")
+    return lr, momentum
+
+
 class MomentumSGD:
     """SGD with momentum over one parameter group; ``param_groups[0]["lr"]`` may be changed between steps."""
 
@@ -39,8 +66,8 @@ class MomentumSGD:
         params = list(params)
         if not params:
             raise ValueError("MomentumSGD got an empty parameter list")
-        if not lr > 0 or not 0 <= momentum < 1:
-            raise ValueError(f"need lr > 0 and 0 <= momentum < 1; got lr {lr}, momentum {momentum}")
+        if not lr >= 0 or not 0 <= momentum < 1:
+            raise ValueError(f"need lr >= 0 and 0 <= momentum < 1; got lr {lr}, momentum {momentum}")
         self.param_groups: list[dict[str, Any]] = [
             {"params": params, "lr": float(lr), "momentum": float(momentum), **_GROUP_DEFAULTS}
         ]
@@ -51,15 +78,18 @@ class MomentumSGD:
         return self.param_groups[0]["params"]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient (``set_to_none=False``: zero it in place)."""
+        """Drop every gradient (``set_to_none=False``: zero it in place, detached from any graph, as torch does)."""
         for p in self._params:
             if p.grad is None:
                 continue
             if set_to_none:
                 p.grad = None
-            else:
+                continue
+            if p.grad.grad_fn is not None:
                 p.grad.detach_()
-                p.grad.zero_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -91,31 +121,30 @@ class MomentumSGD:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """The state :meth:`state_dict` (or ``torch.optim.SGD.state_dict``) gave, copied into this optimizer's
-        parameters; ValueError if it does not fit (other parameter count or shapes, other settings)."""
+        parameters (cast to their dtype and device); ValueError, with nothing changed, if it does not fit: another
+        parameter count or shape, a setting or a state entry another optimizer would step with."""
         groups = state_dict["param_groups"]
         params = self._params
         if len(groups) != 1 or len(groups[0]["params"]) != len(params):
             counts = [len(g["params"]) for g in groups]
             raise ValueError(f"optimizer state has groups of {counts} parameters, this optimizer 1 of {len(params)}")
-        saved = groups[0]
-        other = {k: saved[k] for k, v in _GROUP_DEFAULTS.items() if k in saved and saved[k] != v}
-        if other:
-            raise ValueError(f"optimizer state has settings MomentumSGD does not step with: {other}")
-        state: dict[torch.Tensor, dict[str, Any]] = {}
+        lr, momentum = _checked_rates(groups[0])
         positions = {int(index): i for i, index in enumerate(groups[0]["params"])}
+        state: dict[torch.Tensor, dict[str, Any]] = {}
         for key, entry in state_dict["state"].items():
             if int(key) not in positions:
                 raise ValueError(f"optimizer state for parameter {key}, which no parameter group lists")
-            i = positions[int(key)]
+            if set(entry) - {"momentum_buffer"}:
+                raise ValueError(f"optimizer state {key} holds {sorted(entry)}: not SGD's momentum buffer")
+            param = params[positions[int(key)]]
             buffer = entry.get("momentum_buffer")
-            if buffer is not None and tuple(buffer.shape) != tuple(params[i].shape):
+            if buffer is not None and tuple(buffer.shape) != tuple(param.shape):
                 raise ValueError(
-                    f"momentum buffer {i} has shape {tuple(buffer.shape)}, its parameter {tuple(params[i].shape)}"
+                    f"momentum buffer {key} has shape {tuple(buffer.shape)}, its parameter {tuple(param.shape)}"
                 )
-            copied = None if buffer is None else buffer.detach().to(params[i].dtype).clone()
-            state[params[i]] = {"momentum_buffer": copied}
-        self.param_groups[0]["lr"] = float(saved["lr"])
-        self.param_groups[0]["momentum"] = float(saved["momentum"])
+            copied = None if buffer is None else buffer.detach().to(device=param.device, dtype=param.dtype).clone()
+            state[param] = {"momentum_buffer": copied}
+        self.param_groups[0]["lr"], self.param_groups[0]["momentum"] = lr, momentum
         self.state = state
 
 
