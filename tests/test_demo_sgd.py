@@ -35,7 +35,7 @@ def ours(model: torch.nn.Module, config: demo.TrainConfig) -> MomentumSGD:
     return MomentumSGD(model.parameters(), lr=config.lr, momentum=config.momentum)
 
 
-Make = Callable[[torch.nn.Module, demo.TrainConfig], "torch.optim.Optimizer | MomentumSGD"]
+Make = Callable[[torch.nn.Module, demo.TrainConfig], demo.OptimizerLike]
 
 
 def trained(make: Make, config: demo.TrainConfig) -> tuple[torch.nn.Module, demo.OptimizerLike]:

@@ -102,6 +102,7 @@ def reference_spread() -> float:
     element, to the model files of ``dpwa run`` with ``fetch_probability: 0`` (2026-11-28); that run took 9 s."""
     import torch
 
+    from dpwa.adapters.torch_state import model_arrays
     from dpwa.tools import demo
 
     config = demo.TrainConfig(steps=STEPS)
@@ -114,7 +115,7 @@ def reference_spread() -> float:
             model = demo.build_model(config)
             shard = demo.node_indices(config, data, index, len(NODES))
             demo.train(model, demo.make_optimizer(model, config), data, shard, config, STEPS, (config.seed, index + 1))
-            vectors.append(flat_floats({f"model/{k}": v.numpy() for k, v in model.state_dict().items()}))
+            vectors.append(flat_floats(model_arrays(model)))  # the arrays save_model writes, in name order
     finally:
         torch.set_num_threads(threads)
     value = spread_of(vectors)
