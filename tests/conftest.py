@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+from parts import pytest_addoption, pytest_collection_modifyitems  # noqa: F401 (hooks: pytest finds them here)
 
 if TYPE_CHECKING:
     import numpy as np

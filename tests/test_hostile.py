@@ -1006,6 +1006,7 @@ def test_every_outcome_once(tx: TxRig, recipe: Recipe) -> None:
 
 
 @pytest.mark.slow  # it counts what the slow property test above did: without it (-m "not slow") nothing to count
+@pytest.mark.timing  # in the property test's part of scripts/test.sh (the serial one), after it, on its rig
 def test_tx_rig_is_exercised(tx: TxRig) -> None:
     """The property above really mixed, rejected, refused and timed out (it is not vacuous), and the node is up."""
     s = tx.conn.stats()
