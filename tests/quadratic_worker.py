@@ -3,7 +3,8 @@
 Node ``i`` (its index in the cluster file) minimizes ``f_i(x) = 1/2 ||x - c_i||^2``, the centres ``c``
 drawn from ``--seed`` (the same on every node): between update_send and update_wait the local step
 ``x <- x - eta_t * (x - c_i)``, ``eta_t = eta0 / (1 + t / T)``. At the end it writes
-``<run dir>/<node>.x.json``: ``x`` (before close), the centres, and the rule's last record.
+``<run dir>/<node>.x.json``: ``x`` (before close), the centres, and the rule's last record. After its last step it
+keeps serving its peers until they stop fetching (``close(linger=...)``), as a real run's nodes do.
 No torch: the node and the arithmetic are numpy.
 """
 
@@ -20,6 +21,9 @@ import numpy as np
 
 from dpwa import DpwaConnection
 from dpwa.config import load_config
+
+LINGER_S = 10.0
+LINGER_IDLE_S = 0.5
 
 
 def centres(n_nodes: int, dim: int, seed: int) -> np.ndarray:
@@ -57,7 +61,9 @@ def main() -> int:
         record = dict(conn.last_exchange or {})
         out = {"x": x.astype(float).tolist(), "centres": c.tolist(), "index": index, "record": record}
     finally:
-        conn.close()
+        # serve the peers still training for up to LINGER_S (until nobody fetched for LINGER_IDLE_S): a node that
+        # steps slower than the others would otherwise train its last steps alone, pulled to its own centre
+        conn.close(linger=LINGER_S, idle=LINGER_IDLE_S)
     (run_dir / f"{name}.x.json").write_text(json.dumps(out, default=str))
     return 0
 
