@@ -36,8 +36,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     part = config.getoption("part")
     if part == "all":
         return
-    kept = [item for item in items if runs_alone(item) == (part == "serial")]
-    dropped = [item for item in items if runs_alone(item) != (part == "serial")]
+    serial = part == "serial"
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (kept if runs_alone(item) == serial else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

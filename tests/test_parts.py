@@ -52,14 +52,14 @@ def test_in_marked_module():
 
 
 def collected(pytester: pytest.Pytester, *args: str) -> set[str]:
-    """The test ids a ``--collect-only`` run of the sample selects with ``args`` (tests/parts.py as a plugin)."""
-    pytester.makepyfile(test_sample=SAMPLE, test_module=MODULE_MARKED)
-    pytester.makeini("[pytest]\nmarkers =\n    timing: t\n    outcome: o\n    slow: s\n")
+    """The test ids a ``--collect-only`` run of the samples selects with ``args`` (tests/parts.py as a plugin)."""
     result = pytester.runpytest("-p", "parts", "--collect-only", "-q", *args)
     return {m.group(0) for line in result.outlines if (m := re.match(r"test_\w+\.py::\S+", line))}
 
 
 def test_every_test_is_in_exactly_one_part(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_sample=SAMPLE, test_module=MODULE_MARKED)
+    pytester.makeini("[pytest]\nmarkers =\n    timing: t\n    outcome: o\n    slow: s\n")
     everything = collected(pytester)
     parallel = collected(pytester, "--part", "parallel")
     serial = collected(pytester, "--part", "serial")
