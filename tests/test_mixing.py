@@ -17,6 +17,7 @@ from dpwa.rules.mixing import (
     interpolate_elementwise_,
     mix_clock,
     scale_motion_,
+    scale_motion_and_interpolate_,
 )
 from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
@@ -397,6 +398,77 @@ def test_scale_motion_by_one_is_a_no_op_and_bad_input_writes_nothing():
             scale_motion_(x, [np.array([5.0, 5.0])], bad)
     with pytest.raises(ValueError):
         scale_motion_([np.array([1.0, 2.0]), np.array([3.0])], [np.array([0.0, 0.0]), np.array([0.0, 0.0])], 2.0)
+    np.testing.assert_array_equal(x[0], [1.0, 2.0])
+
+
+def as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    """``values`` (float64) in ``dtype``: a numpy float dtype's name, or "bfloat16" (rounded once)."""
+    if dtype != "bfloat16":
+        return values.astype(dtype)
+    return from_float32(values.astype(np.float32), np.empty(values.shape, np.uint16)).view(BFLOAT16)
+
+
+FUSED_CASES = [  # x's dtype, the peer's (a narrower one beside float32), the scale s, the factor f
+    (dtype, peer, s, f)
+    for dtype, peer in [
+        ("float32", "float32"),
+        ("float64", "float64"),
+        ("float16", "float16"),
+        ("bfloat16", "bfloat16"),
+        ("float32", "float16"),
+        ("float32", "bfloat16"),
+    ]
+    for s, f in [(0.8, 0.3), (1.25, 0.5), (1.0, 0.3), (0.8, 0.0), (0.8, 1.0)]
+]
+
+
+@pytest.mark.parametrize(("dtype", "peer_dtype", "s", "f"), FUSED_CASES)
+@pytest.mark.parametrize("writable_peer", [True, False])
+def test_scale_motion_and_interpolate_is_the_two_calls_bit_for_bit(dtype, peer_dtype, s, f, writable_peer):
+    """One pass, the same bits as scale_motion_ then interpolate_ (push-sum's step and first fold), over several
+    blocks, for every dtype, a narrower peer, f = 0.5 (the mean's own path), and the cases that make one call
+    nothing (s = 1, f = 0) or overwrite x (f = 1); a writable peer may serve as scratch in both."""
+    rng = np.random.default_rng(7)
+    x0, ref = (as_dtype(wide(rng, MULTI_BLOCK, np.float64, 3.0), dtype) for _ in range(2))
+    p0 = as_dtype(wide(rng, MULTI_BLOCK, np.float64, 3.0), peer_dtype)
+    p0.flags.writeable = writable_peer
+    x = [x0.copy(), np.zeros(0, x0.dtype)]
+    scale_motion_(x, [ref, np.zeros(0, x0.dtype)], s)
+    interpolate_(x, [p0.copy() if writable_peer else p0, np.zeros(0, p0.dtype)], f)
+    fused = [x0.copy(), np.zeros(0, x0.dtype)]
+    peer = p0.copy() if writable_peer else p0
+    scale_motion_and_interpolate_(fused, [ref, np.zeros(0, x0.dtype)], s, [peer, np.zeros(0, p0.dtype)], f)
+    np.testing.assert_array_equal(bits(fused[0]), bits(x[0]))
+    assert not np.array_equal(bits(fused[0]), bits(x0)) or (s == 1.0 and f == 0.0)
+
+
+def test_scale_motion_and_interpolate_takes_the_mean_s_overflow_path_in_its_block():
+    """f = 0.5: a block whose scaled x plus the peer overflows is halved first, as interpolate_ does (the plain
+    mean would give inf there); the other blocks take the two-operation mean. Same bits as the two calls."""
+    rng = np.random.default_rng(3)
+    x, ref, peer = (rng.standard_normal(MULTI_BLOCK).astype(np.float32) for _ in range(3))
+    huge = np.float32(0.75) * np.finfo(np.float32).max
+    x[BLOCK + 5] = ref[BLOCK + 5] = peer[BLOCK + 5] = huge  # no motion there: scaled, it stays huge
+    want = x.copy()
+    scale_motion_([want], [ref], 1.5)
+    interpolate_([want], [peer.copy()], 0.5)
+    scale_motion_and_interpolate_([x], [ref], 1.5, [peer], 0.5)
+    np.testing.assert_array_equal(bits(x), bits(want))
+    assert x[BLOCK + 5] == huge and np.isfinite(x).all()
+
+
+def test_scale_motion_and_interpolate_validates_everything_before_writing():
+    x = [np.array([1.0, 2.0])]
+    good = [np.array([5.0, 5.0])]
+    for bad_s in (0.0, math.nan):
+        with pytest.raises(ValueError, match="finite and > 0"):
+            scale_motion_and_interpolate_(x, good, bad_s, [np.array([0.0, 0.0])], 0.5)
+    with pytest.raises(ValueError, match="interpolation factor"):
+        scale_motion_and_interpolate_(x, good, 2.0, [np.array([0.0, 0.0])], 1.5)
+    with pytest.raises(ValueError, match="term|peer"):
+        scale_motion_and_interpolate_(x, good, 2.0, [np.array([0.0, 0.0, 0.0])], 0.5)
+    with pytest.raises(ValueError, match="reference"):
+        scale_motion_and_interpolate_(x, [np.array([5.0])], 2.0, [np.array([0.0, 0.0])], 0.5)
     np.testing.assert_array_equal(x[0], [1.0, 2.0])
 
 

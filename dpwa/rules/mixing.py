@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,7 @@ __all__ = [
     "narrower",
     "relative_distance",
     "scale_motion_",
+    "scale_motion_and_interpolate_",
     "weighted_sum_",
     "widen",
 ]
@@ -179,22 +181,32 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
         in_place = b.flags.writeable and not half
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
-            xb, pb = xv[start:stop], pv[start:stop]
-            n = stop - start
-            if wide:  # a narrower peer: its block widened into writable scratch
-                pb = widen(pb, scratch.get(c, n, 1))
-            if half:
-                acc = widen(xb, scratch.get(c, n, 0))
-                tmp = widen(pb, scratch.get(c, n, 1))
-                np.multiply(acc, gc, out=acc)
-                np.multiply(tmp, fc, out=tmp)
-                np.add(acc, tmp, out=acc)
-                narrow(acc, xb, tmp)
-            else:
-                tmp = pb if in_place or wide else scratch.get(c, n, 0)
-                np.multiply(pb, fc, out=tmp)
-                np.multiply(xb, gc, out=xb)
-                np.add(xb, tmp, out=xb)
+            _interpolate_block(xv[start:stop], pv[start:stop], (fc, gc), (half, wide, in_place), scratch)
+
+
+def _interpolate_block(
+    xb: np.ndarray, pb: np.ndarray, fg: tuple[Any, Any], kinds: tuple[bool, bool, bool], scratch: Scratch
+) -> None:
+    """One block of :func:`interpolate_`. ``fg``: ``f`` and ``1 - f`` in the compute dtype (neither 0 nor 1, nor
+    0.5 for a float32/float64 ``x``); ``kinds``: ``x`` is half, the peer narrower, the peer its own scratch
+    (writable, of ``x``'s dtype)."""
+    fc, gc = fg
+    half, wide, in_place = kinds
+    c, n = fc.dtype, xb.size
+    if wide:  # a narrower peer: its block widened into writable scratch
+        pb = widen(pb, scratch.get(c, n, 1))
+    if half:
+        acc = widen(xb, scratch.get(c, n, 0))
+        tmp = widen(pb, scratch.get(c, n, 1))
+        np.multiply(acc, gc, out=acc)
+        np.multiply(tmp, fc, out=tmp)
+        np.add(acc, tmp, out=acc)
+        narrow(acc, xb, tmp)
+    else:
+        tmp = pb if in_place or wide else scratch.get(c, n, 0)
+        np.multiply(pb, fc, out=tmp)
+        np.multiply(xb, gc, out=xb)
+        np.add(xb, tmp, out=xb)
 
 
 def add_difference_(
@@ -248,9 +260,7 @@ def scale_motion_(x: Sequence[np.ndarray], reference: Sequence[np.ndarray], s: f
     scratch; float16/bfloat16 computed in float32 and rounded once. ``reference`` is only read. All arrays
     are validated before any is written.
     """
-    s = float(s)
-    if not (math.isfinite(s) and s > 0.0):
-        raise ValueError(f"motion scale must be finite and > 0, got {s!r}")
+    s = _check_scale(s)
     check_pairs(x, reference, "reference")
     if s == 1.0:
         return
@@ -259,24 +269,67 @@ def scale_motion_(x: Sequence[np.ndarray], reference: Sequence[np.ndarray], s: f
         if xa.size == 0:
             continue
         xv, rv = _flat(xa), _flat(ra)
-        c = compute_dtype(xa.dtype)
-        sc = c.type(s)
-        half = is_half(xa.dtype)
+        sc, half = compute_dtype(xa.dtype).type(s), is_half(xa.dtype)
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
-            n = stop - start
-            if half:
-                acc = widen(xv[start:stop], scratch.get(c, n, 0))
-                ref = widen(rv[start:stop], scratch.get(c, n, 1))
-                np.subtract(acc, ref, out=acc)
-                np.multiply(acc, sc, out=acc)
-                np.add(acc, ref, out=acc)
-                narrow(acc, xv[start:stop], ref)
+            _scale_block(xv[start:stop], rv[start:stop], sc, half, scratch)
+
+
+def scale_motion_and_interpolate_(
+    x: Sequence[np.ndarray], reference: Sequence[np.ndarray], s: float, peer: Sequence[np.ndarray], f: float
+) -> None:
+    """In place: ``x <- (1-f)*(reference + s*(x - reference)) + f*peer``, the bits of :func:`scale_motion_` then
+    :func:`interpolate_`, in one pass: each block of ``x`` is scaled, then mixed, while it is in cache (push-sum's
+    local step and the fold of its first message). All arrays are validated before any is written."""
+    s, f = _check_scale(s), _check_factor(f)
+    check_pairs(x, reference, "reference")
+    check_pairs(x, peer, narrower_peer=True)
+    if s == 1.0 or f in (0.0, 1.0):  # one of the two does nothing, or f = 1 overwrites x: no pass to save
+        scale_motion_(x, reference, s)
+        interpolate_(x, peer, f)
+        return
+    scratch = Scratch()
+    for a, r, b in zip(x, reference, peer):
+        if a.size == 0:
+            continue
+        xv, rv, pv = _flat(a), _flat(r), _flat(b)
+        c = compute_dtype(a.dtype)
+        sc, fg = c.type(s), (c.type(f), c.type(1.0 - f))
+        half, wide = is_half(a.dtype), narrower(a.dtype, b.dtype)
+        kinds, mean = (half, wide, b.flags.writeable and not half), f == 0.5 and not half
+        for start in range(0, xv.size, BLOCK):
+            stop = min(start + BLOCK, xv.size)
+            _scale_block(xv[start:stop], rv[start:stop], sc, half, scratch)
+            if mean:
+                with np.errstate(over="raise"):  # the mean's own overflow check; the scaling's stays as it was
+                    _mean_block(xv[start:stop], pv[start:stop], wide, scratch)
             else:
-                diff = scratch.get(c, n, 0)
-                np.subtract(xv[start:stop], rv[start:stop], out=diff)
-                np.multiply(diff, sc, out=diff)
-                np.add(rv[start:stop], diff, out=xv[start:stop])
+                _interpolate_block(xv[start:stop], pv[start:stop], fg, kinds, scratch)
+
+
+def _check_scale(s: float) -> float:
+    s = float(s)
+    if not (math.isfinite(s) and s > 0.0):
+        raise ValueError(f"motion scale must be finite and > 0, got {s!r}")
+    return s
+
+
+def _scale_block(xb: np.ndarray, rb: np.ndarray, sc: Any, half: bool, scratch: Scratch) -> None:
+    """One block of :func:`scale_motion_`: ``xb <- rb + sc*(xb - rb)`` (``sc`` in the compute dtype; ``half``:
+    ``xb`` is float16 or bfloat16)."""
+    c, n = sc.dtype, xb.size
+    if half:
+        acc = widen(xb, scratch.get(c, n, 0))
+        ref = widen(rb, scratch.get(c, n, 1))
+        np.subtract(acc, ref, out=acc)
+        np.multiply(acc, sc, out=acc)
+        np.add(acc, ref, out=acc)
+        narrow(acc, xb, ref)
+    else:
+        diff = scratch.get(c, n, 0)
+        np.subtract(xb, rb, out=diff)
+        np.multiply(diff, sc, out=diff)
+        np.add(rb, diff, out=xb)
 
 
 def copy_widened(x: np.ndarray, peer: np.ndarray) -> None:
@@ -297,25 +350,29 @@ def _mean_(xv: np.ndarray, pv: np.ndarray, scratch: Scratch) -> None:
     whose sum overflows (both values beyond half the largest float) is computed
     as ``0.5*x + 0.5*p`` instead. ``pv`` is only read (a narrower one widened block by block).
     """
-    c = xv.dtype
-    half = c.type(0.5)
-    wide = narrower(c, pv.dtype)
+    wide = narrower(xv.dtype, pv.dtype)
     with np.errstate(over="raise"):
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
-            xb, pb = xv[start:stop], pv[start:stop]
-            if wide:
-                pb = widen(pb, scratch.get(c, stop - start, 1))
-            tmp = scratch.get(c, stop - start, 0)
-            try:
-                np.add(xb, pb, out=tmp)
-            except FloatingPointError:  # x + p overflowed in this block: halve first (x is untouched)
-                with np.errstate(over="ignore"):
-                    np.multiply(pb, half, out=tmp)
-                    np.multiply(xb, half, out=xb)
-                    np.add(xb, tmp, out=xb)
-                continue
-            np.multiply(tmp, half, out=xb)
+            _mean_block(xv[start:stop], pv[start:stop], wide, scratch)
+
+
+def _mean_block(xb: np.ndarray, pb: np.ndarray, wide: bool, scratch: Scratch) -> None:
+    """One block of :func:`_mean_`, under ``np.errstate(over="raise")`` (``wide``: ``pb`` is narrower)."""
+    c, n = xb.dtype, xb.size
+    if wide:
+        pb = widen(pb, scratch.get(c, n, 1))
+    tmp = scratch.get(c, n, 0)
+    try:
+        np.add(xb, pb, out=tmp)
+    except FloatingPointError:  # x + p overflowed in this block: halve first (x is untouched)
+        half = c.type(0.5)
+        with np.errstate(over="ignore"):
+            np.multiply(pb, half, out=tmp)
+            np.multiply(xb, half, out=xb)
+            np.add(xb, tmp, out=xb)
+        return
+    np.multiply(tmp, c.type(0.5), out=xb)
 
 
 def interpolate_elementwise_(

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
-from dpwa.rules.mixing import interpolate_, mix_clock, scale_motion_
+from dpwa.rules.mixing import interpolate_, mix_clock, scale_motion_, scale_motion_and_interpolate_
 from dpwa.utils.settings import Settings, setting
 
 __all__ = ["WEIGHT_FLOOR", "PushSumRule", "PushSumSettings", "valid_mass"]
@@ -193,13 +193,13 @@ class PushSumRule(Rule):
         (a peer named ``own.name``) is folded back the same way. No (valid) message: factor 0.0.
         """
         published, self._published = self._published, None
-        scaled = False
+        unscaled = None  # the published model the local step is still to be scaled against (None: no step)
         if published is not None:
             w = self.weight(own)
             if w > 0.0 and math.isfinite(w):
                 self.step_scale = 1.0 / w
-                scale_motion_(arrays, published, self.step_scale)
-                scaled = self.step_scale != 1.0
+                unscaled = published if self.step_scale != 1.0 else None
+        scaled = unscaled is not None
         keep = 1.0  # share of the old x still in x
         mixed: list[str] = []
         for peer in peers:
@@ -217,7 +217,11 @@ class PushSumRule(Rule):
                 continue
             returned = peer.state.name == own.name
             f = given / total if returned else self.diverge(given / total, own.loss)
-            interpolate_(arrays, peer.arrays, f)  # validates before writing: on error nothing changed
+            if unscaled is not None:  # the step's scaling and the first message's fold, in one pass over x
+                scale_motion_and_interpolate_(arrays, unscaled, self.step_scale, peer.arrays, f)
+                unscaled = None
+            else:
+                interpolate_(arrays, peer.arrays, f)  # validates before writing: on error nothing changed
             scaled = scaled or f > 0.0
             if returned:
                 self.returned += 1
@@ -228,6 +232,8 @@ class PushSumRule(Rule):
             own.extras["weight"] = total
             if not returned:
                 keep *= 1.0 - f
+        if unscaled is not None:  # no message to fold in
+            scale_motion_(arrays, unscaled, self.step_scale)
         factor = 1.0 - keep if mixed else 0.0
         # a returned push or the step's scaling moves x with factor 0: say so (a GPU copy must follow)
         return MixOutcome(factor, tuple(mixed), self.state_metrics(own), moved=scaled or factor > 0.0)
