@@ -138,6 +138,8 @@ class ChocoRule(Rule):
         self._neighbours: tuple[str, ...] = ()
         self._degree = 0
         self._epoch = secrets.randbits(31)
+        self._order_seed = 0
+        """Seeds the order of the resync windows (the node's name: reproducible, unlike the epoch)."""
         self._count = 0
         self._cycle: tuple[int, np.ndarray] | None = None
         self.gaps = 0
@@ -159,8 +161,11 @@ class ChocoRule(Rule):
     # ------------------------------------------------------------ membership
 
     def initial_extras(self, me: str, names: Sequence[str]) -> dict[str, Any]:
-        """Random-k draws from a generator seeded by the node's name (reproducible, different per node)."""
-        self._rng = np.random.default_rng(zlib.crc32(me.encode()))
+        """Random-k draws, and the resync windows' order, from the node's name (reproducible, different per
+        node)."""
+        self._order_seed = zlib.crc32(me.encode())
+        self._rng = np.random.default_rng(self._order_seed)
+        self._cycle = None
         self.on_members(me, names, float(len(names)))
         return self._extras()
 
@@ -169,13 +174,14 @@ class ChocoRule(Rule):
 
     def _window_at(self, count: int) -> int:
         """The window message ``count`` carries: windows go round in cycles of ``resync`` messages, each cycle
-        in its own order (a permutation drawn from the epoch and the cycle), so that no regular pattern of lost
-        messages keeps missing the same windows; every window comes once a cycle."""
+        in its own order (a permutation drawn from the node's name and the cycle), so that no regular pattern of
+        lost messages keeps missing the same windows; every window comes once a cycle. Not from the epoch: that
+        one is random, and a seeded simulation must give the same figures in every run."""
         if not self.resync:
             return 0
         cycle = count // self.resync
         if self._cycle is None or self._cycle[0] != cycle:
-            self._cycle = (cycle, np.random.default_rng([self._epoch, cycle]).permutation(self.resync))
+            self._cycle = (cycle, np.random.default_rng([self._order_seed, cycle]).permutation(self.resync))
         return int(self._cycle[1][count % self.resync])
 
     def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
