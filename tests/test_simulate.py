@@ -305,8 +305,10 @@ def _options(**kwargs: Any) -> SimOptions:
     return SimOptions(config, **kwargs)
 
 
-def test_the_same_seed_gives_the_same_run_bit_for_bit_and_another_seed_another(tmp_path: Path) -> None:
-    options = dict(nodes=12, steps=30, model="logistic", partition="dirichlet:0.1",
+@pytest.mark.parametrize("rule", ["constant", "pushsum", "adpsgd", "gt", "choco"])
+def test_the_same_seed_gives_the_same_run_bit_for_bit_and_another_seed_another(tmp_path: Path, rule: str) -> None:
+    """Lost messages included (CHOCO's resync order once came from its random epoch: its runs differed)."""
+    options = dict(nodes=12, steps=30, model="logistic", partition="dirichlet:0.1", rule=rule,
                    step_times=StepTimes(0.05, 0.3, 0.25, 4.0), link=LinkModel(loss=0.05))  # fmt: skip
     a = simulate(_options(**options), tmp_path / "a")
     b = simulate(_options(**options), tmp_path / "b")
