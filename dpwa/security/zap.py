@@ -36,7 +36,7 @@ class ZapHandler(SocketThread):
     else gets 400. Every denial calls ``on_denied(address)``.
 
     The socket is bound in the constructor (a second handler on one context fails there, loudly);
-    ``stop()`` then ``join()`` ends the thread within ``dpwa.utils.socket_thread.POLL_MS`` and closes the socket.
+    ``stop()`` wakes the thread at once; ``join()`` then waits for it to end, its socket closed.
     """
 
     failure_message = "ZAP handler failed"

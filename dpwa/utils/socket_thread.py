@@ -1,13 +1,14 @@
 """The one loop of every thread that owns a single socket: poll with a timeout until stopped, then close it.
 
 The RX server (:class:`dpwa.node.transport.RxServer`) and the ZAP handler
-(:class:`dpwa.security.zap.ZapHandler`) are both a :class:`SocketThread`: ``stop()`` ends
-either within :data:`POLL_MS` milliseconds, and a bug that raises ends it with the exception
-kept in ``failure`` (the node raises it in the trainer's next call) instead of vanishing.
+(:class:`dpwa.security.zap.ZapHandler`) are both a :class:`SocketThread`: ``stop()`` wakes the thread
+at once (an in-process socket it polls beside its own) and it ends; a bug that raises ends it with the
+exception kept in ``failure`` (the node raises it in the trainer's next call) instead of vanishing.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 
@@ -18,13 +19,18 @@ __all__ = ["POLL_MS", "SocketThread"]
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
-"""Longest a dpwa thread sleeps in poll before it looks at its stop flag."""
+"""Longest a dpwa thread sleeps in poll before it runs its timers (:meth:`SocketThread._tick`) again."""
+
+_WAKER_IDS = itertools.count()
 
 
 class SocketThread(threading.Thread):
     """A thread that owns one bound socket: polls it (``POLL_MS``) until ``stop()``, passes each readable
     moment to :meth:`_handle_one`, and closes the socket on the way out. An exception ends the thread (a
-    bug, not a network fault): it is kept in ``failure`` and logged with ``failure_message``."""
+    bug, not a network fault): it is kept in ``failure`` and logged with ``failure_message``.
+
+    ``stop()`` wakes the poll through a pair of in-process sockets that the thread makes when it starts and
+    closes when it ends (so its context can be ended once it has been joined; a thread never started has none)."""
 
     failure_message = "socket thread failed"
 
@@ -32,12 +38,21 @@ class SocketThread(threading.Thread):
         super().__init__(name=name, daemon=True)
         self._sock = sock
         self._stop_flag = threading.Event()
+        self._waker_lock = threading.Lock()
+        self._waker: zmq.Socket | None = None
+        """The sending end of the wake-up pair (made and closed by the thread, used by ``stop()``)."""
         self.failure: BaseException | None = None
         """The exception that ended the thread, if one did."""
 
     def stop(self) -> None:
-        """Ask the thread to end; it does within ``POLL_MS`` (join it to know)."""
+        """Ask the thread to end; it wakes at once and ends after the message it is handling (join it to know)."""
         self._stop_flag.set()
+        with self._waker_lock:  # the lock hands the socket from thread to thread (a full memory barrier)
+            if self._waker is not None:
+                try:
+                    self._waker.send(b"", zmq.NOBLOCK)
+                except zmq.Again:  # woken already
+                    pass
 
     def close_socket(self) -> None:
         """Close the socket of a thread that was never started (its owner gives up before :meth:`start`)."""
@@ -47,9 +62,14 @@ class SocketThread(threading.Thread):
 
     def run(self) -> None:
         sock = self._sock
+        woken: zmq.Socket | None = None
         try:
+            woken = self._make_waker()
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(woken, zmq.POLLIN)
             while not self._stop_flag.is_set():
-                if sock.poll(self._poll_ms(), zmq.POLLIN):
+                if dict(poller.poll(self._poll_ms())).get(sock, 0) & zmq.POLLIN:
                     self._handle_one(sock)
                 self._tick()
         except Exception as exc:
@@ -57,6 +77,27 @@ class SocketThread(threading.Thread):
             log.exception(self.failure_message)
         finally:
             sock.close(linger=0)
+            with self._waker_lock:
+                if self._waker is not None:
+                    self._waker.close(linger=0)
+                    self._waker = None
+            if woken is not None:
+                woken.close(linger=0)
+
+    def _make_waker(self) -> zmq.Socket:
+        """The wake-up pair, in the socket's context: returns the end the thread polls; ``stop()`` sends on the
+        other."""
+        address = f"inproc://dpwa-wake-{next(_WAKER_IDS)}"
+        woken = self._sock.context.socket(zmq.PAIR)
+        try:
+            woken.bind(address)
+            with self._waker_lock:
+                self._waker = self._sock.context.socket(zmq.PAIR)
+                self._waker.connect(address)
+        except BaseException:
+            woken.close(linger=0)
+            raise
+        return woken
 
     def _handle_one(self, sock: zmq.Socket) -> None:
         raise NotImplementedError

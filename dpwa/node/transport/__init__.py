@@ -195,7 +195,7 @@ class Transport:
         return thread in (self.rx, self.tx)
 
     def stop(self) -> None:
-        """Ask both threads to end (each within :data:`~dpwa.utils.socket_thread.POLL_MS` ms); returns at once."""
+        """Ask both threads to end (each is woken at once); returns at once."""
         self.rx.stop()
         self.tx.stop()
 

@@ -138,7 +138,7 @@ class TxFetcher(threading.Thread):
         self._wake()
 
     def stop(self) -> None:
-        """Ask the thread to end; it does within POLL_MS ms (join it to know), closing its sockets."""
+        """Ask the thread to end; it is woken at once (join it to know), closing its sockets."""
         self._stop_flag.set()
         self._wake()
 
