@@ -8,11 +8,12 @@ exception kept in ``failure`` (the node raises it in the trainer's next call) in
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 
 import zmq
+
+from dpwa.utils.waker import Waker
 
 __all__ = ["POLL_MS", "SocketThread"]
 
@@ -21,15 +22,13 @@ log = logging.getLogger(__name__)
 POLL_MS = 100
 """Longest a dpwa thread sleeps in poll before it runs its timers (:meth:`SocketThread._tick`) again."""
 
-_WAKER_IDS = itertools.count()
-
 
 class SocketThread(threading.Thread):
     """A thread that owns one bound socket: polls it (``POLL_MS``) until ``stop()``, passes each readable
     moment to :meth:`_handle_one`, and closes the socket on the way out. An exception ends the thread (a
     bug, not a network fault): it is kept in ``failure`` and logged with ``failure_message``.
 
-    ``stop()`` wakes the poll through a pair of in-process sockets that the thread makes when it starts and
+    ``stop()`` wakes the poll through a :class:`~dpwa.utils.waker.Waker` that the thread makes when it starts and
     closes when it ends (so its context can be ended once it has been joined; a thread never started has none)."""
 
     failure_message = "socket thread failed"
@@ -38,21 +37,17 @@ class SocketThread(threading.Thread):
         super().__init__(name=name, daemon=True)
         self._sock = sock
         self._stop_flag = threading.Event()
-        self._waker_lock = threading.Lock()
-        self._waker: zmq.Socket | None = None
-        """The sending end of the wake-up pair (made and closed by the thread, used by ``stop()``)."""
+        self._waker: Waker | None = None
+        """Made and closed by the thread; ``stop()`` wakes it (None before the thread starts)."""
         self.failure: BaseException | None = None
         """The exception that ended the thread, if one did."""
 
     def stop(self) -> None:
         """Ask the thread to end; it wakes at once and ends after the message it is handling (join it to know)."""
         self._stop_flag.set()
-        with self._waker_lock:  # the lock hands the socket from thread to thread (a full memory barrier)
-            if self._waker is not None:
-                try:
-                    self._waker.send(b"", zmq.NOBLOCK)
-                except zmq.Again:  # woken already
-                    pass
+        waker = self._waker  # None: the thread has not made it yet, and will see the flag once it has
+        if waker is not None:
+            waker.wake()
 
     def close_socket(self) -> None:
         """Close the socket of a thread that was never started (its owner gives up before :meth:`start`)."""
@@ -62,12 +57,11 @@ class SocketThread(threading.Thread):
 
     def run(self) -> None:
         sock = self._sock
-        woken: zmq.Socket | None = None
         try:
-            woken = self._make_waker()
+            self._waker = Waker(sock.context, self.name)
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
-            poller.register(woken, zmq.POLLIN)
+            poller.register(self._waker.socket, zmq.POLLIN)
             while not self._stop_flag.is_set():
                 if dict(poller.poll(self._poll_ms())).get(sock, 0) & zmq.POLLIN:
                     self._handle_one(sock)
@@ -77,27 +71,8 @@ class SocketThread(threading.Thread):
             log.exception(self.failure_message)
         finally:
             sock.close(linger=0)
-            with self._waker_lock:
-                if self._waker is not None:
-                    self._waker.close(linger=0)
-                    self._waker = None
-            if woken is not None:
-                woken.close(linger=0)
-
-    def _make_waker(self) -> zmq.Socket:
-        """The wake-up pair, in the socket's context: returns the end the thread polls; ``stop()`` sends on the
-        other."""
-        address = f"inproc://dpwa-wake-{next(_WAKER_IDS)}"
-        woken = self._sock.context.socket(zmq.PAIR)
-        try:
-            woken.bind(address)
-            with self._waker_lock:
-                self._waker = self._sock.context.socket(zmq.PAIR)
-                self._waker.connect(address)
-        except BaseException:
-            woken.close(linger=0)
-            raise
-        return woken
+            if self._waker is not None:
+                self._waker.close()
 
     def _handle_one(self, sock: zmq.Socket) -> None:
         raise NotImplementedError

@@ -41,6 +41,7 @@ from dpwa.node.transport.shared import SharedReplies
 from dpwa.node.transport.sockets import common_options, connect_address, is_own_echo, push_send_hwm, tune_data_socket
 from dpwa.node.wire import CHUNK_BYTES, Kind, Layout, PayloadReader, WireError
 from dpwa.utils.socket_thread import POLL_MS
+from dpwa.utils.waker import Waker
 
 __all__ = ["MAX_MESSAGES_PER_WAKE", "TxFetcher"]
 
@@ -102,12 +103,7 @@ class TxFetcher(threading.Thread):
         self._shared = SharedReplies(node, lambda event, n: port.count(event, n))
         self._sndhwm = 4
         self._stop_flag = threading.Event()
-        address = f"inproc://dpwa-tx-wake-{id(self)}"
-        self._wake_rx = ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(address)
-        self._wake_tx = ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(address)
-        self._wake_lock = threading.Lock()
+        self._waker = Waker(ctx, f"tx-{node}")
         self._sockets: dict[str, zmq.Socket] = {}
         self._reader: PayloadReader | None = None
         self._bounds: list[tuple[int, int]] = []
@@ -143,29 +139,22 @@ class TxFetcher(threading.Thread):
         self._wake()
 
     def _wake(self) -> None:
-        with self._wake_lock:
-            if not self._wake_tx.closed:
-                try:
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # already woken
+        self._waker.wake()
 
     def close_waker(self) -> None:
-        """Close the caller-side wake socket (after the thread has stopped)."""
-        with self._wake_lock:
-            self._wake_tx.close(linger=0)
+        """Close the wake sockets (after the thread has stopped; the thread closes them itself as it ends)."""
+        self._waker.close()
 
     # -- the thread
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._waker.socket, zmq.POLLIN)
         job: FetchJob | None = None
         try:
             while not self._stop_flag.is_set():
                 events = dict(poller.poll(self._poll_timeout(job)))
-                if self._wake_rx in events:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
+                if self._waker.socket in events:
+                    self._waker.drain()
                 self._apply_peer_changes(poller, job)
                 for peer, sock in list(self._sockets.items()):
                     if events.get(sock, 0) & zmq.POLLIN:
@@ -207,10 +196,10 @@ class TxFetcher(threading.Thread):
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        """The thread's last act: close every DEALER and the thread's end of the wake socket."""
+        """The thread's last act: close every DEALER and the wake sockets (a later wake does nothing)."""
         for sock in self._sockets.values():
             sock.close(linger=0)
-        self._wake_rx.close(linger=0)
+        self._waker.close()
         self._shared.close()
 
     def _apply_peer_changes(self, poller: zmq.Poller, job: FetchJob | None) -> None:
