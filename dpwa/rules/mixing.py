@@ -172,16 +172,24 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
         if a.size == 0:
             continue
         xv, pv = _flat(a), _flat(b)
-        c = compute_dtype(a.dtype)
-        fc, gc = c.type(f), c.type(1.0 - f)
-        half, wide = is_half(a.dtype), narrower(a.dtype, b.dtype)
-        if f == 0.5 and not half:
+        fg, kinds, mean = _interpolation_plan(a, b, f)
+        if mean:
             _mean_(xv, pv, scratch)
             continue
-        in_place = b.flags.writeable and not half
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
-            _interpolate_block(xv[start:stop], pv[start:stop], (fc, gc), (half, wide, in_place), scratch)
+            _interpolate_block(xv[start:stop], pv[start:stop], fg, kinds, scratch)
+
+
+def _interpolation_plan(
+    a: np.ndarray, b: np.ndarray, f: float
+) -> tuple[tuple[Any, Any], tuple[bool, bool, bool], bool]:
+    """How ``x <- (1-f)*a + f*b`` runs for one array pair: ``f`` and ``1 - f`` in the compute dtype, the kinds of
+    :func:`_interpolate_block` (``a`` is half, ``b`` narrower, ``b`` its own scratch), and whether the
+    two-operation mean applies instead (``f = 0.5``, ``a`` float32 or float64)."""
+    c, half = compute_dtype(a.dtype), is_half(a.dtype)
+    kinds = (half, narrower(a.dtype, b.dtype), b.flags.writeable and not half)
+    return (c.type(f), c.type(1.0 - f)), kinds, f == 0.5 and not half
 
 
 def _interpolate_block(
@@ -293,10 +301,9 @@ def scale_motion_and_interpolate_(
         if a.size == 0:
             continue
         xv, rv, pv = _flat(a), _flat(r), _flat(b)
-        c = compute_dtype(a.dtype)
-        sc, fg = c.type(s), (c.type(f), c.type(1.0 - f))
-        half, wide = is_half(a.dtype), narrower(a.dtype, b.dtype)
-        kinds, mean = (half, wide, b.flags.writeable and not half), f == 0.5 and not half
+        sc = compute_dtype(a.dtype).type(s)
+        fg, kinds, mean = _interpolation_plan(a, b, f)
+        half, wide, _ = kinds
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             _scale_block(xv[start:stop], rv[start:stop], sc, half, scratch)
