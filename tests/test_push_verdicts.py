@@ -166,3 +166,35 @@ def test_a_query_closes_a_held_exchange_so_its_verdict_never_changes(pipe: Wire)
     assert query(inbox, 1).kind is wire.Kind.ERROR
     assert not inbox.holds_exchange("w2", 1) and inbox.occupied() == 0
     assert not inbox.serve_exchange("w2", 1, object()) and inbox.verdict_for("w2") == (1, False)
+
+
+@pytest.mark.parametrize("held", ["held", "served"])
+def test_a_repeated_header_naming_a_segment_for_a_held_exchange_is_stale_and_changes_nothing(
+    pipe: Wire, held: str
+) -> None:
+    """An exchange's push held for its FETCH (or its SETTLE), then a header with the same sequence number naming a
+    segment (a forged or repeated PUSH): no answer yet (the exchange's verdict comes with its SETTLE), counted stale,
+    nothing read from the segment, and the held exchange is untouched. (The receiver used to look for the slot the
+    header had not reserved, and its StopIteration ended the RX thread.)"""
+    events: Counter[str] = Counter()
+    inbox = PushReceiver(
+        "w1",
+        ["w1", "w2"],
+        lambda: (LAYOUT, LAYOUT),
+        2,
+        30.0,
+        lambda k, n: events.update({k: n}),
+        print,
+        lambda snapshot: None,
+        host_id="this-host",
+    )
+    inbox.allocate(LAYOUT)
+    assert inbox.begin(b"id", header(1, {}, hold=True), None) is None
+    assert pipe.chunk(inbox, 1, GOOD) is None
+    if held == "served":
+        assert inbox.serve_exchange("w2", 1, object())
+    ref = SharedRef(pid=1, fd=3, token="0" * 32, until=1e12)
+    assert inbox.begin(b"id", header(1, {}, hold=True, host="this-host", gen=1, shm=ref), None) is None
+    assert events["pushes_stale"] == 1 and events["shm_pushes_taken"] == 0
+    assert inbox.occupied() == 1 and inbox.verdict_for("w2") == (1, None)
+    assert inbox.holds_exchange("w2", 1) == (held == "held")

@@ -85,6 +85,14 @@ class InboxSlot:
     node takes its pushes through shared memory."""
 
 
+@dataclass(frozen=True)
+class _Reserved:
+    """What :meth:`PushReceiver._reserve` did: a slot reserved (``slot``), or none and ``answer`` to send."""
+
+    slot: InboxSlot | None
+    answer: bytes | None
+
+
 _UNSETTLED = frozenset({SlotState.RECEIVING, SlotState.HELD, SlotState.SERVED})
 """A push still arriving, or an exchange's push waiting for its FETCH or its SETTLE: what expires or aborts."""
 _READY = frozenset({SlotState.FULL, SlotState.COMMITTED})
@@ -222,7 +230,7 @@ class PushReceiver:
         naming its sender's segment is taken whole (:meth:`shared`)."""
         if header.shm is not None:
             return self.shared(identity, header, user)
-        return self._reserve(identity, header, user, whole=False)
+        return self._reserve(identity, header, user, whole=False).answer
 
     def shared(self, identity: bytes, header: Push, user: str | None) -> bytes | None:
         """A PUSH whose payload lies in its sender's segment (``header.shm``): reserve a slot and copy the payload
@@ -230,16 +238,11 @@ class PushReceiver:
         ERROR ``shared-memory`` when this node would not or could not read the segment (the sender pushes over
         the socket from then on), ``busy`` when the segment changed before it was read. Returns the answer (None: an
         exchange's push, held until its SETTLE)."""
-        answer = self._reserve(identity, header, user, whole=False)
-        if answer is not None:
-            return answer
+        reserved = self._reserve(identity, header, user, whole=False)
+        slot = reserved.slot
+        if slot is None:  # refused, or a repeat of a push that is here already (its verdict, or none yet)
+            return reserved.answer
         assert header.shm is not None and self._reader is not None
-        with self._lock:
-            slot = next(
-                s
-                for s in self._slots
-                if s.state == SlotState.RECEIVING and s.identity == identity and s.seq == header.req
-            )
         try:
             if not slot.colocated:
                 raise WireError("shm-unasked", "not co-located with this node")
@@ -264,51 +267,59 @@ class PushReceiver:
         """A whole PUSH, its one chunk next on ``sock``: reserve a slot and take the chunk, or refuse it.
 
         Returns the answer to send (ACK, ERROR) or None (an exchange's push: held, answered by its SETTLE)."""
-        answer = self._reserve(identity, header, user, whole=True)
-        if answer is not None:
+        reserved = self._reserve(identity, header, user, whole=True)
+        if reserved.slot is None:
             discard_rest(sock)
-            return answer
+            return reserved.answer
         return self.chunk(identity, header.req, 0, sock)
 
-    def _reserve(self, identity: bytes, header: Push, user: str | None, *, whole: bool) -> bytes | None:
+    def _reserve(self, identity: bytes, header: Push, user: str | None, *, whole: bool) -> _Reserved:
+        """A slot for ``header``'s push (moved to ``receiving``), or no slot and the answer: an ERROR, or, for a
+        repeat of a push already here, its verdict of record (None: it has none yet, it comes when the push does)."""
         sender = header.node
         if self._stranger(sender, user):
-            return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
+            return _Reserved(
+                None, wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
+            )
         if not self._takes:  # an active AD-PSGD node: it starts exchanges, it takes none
             self._on_event("pushes_unsupported", 1)
             with self._lock:
                 self._settle_round(sender, header)
-            return wire.encode_error(self.name, header.req, ErrorCode.UNSUPPORTED, "this node takes no exchanges")
+            return _Reserved(
+                None, wire.encode_error(self.name, header.req, ErrorCode.UNSUPPORTED, "this node takes no exchanges")
+            )
         ready = self._ready()
         if ready is None:  # refused before this node's first publish: the sender keeps its mass, the round is over
             with self._lock:
                 self._settle_round(sender, header)
-            return wire.encode_error(self.name, header.req, ErrorCode.NOT_READY, "no layout yet")
+            return _Reserved(None, wire.encode_error(self.name, header.req, ErrorCode.NOT_READY, "no layout yet"))
         wire_layout, _ = ready
         try:
             header.check_against(wire_layout, chunk=self._chunk, whole=whole)
         except WireError as exc:
             self._on_reject(exc.reason)
-            return wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
+            return _Reserved(
+                None, wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
+            )
         with self._lock:
             last, verdict = self._verdicts.get(sender, (-1, None))
             if header.req <= last:  # a repeat or an old push: it has (or will get) the verdict of record
                 self._on_event("pushes_stale", 1)
-                return self._verdict_reply(header.req, last, verdict)
+                return _Reserved(None, self._verdict_reply(header.req, last, verdict))
             if self.closing:  # the node is leaving: it takes no more mass, the sender keeps it
-                return self._busy(header, "this node is leaving")
+                return _Reserved(None, self._busy(header, "this node is leaving"))
             if sum(s.state != SlotState.FREE and s.sender == sender for s in self._slots) >= self._per_sender:
-                return self._busy(header, f"this sender has {self._per_sender} unmixed pushes here")
+                return _Reserved(None, self._busy(header, f"this sender has {self._per_sender} unmixed pushes here"))
             slot = next((s for s in self._slots if s.state == SlotState.FREE), None)
             if slot is None:
-                return self._busy(header, "inbox full")
+                return _Reserved(None, self._busy(header, "inbox full"))
             self._verdicts[sender] = (header.req, None)
             _move(slot, SlotState.RECEIVING)
             slot.sender, slot.identity, slot.seq = sender, identity, header.req
             slot.header, slot.next_chunk = header, 0
             slot.deadline = time.monotonic() + self._timeout_s
             slot.colocated = self._colocated(header, user)
-        return None
+        return _Reserved(slot, None)
 
     def chunk(self, identity: bytes, seq: int, index: int, sock: zmq.Socket) -> bytes | None:
         """A chunk message of push ``seq``: take its payload frame (next on ``sock``) into the slot.
