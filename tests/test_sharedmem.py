@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,8 @@ from test_hostile import FakePeers
 
 from dpwa import DpwaConnection
 from dpwa.node import sharedmem, wire
-from dpwa.node.serving import lends_to
+from dpwa.node.loans import Loans
+from dpwa.node.serving import lends_to, serve
 from dpwa.node.sharedmem import HEADER_BYTES, Segment, SegmentReader, host_identity
 from dpwa.node.snapshots import SnapshotPool
 from dpwa.node.wire import Layout, SharedRef, WireError
@@ -347,6 +349,46 @@ def test_a_snapshot_is_lent_only_to_a_co_located_plain_fetch_and_with_curve_to_t
         assert not lends_to(curve, fetch(), None, snapshot)
     finally:
         segment.close()
+
+
+def test_a_lent_reply_whose_header_fails_ends_its_lease_once_and_leaves_no_loan() -> None:
+    """serve() leases the snapshot, records the loan, then builds the header; when that raises (a rule's
+    ``on_serve``), no reply goes out: the lease ends once and no loan is left for the deadline to end a second
+    time (the lease count went to -1 before, and the pool could then rewrite a snapshot still being sent)."""
+    layout = Layout.of([np.zeros(64, np.float32)])
+    pool = SnapshotPool(layout, shared=True, name="fails")
+    counted: list[str] = []
+
+    class Failing:
+        def on_serve(self, state: object) -> dict[str, object]:
+            raise RuntimeError("a rule's bug")
+
+    node = SimpleNamespace(
+        name="w2",
+        membership=SimpleNamespace(
+            observe=lambda request: None, leaving=False, reply_news=lambda r: wire.MemberNews("")
+        ),
+        wire_layout=layout,
+        pool=pool,
+        loans=Loans(pool.release, lambda key, n: counted.append(key)),
+        timeouts=SimpleNamespace(lend_s=10.0),
+        state_lock=threading.Lock(),
+        rule=Failing(),
+        state=None,
+        host_id=host_identity(),
+        security=None,
+    )
+    try:
+        snapshot = pool.publish([np.ones(64, np.float32)], 0.0, 0.0, {})
+        assert snapshot is not None
+        request = wire.Fetch(node="w1", req=5, fingerprint=layout.fingerprint, host=host_identity())
+        with pytest.raises(RuntimeError, match="a rule's bug"):
+            serve(node, request)
+        assert snapshot.leases == 0 and node.loans.outstanding() == 0
+        assert node.loans.expire(time.monotonic() + 1e6) == 0 and snapshot.leases == 0
+        assert not node.loans.give_back("w1", 5) and snapshot.leases == 0
+    finally:
+        pool.close()
 
 
 def test_two_curve_nodes_that_authenticated_each_other_use_shared_memory(tmp_path: Path) -> None:

@@ -47,6 +47,12 @@ class Loans:
         self._release(loan[0])
         return True
 
+    def cancel(self, requester: str, req: int) -> bool:
+        """Forget the loan of ``requester``'s request ``req`` *without* ending its lease: the reply naming it was
+        never made, and whoever leased the snapshot releases it. False when there is none."""
+        with self._lock:
+            return self._out.pop((requester, req), None) is not None
+
     def expire(self, now: float) -> int:
         """End every loan whose deadline passed (counted ``shm_loans_expired``); how many."""
         with self._lock:

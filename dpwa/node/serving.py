@@ -158,7 +158,13 @@ def _lent_reply(
     until = time.monotonic() + node.timeouts.lend_s
     if not node.loans.lend(request.node, request.req, snapshot, until):
         return None
-    header, given = _served_header(node, request, snapshot, layout, news, shm=snapshot.segment.ref(snapshot.gen, until))
+    try:
+        header, given = _served_header(
+            node, request, snapshot, layout, news, shm=snapshot.segment.ref(snapshot.gen, until)
+        )
+    except BaseException:  # no reply went out: the loan is void, and serve's lease ends once, in serve
+        node.loans.cancel(request.node, request.req)
+        raise
 
     def lent(went: bool) -> None:
         if not went:  # never sent: the loan ends now, and the rule gets back what on_serve handed out
