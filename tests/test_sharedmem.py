@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -108,6 +111,27 @@ def test_host_identity_is_stable_and_names_the_namespaces() -> None:
     assert host_identity() == ident
 
 
+def identity_of_a_child(*unshare: str) -> str:
+    """The co-location identity a child process computes (under ``unshare`` with the flags given, if any)."""
+    code = "from dpwa.node.sharedmem import host_identity; print(host_identity())"
+    command = [*(["unshare", *unshare, "--fork"] if unshare else []), sys.executable, "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or not os.path.exists("/proc/self/ns/time"),
+    reason="needs root, unshare(1) and time namespaces (Linux >= 5.6)",
+)
+def test_a_process_in_another_time_namespace_is_not_co_located() -> None:
+    """A loan ends at a CLOCK_MONOTONIC deadline, which a time namespace offsets: a node in another one must
+    fetch over the socket. A child in this process's namespaces is co-located; one in a new time namespace is
+    not."""
+    assert identity_of_a_child() == host_identity()
+    assert identity_of_a_child("--time") not in ("", host_identity())
+
+
 def test_a_reader_refuses_a_segment_of_another_size_token_or_generation() -> None:
     segment = Segment("t", 4096)
     try:
@@ -141,6 +165,31 @@ def test_a_reader_refuses_a_segment_of_another_size_token_or_generation() -> Non
             SegmentReader().open("p", gone, 4096, 7)
         assert missing.value.reason == "shm-open"
     finally:
+        segment.close()
+
+
+def test_a_segment_cannot_change_size_under_its_readers_and_an_unsealed_file_is_refused() -> None:
+    """Another process of the same user that opens a segment through /proc and truncates it would end every reader
+    that maps it with SIGBUS: the segment is sealed once sized, so that fails; and a reader refuses a memory file
+    whose size is not sealed (``shm-seals``), however right its header is."""
+    segment = Segment("sealed", 4096)
+    unsealed = os.memfd_create("dpwa-unsealed", os.MFD_CLOEXEC)
+    try:
+        segment.set_gen(3)
+        for length in (0, HEADER_BYTES, HEADER_BYTES + 8192):
+            with open(f"/proc/{os.getpid()}/fd/{segment.fd}", "r+b") as other:
+                with pytest.raises(PermissionError):
+                    os.ftruncate(other.fileno(), length)
+        assert os.fstat(segment.fd).st_size == HEADER_BYTES + 4096
+        assert SegmentReader().open("p", segment.ref(3, 1e9), 4096, 3).payload.nbytes == 4096
+        os.ftruncate(unsealed, HEADER_BYTES + 4096)  # the same header and size, no seals
+        os.pwrite(unsealed, os.pread(segment.fd, HEADER_BYTES, 0), 0)
+        forged = SharedRef(pid=os.getpid(), fd=unsealed, token=segment.token.hex(), until=1e9)
+        with pytest.raises(WireError) as refused:
+            SegmentReader().open("p", forged, 4096, 3)
+        assert refused.value.reason == "shm-seals"
+    finally:
+        os.close(unsealed)
         segment.close()
 
 

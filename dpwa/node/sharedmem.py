@@ -4,7 +4,8 @@ its peers' segments.
 A segment is an anonymous memory file (``memfd_create``): no name in ``/dev/shm``, so nothing is left behind
 by any exit, a SIGKILL included -- the kernel frees it once the last descriptor and mapping are gone. Only
 processes of the same user (and root) can open it, through ``/proc/<pid>/fd/<fd>``: owner-only by
-construction. Its first :data:`HEADER_BYTES` bytes::
+construction. Once sized it is sealed (:data:`SEALS`): its size never changes again, so a map of it can never be
+cut short under a reader (a reader refuses an unsealed file, ``shm-seals``). Its first :data:`HEADER_BYTES` bytes::
 
     b"DPWASHM1" | token: 16 random bytes | gen: u64 | payload bytes: u64 | checked: u64 | (padding to 64)
 
@@ -15,13 +16,14 @@ them (0: not checked yet, or not all finite): a reader that mixes straight from 
 instead of reading the whole model once more.
 
 Two nodes are *co-located* when :func:`host_identity` is equal: the same kernel boot and the same network,
-IPC, PID and mount namespaces, the same user. A node in another network namespace (or container, or machine)
+IPC, PID, mount and time namespaces, the same user. A node in another network namespace (or container, or machine)
 has another identity and is never offered a segment; a reader that still cannot open one falls back to TCP.
 """
 
 from __future__ import annotations
 
 import collections
+import fcntl
 import functools
 import hashlib
 import logging
@@ -40,6 +42,7 @@ __all__ = [
     "HEADER_BYTES",
     "MAGIC",
     "MAX_MAPPED",
+    "SEALS",
     "Mapped",
     "Segment",
     "SegmentReader",
@@ -55,19 +58,24 @@ HEADER_BYTES = 64
 _HEADER = struct.Struct("<8s16sQQQ")
 _GEN_OFFSET = 24
 _CHECKED_OFFSET = 40
+SEALS = sum(getattr(fcntl, seal, 0) for seal in ("F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL"))
+"""The seals a segment gets once sized, and a reader requires: no process (another of the same user writing
+through ``/proc/<pid>/fd``) can shrink it under a reader's map, which would end the reader with SIGBUS, nor
+grow it or seal it further."""
 MAX_MAPPED = 64
 """The most peer segments a reader keeps mapped (least recently used first out)."""
 
 
 def supported() -> bool:
-    """True where segments work: Linux with ``memfd_create`` and ``/proc``."""
-    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+    """True where segments work: Linux with ``memfd_create``, file seals and ``/proc``."""
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")
 
 
 @functools.cache
 def host_identity() -> str:
-    """This process's co-location identity (32 hex digits): a digest of the boot id, the network, IPC, PID and
-    mount namespaces and the user id; "" where shared memory is not supported (then nobody is co-located)."""
+    """This process's co-location identity (32 hex digits): a digest of the boot id, the network, IPC, PID, mount
+    and time namespaces (a loan's deadline is a ``CLOCK_MONOTONIC`` reading, which time namespaces offset) and the
+    user id; "" where shared memory is not supported (then nobody is co-located)."""
     if not supported():
         return ""
     try:
@@ -76,6 +84,8 @@ def host_identity() -> str:
         parts += [str(os.stat(f"/proc/self/ns/{ns}").st_ino) for ns in ("net", "ipc", "pid", "mnt")]
     except OSError:
         return ""
+    if os.path.exists("/proc/self/ns/time"):  # Linux >= 5.6: loans end at a CLOCK_MONOTONIC deadline
+        parts.append(str(os.stat("/proc/self/ns/time").st_ino))
     parts.append(str(os.getuid()))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
@@ -84,9 +94,10 @@ class Segment:
     """One memory file holding a header and ``payload_bytes`` of payload (:attr:`payload`, uint8, writable)."""
 
     def __init__(self, tag: str, payload_bytes: int) -> None:
-        self.fd = os.memfd_create(f"dpwa-{tag}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(f"dpwa-{tag}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, HEADER_BYTES + payload_bytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # its size is final: no reader can be cut short
             self._map = mmap.mmap(self.fd, HEADER_BYTES + payload_bytes)
         except BaseException:
             os.close(self.fd)
@@ -183,6 +194,8 @@ class SegmentReader:
             if not stat.S_ISREG(info.st_mode):
                 raise WireError("shm-token", f"{path} is not a memory file")
             size = info.st_size
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                raise WireError("shm-seals", f"{path} may still change size (not sealed)")
             if size != HEADER_BYTES + payload_bytes:
                 raise WireError("shm-size", f"segment of {size} bytes, expected {HEADER_BYTES + payload_bytes}")
             try:
