@@ -177,6 +177,43 @@ def test_adpsgd_a_peer_starting_answers_not_ready_and_one_holding_our_exchange_a
         assert w2.stats()["pushes_busy"] == 1
 
 
+def test_adpsgd_a_lingering_node_refuses_an_exchange_whose_push_it_held_before(tmp_path: Path) -> None:
+    """w2 holds w1's exchange push (a raw DEALER speaking as w1), then trains no more and lingers; the FETCH that
+    completes the exchange is refused busy (w2 would never mix its half, and the pair's sum would drift), and its
+    push is withdrawn by the abort. Before, only pushes arriving after the lingering began were refused."""
+    ports = free_ports(2)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, interpolation="adpsgd", timeout_ms=2000)
+    p2 = model(8.0)
+    layout = Layout.of(p2)
+    with DpwaConnection("w2", cfg, seed=1, params=p2) as w2:
+        w2.update_send(p2, 1.0)  # w2 publishes 8 (its own exchange finds w1 down)
+        w2.update_wait(1.0)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(w2.endpoint)
+        try:
+            payload = np.zeros(layout.total_bytes // 4, np.float32).tobytes()
+            push = wire.encode_push("w1", 1, clock=0.0, loss=1.0, extras={}, layout=layout, hold=True, whole=True)
+            sock.send_multipart([push, payload])
+            deadline = time.monotonic() + 10.0
+            while not w2._node.transfer.inbox.holds_exchange("w1", 1):
+                assert time.monotonic() < deadline, w2.stats()
+                time.sleep(0.01)
+            w2._node.transfer.linger_starts()  # what close(linger=...) does first
+            sock.send(wire.encode_fetch("w1", 2, layout.fingerprint, exchange=1))
+            assert sock.poll(5000), "w2 did not answer"
+            answer = wire.decode_message(sock.recv_multipart()[0])
+            assert isinstance(answer, wire.Error) and answer.code == ErrorCode.BUSY.value, answer
+            sock.send(wire.encode_settle("w1", 1, "abort"))
+            assert sock.poll(5000), "w2 did not answer the abort"
+            assert wire.decode_message(sock.recv_multipart()[0]).kind is wire.Kind.ACK
+        finally:
+            sock.close(linger=0)
+        stats = w2.stats()
+        assert stats["exchanges_declined"] == 1 and stats["exchanges_aborted"] == 1, stats
+        assert stats["exchanges_committed"] == 0 and w2._node.transfer.inbox.occupied() == 0
+
+
 def test_adpsgd_a_snapshot_pairs_with_one_exchange_and_a_second_is_refused_busy(tmp_path: Path) -> None:
     """w2 publishes once; w1's first exchange pairs with that snapshot, its second (the inbox has room: two per
     sender) is refused busy -- two peers averaging with one snapshot would each take half of it -- and w1

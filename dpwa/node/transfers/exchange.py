@@ -13,8 +13,9 @@ slow node that served four fast peers in one of its steps would give its own mod
 the models diverging from about 64 nodes with 10 % stragglers). The paper's averaging is atomic: one pair at a
 time.
 
-A node that lingers (trains no more) refuses new exchanges ``busy``: it would never apply its half of them
-while the peer applied its own, and the pair's sum (the cluster's mean) would drift. Pulls are still served.
+A node that lingers (trains no more) refuses every exchange ``busy``, also one whose push it held before it began
+to linger: it would never apply its half of them while the peer applied its own, and the pair's sum (the cluster's
+mean) would drift. Pulls are still served.
 """
 
 from __future__ import annotations
@@ -78,7 +79,14 @@ class ExchangeTransfer(InboxTransfer):
 
     def pair_exchange(self, sender: str, seq: int, snapshot: Snapshot) -> Refusal | None:
         """Pair ``snapshot`` with ``sender``'s exchange ``seq`` unless it paired with one already (refused busy;
-        an exchange whose push is not here is refused ``not-delivered`` first, whatever the snapshot)."""
+        an exchange whose push is not here is refused ``not-delivered`` first, whatever the snapshot); a lingering
+        node refuses every exchange ``busy``, also one whose push it held before it began to linger: it will not
+        mix again, and the fetcher would have mixed its half alone."""
+        if self.inbox.closing:
+            if not self.inbox.holds_exchange(sender, seq):
+                return PUSH_MISSING
+            self.host.stats.add("exchanges_declined")
+            return ErrorCode.BUSY, "this node trains no more"
         if not pairs_exchange(snapshot.gen, self._paired_gen):
             if not self.inbox.holds_exchange(sender, seq):
                 return PUSH_MISSING
