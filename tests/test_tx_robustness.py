@@ -303,3 +303,41 @@ def test_a_stalled_tx_thread_never_holds_the_trainer(faulty, framing: str):
     faults.before.clear()
     assert exchange(node, p)[0] == 0.5  # the peer is still up; the TX thread serves the next fetch
     assert all((x == 6.0).all() for x in p)
+
+
+def test_an_exchange_that_update_wait_gave_up_on_is_aborted_at_once_when_its_reply_comes_late(tmp_path: Path):
+    """AD-PSGD between two real nodes, w1's TX thread stalled on w2's reply until w1's update_wait has timed the
+    exchange out (w1 mixes nothing). When the reply is then taken, late, w1 sends SETTLE abort, so w2 frees the
+    push it holds at once (``exchanges_aborted``) and never mixes its half. Before, no SETTLE went: w2 held the
+    push, the snapshot paired with it and an inbox slot until the hold expired (8 timeouts), counted expired."""
+    ports = free_ports(2)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, interpolation="adpsgd", timeout_ms=500)
+    faults = Faults()
+    p1, p2 = model(0.0), model(8.0)
+    entered, release = threading.Event(), threading.Event()
+
+    def stalled(*args: object) -> None:  # the TX thread blocks on the reply's header, then goes on as usual
+        entered.set()
+        release.wait(30)
+
+    with (
+        DpwaConnection("w1", cfg, seed=0, params=p1, transport=faults.factory) as w1,
+        DpwaConnection("w2", cfg, seed=1, params=p2) as w2,
+    ):
+        w2.update_send(p2, 1.0)  # w2 publishes 8 (its own exchange may find w1 not ready)
+        w2.update_wait(1.0)
+        before = w2.stats()
+        faults.before["tx.header"] = stalled
+        try:
+            w1.update_send(p1, 1.0)
+            job = w1._node.transfer.fetcher.pending
+            assert w1.update_wait(1.0) == 0.0 and entered.is_set()  # timed out, the reply sitting in the TX thread
+            assert w1.last_exchange["status"] == "timeout"
+        finally:
+            release.set()
+        assert job is not None and job.done.wait(5), "the TX thread never finished the exchange"
+        wait_until(lambda: w2.stats()["exchanges_aborted"] > before["exchanges_aborted"], 4.0)  # the hold: 8 x 0.5 s
+        after = w2.stats()
+        assert after["exchanges_committed"] == before["exchanges_committed"], after
+        assert after["exchanges_expired"] == before["exchanges_expired"], after
+        assert all((x == 0.0).all() for x in p1)

@@ -72,6 +72,8 @@ class FetchJob:
     """Sent with the request (the rule's push-pull state)."""
     push: Push | None = None
     """An exchange: this push (of the fetcher's own snapshot) goes to its peer just before the FETCH."""
+    exchange_settled: bool = False
+    """The exchange's SETTLE (commit or abort) is queued: one per exchange (the TX thread's alone)."""
     lend: bool = False
     """A shared-memory reply stays lent until the rule has mixed it (the views point into the peer's segment);
     else the TX thread copies it into the receive buffer and gives it back at once."""

@@ -412,10 +412,16 @@ class TxFetcher(threading.Thread):
     def _finish(
         self, job: FetchJob, target: FetchTarget, status: FetchStatus, code: str = "", detail: str = ""
     ) -> None:
-        """Report ``target``'s verdict; a reply judged after update_wait timed the target out counts as stale."""
-        if job.settle(target, status, code, detail):
-            if job.push is not None and target.peer == job.push.peer:  # the exchange stands or falls with the reply
-                self._settles.append((target.peer, job.push.seq, "commit" if status == FetchStatus.OK else "abort"))
+        """Report ``target``'s verdict; a reply judged after update_wait timed the target out counts as stale.
+
+        An exchange stands or falls with its reply: SETTLE commit once the reply is OK, abort otherwise -- also
+        when update_wait timed the target out first (it mixes nothing), so the peer frees the push it holds at
+        once instead of keeping it until it expires."""
+        settled = job.settle(target, status, code, detail)
+        if job.push is not None and target.peer == job.push.peer and not job.exchange_settled:
+            job.exchange_settled = True
+            self._settles.append((target.peer, job.push.seq, "commit" if target.status == FetchStatus.OK else "abort"))
+        if settled:
             self._port.fetch_done(job, target)
         elif status != FetchStatus.TIMEOUT:
             log.debug("dropping the verdict %s on %s: update_wait stopped waiting for it", status, target.peer)
