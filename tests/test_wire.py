@@ -101,6 +101,19 @@ def test_fetch_state_error_round_trip():
     assert h.kind is Kind.ERROR and h.code == "layout-mismatch" and h.detail == "mine differs"
 
 
+def test_an_error_code_a_node_does_not_know_is_decoded_as_unknown_with_the_code_in_its_detail():
+    """Refusals are counted and logged by code: a peer answering every request with a code of its own making must
+    not grow those tables. Every code this node sends decodes as itself."""
+    for code in ErrorCode:
+        assert wire.decode_message(wire.encode_error("w2", 7, code, "why")).code == code.value
+    made_up = [
+        wire.decode_message(_raw(Kind.ERROR.value, {"node": "w2", "req": i, "code": f"c{i}"})) for i in range(50)
+    ]
+    assert {h.code for h in made_up} == {"unknown"}
+    h = wire.decode_message(_raw(Kind.ERROR.value, {"node": "w2", "req": 1, "code": "x" * 5000, "detail": "d" * 5000}))
+    assert h.code == "unknown" and h.detail.startswith("code 'xxx") and len(h.detail) == wire.MAX_DETAIL_CHARS
+
+
 def _raw(kind: int, body, version: int = wire.PROTOCOL_VERSION, magic: bytes = wire.MAGIC) -> bytes:
     text = body if isinstance(body, (bytes, str)) else json.dumps(body)
     data = text.encode() if isinstance(text, str) else text

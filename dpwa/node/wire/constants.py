@@ -95,3 +95,6 @@ class ErrorCode(str, enum.Enum):
     """A JOIN this node does not admit (a name clash, a file node's name, a full table); the detail says which."""
     LEFT = "left"
     """The node has left the cluster (a clean close); the error carries its member table saying so."""
+    UNKNOWN = "unknown"
+    """Never sent: what a receiver makes of a code it does not know (the code goes into the detail), so that the
+    counters keyed by code stay bounded whatever a peer sends."""

@@ -47,6 +47,7 @@ from dpwa.node.wire.constants import (
     MAX_NAME_CHARS,
     PROTOCOL_VERSION,
     SETTLE_OPS,
+    ErrorCode,
     Kind,
 )
 from dpwa.node.wire.fields import (
@@ -83,6 +84,7 @@ __all__ = [
 ]
 
 _PREFIX = struct.Struct("<4sHB")
+_KNOWN_CODES = frozenset(code.value for code in ErrorCode)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -454,8 +456,10 @@ class Error(WithNews):
         """An ERROR from its parsed JSON body; raises WireError."""
         node, req, news = envelope(body)
         code = required(body, "code", str)
-        detail = str(body.get("detail", ""))[:MAX_DETAIL_CHARS]
-        return cls(node=node, req=req, code=code, detail=detail, news=news)
+        detail = str(body.get("detail", ""))
+        if code not in _KNOWN_CODES:  # counted and logged by code: a peer must not make up new keys
+            code, detail = ErrorCode.UNKNOWN.value, f"code {code[:64]!r}: {detail}"
+        return cls(node=node, req=req, code=code, detail=detail[:MAX_DETAIL_CHARS], news=news)
 
 
 @dataclass(frozen=True, kw_only=True)
