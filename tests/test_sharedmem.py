@@ -38,10 +38,12 @@ from test_hostile import FakePeers
 
 from dpwa import DpwaConnection
 from dpwa.node import sharedmem, wire
+from dpwa.node.inbox import PushReceiver
 from dpwa.node.loans import Loans
 from dpwa.node.serving import lends_to, serve
 from dpwa.node.sharedmem import HEADER_BYTES, Segment, SegmentReader, host_identity
 from dpwa.node.snapshots import SnapshotPool
+from dpwa.node.transport.shared import SharedReplies
 from dpwa.node.wire import Layout, SharedRef, WireError
 
 pytestmark = pytest.mark.skipif(not sharedmem.supported(), reason="needs memfd_create and /proc (Linux)")
@@ -190,6 +192,63 @@ def test_a_segment_cannot_change_size_under_its_readers_and_an_unsealed_file_is_
         assert refused.value.reason == "shm-seals"
     finally:
         os.close(unsealed)
+        segment.close()
+
+
+def test_a_member_that_went_has_its_segments_unmapped_by_every_reader() -> None:
+    """A peer that leaves or dies is forgotten by the member table; its segments (a model each) must not stay
+    mapped in its co-located peers until 64 others push them out: the fetcher's reader (TX thread), and the
+    inbox's (RX thread, at its next tick) drop them. A view still held (a loan being mixed) stays readable."""
+    layout = Layout.of([np.zeros(256, np.float32)])
+    segment = Segment("gone", layout.total_bytes)
+    try:
+        segment.set_gen(5)
+        reader = SegmentReader()
+        held = reader.open("w2", segment.ref(5, 1e9), layout.total_bytes, 5).payload
+        assert reader.mapped() == 1 and reader.forget("w9") == 0 and reader.mapped() == 1
+        assert reader.forget("w2") == 1 and reader.mapped() == 0 and held.nbytes == layout.total_bytes
+        assert reader.forget("w2") == 0
+
+        replies = SharedReplies("w1", lambda event, n: None)  # the fetcher's side
+        replies._segments.open("w2", segment.ref(5, 1e9), layout.total_bytes, 5)
+        replies.forget("w2")
+        assert replies._segments.mapped() == 0
+
+        inbox = PushReceiver(  # the pushes' side: w2 pushes through its segment
+            "w1",
+            ["w1", "w2"],
+            lambda: (layout, layout),
+            1,
+            30.0,
+            lambda k, n: None,
+            print,
+            lambda s: None,
+            per_sender=1,
+            host_id=host_identity(),
+        )
+        inbox.allocate(layout)
+        push = wire.encode_push(
+            "w2",
+            1,
+            clock=1.0,
+            loss=1.0,
+            extras={"w_given": 0.5},
+            layout=layout,
+            host=host_identity(),
+            gen=5,
+            shm=segment.ref(5, 1e9),
+        )
+        answer = inbox.begin(b"id", wire.decode_message(push), None)
+        assert answer is not None and wire.decode_message(answer).kind is wire.Kind.ACK
+        assert inbox._segments.mapped() == 1
+        inbox.set_senders(["w1", "w2", "w3"])  # a member came: nothing to unmap
+        inbox.expire(time.monotonic())
+        assert inbox._segments.mapped() == 1
+        inbox.set_senders(["w1", "w3"])  # w2 went
+        assert inbox._segments.mapped() == 1  # unmapped by the RX thread, at its tick
+        inbox.expire(time.monotonic())
+        assert inbox._segments.mapped() == 0
+    finally:
         segment.close()
 
 

@@ -176,6 +176,8 @@ class PushReceiver:
         self._host_id = host_id
         self._segments = SegmentReader()
         """The senders' segments a push through shared memory names (RX thread)."""
+        self._gone: set[str] = set()
+        """Senders no longer members whose segments the RX thread has still to unmap (:meth:`expire`)."""
         self._lock = threading.Condition()
         """Guards everything below; notified when a sender's round is settled here (:meth:`wait_rounds`)."""
         self._slots: list[InboxSlot] = []
@@ -196,7 +198,10 @@ class PushReceiver:
         """The members pushes are taken from (any thread): the table changed. The verdicts of senders no longer
         among them and with nothing in the inbox are dropped (per-sender state stays bounded by the table)."""
         with self._lock:
-            self._senders = frozenset(n for n in names if n != self.name)
+            senders = frozenset(n for n in names if n != self.name)
+            self._gone |= self._senders - senders
+            self._gone -= senders
+            self._senders = senders
             held = {s.sender for s in self._slots if s.state != SlotState.FREE}
             for sender in [n for n in self._verdicts if n not in self._senders and n not in held]:
                 del self._verdicts[sender]
@@ -450,7 +455,12 @@ class PushReceiver:
         return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "refused earlier")
 
     def expire(self, now: float) -> None:
-        """Free the slots of pushes that did not arrive whole in time, and of exchanges never settled."""
+        """Free the slots of pushes that did not arrive whole in time, and of exchanges never settled; unmap the
+        segments of senders that are no members any more."""
+        with self._lock:
+            gone, self._gone = self._gone, set()
+        for sender in gone:
+            self._segments.forget(sender)
         with self._lock:
             for slot in self._slots:
                 if slot.state in _UNSETTLED and now >= slot.deadline:

@@ -154,8 +154,9 @@ class Mapped:
 
 
 class SegmentReader:
-    """A node's read-only maps of its peers' segments (TX thread), at most :data:`MAX_MAPPED` at a time; a peer
-    that answers from another process (it restarted) has the maps of its former process dropped at once."""
+    """A node's read-only maps of its peers' segments (one thread's), at most :data:`MAX_MAPPED` at a time; a peer
+    that answers from another process (it restarted) has the maps of its former process dropped at once, and one
+    that is no member any more (:meth:`forget`) has its maps dropped then, so its memory goes with its process."""
 
     def __init__(self) -> None:
         self._maps: collections.OrderedDict[tuple[int, int, str], _Mapped] = collections.OrderedDict()
@@ -213,9 +214,19 @@ class SegmentReader:
         words = [whole[at : at + 8].view("<u8") for at in (_GEN_OFFSET, _CHECKED_OFFSET)]
         return _Mapped(segment, whole[HEADER_BYTES:], *words)
 
-    def _drop(self, pid: int) -> None:
-        for key in [key for key in self._maps if key[0] == pid]:
+    def forget(self, peer: str) -> int:
+        """``peer`` is no member any more: drop the maps of its process (each unmapped once no array views it, so a
+        loan still being mixed stays readable); how many were dropped."""
+        pid = self._pids.pop(peer, None)
+        if pid is None or pid in self._pids.values():
+            return 0
+        return self._drop(pid)
+
+    def _drop(self, pid: int) -> int:
+        keys = [key for key in self._maps if key[0] == pid]
+        for key in keys:
             del self._maps[key]
+        return len(keys)
 
     def mapped(self) -> int:
         """Segments mapped now."""

@@ -55,6 +55,13 @@ class SharedReplies:
         self._push_refused: set[str] = set()
         """Peers that refused such a push: pushed over the socket for the rest of the session."""
 
+    def forget(self, peer: str) -> None:
+        """``peer`` is no member any more: drop the maps of its segments and what was learnt about it (a member of
+        that name that comes later is another process)."""
+        self._segments.forget(peer)
+        for peers in (self._refused, self._push_peers, self._push_refused):
+            peers.discard(peer)
+
     def host_for(self, peer: str, host_id: str) -> str:
         """The co-location identity a FETCH to ``peer`` carries: ``host_id``, or "" once its segment failed."""
         return "" if peer in self._refused else host_id

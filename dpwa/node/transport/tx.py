@@ -218,6 +218,7 @@ class TxFetcher(threading.Thread):
                 self._endpoints[peer] = endpoint
                 continue
             self._endpoints.pop(peer, None)
+            self._shared.forget(peer)
             for key in [key for key in self._pushes if key[0] == peer]:
                 del self._pushes[key]
             for target in job.targets if job is not None else ():
