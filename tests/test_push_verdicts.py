@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from dpwa.node import wire
+from dpwa.node.core import request_ids
 from dpwa.node.inbox import PushReceiver
 from dpwa.node.wire import Layout, SharedRef
 
@@ -198,3 +199,23 @@ def test_a_repeated_header_naming_a_segment_for_a_held_exchange_is_stale_and_cha
     assert events["pushes_stale"] == 1 and events["shm_pushes_taken"] == 0
     assert inbox.occupied() == 1 and inbox.verdict_for("w2") == (1, None)
     assert inbox.holds_exchange("w2", 1) == (held == "held")
+
+
+def test_a_sender_restarted_under_its_name_has_its_first_push_taken(pipe: Wire) -> None:
+    """A receiver takes a sender's pushes only with growing sequence numbers. w2 made 5,000 requests in its first
+    process (its last push taken here), crashed and restarted 2 s later under its name: its new process's first
+    push is taken, not refused as a stale repeat (the counter used to start at 1 in every process, so a restarted
+    node's pushes were refused until it had made as many requests again)."""
+    start_ns = 1_790_000_000 * 10**9
+    first = request_ids(start_ns)
+    for _ in range(5_000):
+        seq = next(first)
+    inbox = receiver(LAYOUT, Counter())
+    assert inbox.begin(b"id", header(seq), None) is None
+    assert wire.decode_message(pipe.chunk(inbox, seq, GOOD)).kind is wire.Kind.ACK
+    inbox.release(inbox.drain(every=True))
+    restarted = next(request_ids(start_ns + 2 * 10**9))
+    assert restarted > seq
+    assert inbox.begin(b"id", header(restarted), None) is None  # reserved: not a stale repeat
+    assert wire.decode_message(pipe.chunk(inbox, restarted, GOOD)).kind is wire.Kind.ACK
+    assert inbox.verdict_for("w2") == (restarted, True)

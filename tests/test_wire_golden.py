@@ -113,7 +113,7 @@ def test_every_message_kind_encodes_to_its_recorded_bytes() -> None:
     assert kinds == {kind.name for kind in wire.Kind}  # every kind has its recorded bytes
     assert {code.value for code in wire.ErrorCode} == {
         "not-ready", "layout-mismatch", "bad-request", "busy", "unsupported", "not-delivered", "join-refused", "left",
-        "shared-memory",
+        "shared-memory", "unknown",  # unknown: never sent, what a receiver reads a code it does not know as
     }  # fmt: skip
 
 

@@ -54,7 +54,7 @@ from dpwa.rules.mixing import relative_distance
 from dpwa.rules.schedules import Schedule
 from dpwa.security.curve import NodeSecurity
 
-__all__ = ["Node"]
+__all__ = ["Node", "request_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,15 @@ def lost_extras(header: wire.Message | None) -> dict[str, Any] | None:
     if header is None:
         return None
     return dict(header.extras) if isinstance(header, wire.State) else {}
+
+
+def request_ids(now_ns: int | None = None) -> itertools.count[int]:
+    """A node's request ids and push sequence numbers: one counter, from the wall clock's microseconds at start
+    (``now_ns``: ``time.time_ns()``). Receivers take a sender's pushes only with growing sequence numbers, per
+    name; a node restarted under the same name (a crash, then ``dpwa run``'s restart) thus goes on above what its
+    former process used, unless it made over a million requests a second or the clock went back. Counting from 1
+    again, its pushes were refused as stale repeats until it caught up."""
+    return itertools.count((time.time_ns() if now_ns is None else now_ns) // 1000)
 
 
 class Node:
@@ -161,7 +170,7 @@ class Node:
         self.timeouts = Timeouts.of(self.config)
         self.host_id = host_identity() if self.config.transport.shared_memory == "auto" else ""  # "": off
         self.loans = Loans(self.release_snapshot, self.stats.add)
-        self.requests = itertools.count(1)  # request ids and push sequence numbers: one counter, never repeated
+        self.requests = request_ids()  # request ids and push sequence numbers: one counter, never repeated
         self.step = 0  # update_send calls so far: the schedules' round index
         self.front = 0  # the most update_send calls heard of: this node's, or a peer's (gossiped as a maximum)
         self.in_round = False  # an update_send started a round that its update_wait has not ended yet
