@@ -43,6 +43,7 @@ from dpwa.node.loans import Loans
 from dpwa.node.serving import lends_to, serve
 from dpwa.node.sharedmem import HEADER_BYTES, Segment, SegmentReader, host_identity
 from dpwa.node.snapshots import SnapshotPool
+from dpwa.node.transfers.fetcher import loan_holds_until
 from dpwa.node.transport.shared import SharedReplies
 from dpwa.node.wire import Layout, SharedRef, WireError
 
@@ -292,9 +293,20 @@ def test_co_located_nodes_fetch_through_shared_memory(tmp_path: Path) -> None:
             wait_until(lambda t=theirs, n=done: t.stats()["shm_served"] == n, 5, message="lent replies counted")
         wait_until(lambda: a.stats()["shm_released"] == b.stats()["shm_fetched"], 5, message="loans given back")
         assert a.stats().get("shm_loans_expired", 0) == 0
+        for conn in (a, b):  # each mixed straight from the segment, and measured how long it held the loan
+            assert 0.0 < conn._node.transfer.fetcher.longest_hold_s < 5.0
     finally:
         a.close()
         b.close()
+
+
+def test_a_lent_reply_is_mixed_only_with_room_for_twice_the_longest_hold() -> None:
+    """A loan is read in place until the rule is done, and the server may reuse the buffer once it ends: a reply
+    is mixed only with more than a second left plus twice the longest the node has held a loan (a model of a few
+    GB takes seconds to mix; a fixed second would let the server rewrite it under the mix)."""
+    assert loan_holds_until(10.0, 8.9, 0.0) and not loan_holds_until(10.0, 9.1, 0.0)
+    assert not loan_holds_until(10.0, 7.0, 1.5)  # 3 s left, but the node has held a loan 1.5 s
+    assert loan_holds_until(10.0, 5.9, 1.5)
 
 
 def test_shared_memory_off_fetches_over_the_socket(tmp_path: Path) -> None:

@@ -29,13 +29,20 @@ from dpwa.node.wire import Layout, State
 from dpwa.rules import NodeState, PeerSnapshot
 from dpwa.rules.schedules import Round
 
-__all__ = ["LEND_MARGIN_S", "Fetcher", "round_peers"]
+__all__ = ["LEND_MARGIN_S", "Fetcher", "loan_holds_until", "round_peers"]
 
 log = logging.getLogger(__name__)
 
 LEND_MARGIN_S = 1.0
-"""A lent reply is mixed only if its loan has this many seconds left (the mix ends well before the server may
-reuse the buffer)."""
+"""A lent reply is mixed only if its loan has this many seconds left, plus twice the longest this node has held a
+loan from collecting it to giving it back (:func:`loan_holds_until`): the mix ends well before the server may
+reuse the buffer, however large the model (a mix of a few GB takes seconds)."""
+
+
+def loan_holds_until(until: float, now: float, longest_hold_s: float) -> bool:
+    """Whether a loan ending at ``until`` (monotonic s) may still be mixed at ``now``: more than
+    ``LEND_MARGIN_S + 2 * longest_hold_s`` left, ``longest_hold_s`` the longest this node has held one."""
+    return now < until - (LEND_MARGIN_S + 2.0 * longest_hold_s)
 
 
 def round_peers(host: Host) -> tuple[list[str], bool]:
@@ -72,6 +79,10 @@ class Fetcher:
         """The receive layout :meth:`allocate` was given."""
         self._lent: list[tuple[FetchTarget, int]] = []
         """The targets of the collected job whose views lie in a peer's segment, with the job's request id."""
+        self._collected = 0.0
+        """When the collected job's loans were checked (monotonic s)."""
+        self.longest_hold_s = 0.0
+        """The longest this node held loans from :meth:`collect` to :meth:`give_back` (the mix reading them)."""
 
     def allocate(self, layout: Layout, count: int) -> None:
         """Allocate ``count`` receive buffers in ``layout`` (once, at the first publish; 0: a node that never
@@ -138,11 +149,13 @@ class Fetcher:
     def collect(self) -> tuple[list[FetchTarget], list[PeerSnapshot]]:
         """After :meth:`wait`: the job's targets, and its replies that came whole as peers for the rule. A reply
         lent in shared memory is left out (counted ``shm_loans_lapsed``) when its peer's segment no longer holds
-        it or its loan ends within :data:`LEND_MARGIN_S`; :meth:`give_back` ends the loans once the rule is done."""
+        it or its loan ends too soon (:func:`loan_holds_until`); :meth:`give_back` ends the loans once the rule is
+        done."""
         job, self._waited = self._waited, None
         targets = job.targets if job is not None else []
         # only an ok target keeps its loan for the rule (the TX thread gives back any other one itself)
         self._lent = [(t, job.req) for t in targets if t.status == FetchStatus.OK and t.loan is not None]
+        self._collected = time.monotonic()
         peers = []
         for t in targets:
             if t.status != FetchStatus.OK or t.header is None:
@@ -157,12 +170,14 @@ class Fetcher:
         """The lent segment still holds the generation fetched, with its loan not ending within the margin."""
         assert target.loan is not None and isinstance(target.header, State) and target.header.shm is not None
         word, gen = target.loan
-        return int(word[0]) == gen and time.monotonic() < target.header.shm.until - LEND_MARGIN_S
+        return int(word[0]) == gen and loan_holds_until(target.header.shm.until, time.monotonic(), self.longest_hold_s)
 
     def give_back(self) -> None:
         """The rule is done with the collected job's lent replies: check each segment still held what was mixed
         (else counted ``shm_torn`` and logged: a loan outlived), then RELEASE each (TX thread)."""
         lent, self._lent = self._lent, []
+        if lent:
+            self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - self._collected)
         for target, req in lent:
             loan, target.loan, target.views = target.loan, None, []
             if loan is None:  # pragma: no cover - given back already
