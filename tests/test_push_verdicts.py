@@ -19,6 +19,7 @@ import zmq
 from dpwa.node import wire
 from dpwa.node.core import request_ids
 from dpwa.node.inbox import PushReceiver
+from dpwa.node.verdicts import Verdicts
 from dpwa.node.wire import Layout, SharedRef
 
 ROUND = 7
@@ -219,3 +220,33 @@ def test_a_sender_restarted_under_its_name_has_its_first_push_taken(pipe: Wire) 
     assert inbox.begin(b"id", header(restarted), None) is None  # reserved: not a stale repeat
     assert wire.decode_message(pipe.chunk(inbox, restarted, GOOD)).kind is wire.Kind.ACK
     assert inbox.verdict_for("w2") == (restarted, True)
+
+
+def test_a_verdict_outlives_the_member_table_forgetting_its_sender(pipe: Wire) -> None:
+    """w2's push is taken, its ACK lost; a partition long enough that w1 forgets w2 (a joined member), then w2's
+    SETTLE query: still ACK, not a refusal (w2 would take back the mass w1 already has: counted twice), whether w1
+    has w2 in its table again or not yet; a push w2 made after it was forgotten, refused then, stays refused."""
+    inbox = receiver(LAYOUT, Counter())
+    assert inbox.begin(b"id", header(5), None) is None
+    assert wire.decode_message(pipe.chunk(inbox, 5, GOOD)).kind is wire.Kind.ACK  # the ACK that is lost
+    inbox.release(inbox.drain(every=True))
+    inbox.set_senders(["w1"])  # w2 forgotten
+    assert inbox.verdict_for("w2") == (-1, None)
+    assert query(inbox, 5).kind is wire.Kind.ACK
+    assert query(inbox, 6).kind is wire.Kind.ERROR  # never taken
+    assert inbox.begin(b"id", header(7), None) is not None  # a push now: not a member, refused
+    inbox.set_senders(["w1", "w2"])  # w2 back (it rejoined)
+    assert inbox.verdict_for("w2") == (5, True)
+    assert query(inbox, 5).kind is wire.Kind.ACK
+    assert inbox.begin(b"id", header(4), None) is not None  # an old push repeated: the verdict of record
+
+
+def test_retired_verdicts_are_bounded() -> None:
+    verdicts = Verdicts(keep_retired=3)
+    for i in range(10):
+        verdicts.set(f"s{i}", i, True)
+    assert verdicts.follow(["s0"], held=["s9"]) == [f"s{i}" for i in range(1, 9)]
+    assert [verdicts.retired(f"s{i}") for i in range(10)] == [None] * 6 + [(6, True), (7, True), (8, True), None]
+    assert verdicts.get("s9") == (9, True) and verdicts.get("s0") == (0, True)
+    assert verdicts.follow(["s0", "s7"], held=[]) == ["s9"]
+    assert verdicts.get("s7") == (7, True) and verdicts.retired("s7") is None and verdicts.retired("s9") == (9, True)

@@ -52,6 +52,7 @@ from dpwa.node import wire
 from dpwa.node.frames import copy_payload, discard_rest, receive_payload
 from dpwa.node.sharedmem import SegmentReader
 from dpwa.node.states import SLOT_MOVES, SlotState, moves
+from dpwa.node.verdicts import Verdicts
 from dpwa.node.wire import CHUNK_BYTES, ErrorCode, Layout, PayloadReader, Push, Settle, WireError
 
 __all__ = ["HOLD_TIMEOUTS", "InboxSlot", "PushReceiver", "round_of"]
@@ -185,8 +186,8 @@ class PushReceiver:
         """False once allocated with no slot (an active AD-PSGD node): every push is refused ``unsupported``."""
         self._reader: PayloadReader | None = None
         self._bounds: list[tuple[int, int]] = []
-        self._verdicts: dict[str, tuple[int, bool | None]] = {}
-        """sender -> (its latest sequence number seen, True accepted / False refused / None pending)."""
+        self._verdicts = Verdicts()
+        """Per sender: its latest sequence number seen and the verdict on it; retired ones (:mod:`verdicts`)."""
         self._rounds: dict[str, int] = {}
         """sender -> the round (``extras["round"]``) of its latest push that has a verdict here."""
         self.closing = False
@@ -196,15 +197,15 @@ class PushReceiver:
 
     def set_senders(self, names: Sequence[str]) -> None:
         """The members pushes are taken from (any thread): the table changed. The verdicts of senders no longer
-        among them and with nothing in the inbox are dropped (per-sender state stays bounded by the table)."""
+        among them and with nothing in the inbox are retired (:class:`~dpwa.node.verdicts.Verdicts`): still the
+        answer to their SETTLE queries, and theirs again if they come back."""
         with self._lock:
             senders = frozenset(n for n in names if n != self.name)
             self._gone |= self._senders - senders
             self._gone -= senders
             self._senders = senders
             held = {s.sender for s in self._slots if s.state != SlotState.FREE}
-            for sender in [n for n in self._verdicts if n not in self._senders and n not in held]:
-                del self._verdicts[sender]
+            for sender in self._verdicts.follow(self._senders, held):
                 self._rounds.pop(sender, None)
 
     def allocate(self, local: Layout, slots: int | None = None) -> None:
@@ -307,7 +308,7 @@ class PushReceiver:
                 None, wire.encode_error(self.name, header.req, ErrorCode.BAD_REQUEST, f"{exc.reason}: {exc.detail}")
             )
         with self._lock:
-            last, verdict = self._verdicts.get(sender, (-1, None))
+            last, verdict = self._verdicts.get(sender)
             if header.req <= last:  # a repeat or an old push: it has (or will get) the verdict of record
                 self._on_event("pushes_stale", 1)
                 return _Reserved(None, self._verdict_reply(header.req, last, verdict))
@@ -318,7 +319,7 @@ class PushReceiver:
             slot = next((s for s in self._slots if s.state == SlotState.FREE), None)
             if slot is None:
                 return _Reserved(None, self._busy(header, "inbox full"))
-            self._verdicts[sender] = (header.req, None)
+            self._verdicts.set(sender, header.req, None)
             _move(slot, SlotState.RECEIVING)
             slot.sender, slot.identity, slot.seq = sender, identity, header.req
             slot.header, slot.next_chunk = header, 0
@@ -414,17 +415,20 @@ class PushReceiver:
     def settle(self, identity: bytes, header: Settle, user: str | None) -> bytes:
         """A SETTLE from ``header.node`` about its push ``header.req``: the ACK or ERROR to send back."""
         sender, seq = header.node, header.req
+        retired = self._retired_answer(header, user)
+        if retired is not None:
+            return retired
         if self._stranger(sender, user):
             return wire.encode_error(self.name, seq, ErrorCode.BAD_REQUEST, "not a peer of this cluster")
         with self._lock:
             slot = next(
                 (s for s in self._slots if s.state != SlotState.FREE and s.sender == sender and s.seq == seq), None
             )
-            last, verdict = self._verdicts.get(sender, (-1, None))
+            last, verdict = self._verdicts.get(sender)
             if header.op == "commit":
                 if slot is not None and slot.state == SlotState.SERVED:
                     _move(slot, SlotState.COMMITTED)
-                    self._verdicts[sender] = (seq, True)
+                    self._verdicts.set(sender, seq, True)
                     self._on_event("exchanges_committed", 1)
                     return wire.encode_ack(self.name, seq, shm=slot.colocated)
                 return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "no exchange to commit")
@@ -433,18 +437,34 @@ class PushReceiver:
                     self._free(slot, accepted=False)
                     self._on_event("exchanges_aborted", 1)
                 elif seq > last:
-                    self._verdicts[sender] = (seq, False)
+                    self._verdicts.set(sender, seq, False)
                 return wire.encode_ack(self.name, seq)
             # query: close a push still arriving, so that the verdict read now is final
             if seq > last:
-                self._verdicts[sender] = (seq, False)
+                self._verdicts.set(sender, seq, False)
                 return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "never arrived whole")
             if seq == last and verdict is None:  # an exchange's push too: a commit after this finds nothing
                 if slot is not None and slot.state in _UNSETTLED:
                     self._free(slot, accepted=False)
-                self._verdicts[sender] = (seq, False)
+                self._verdicts.set(sender, seq, False)
                 verdict = False
             return self._verdict_reply(seq, last, verdict)
+
+    def _retired_answer(self, header: Settle, user: str | None) -> bytes | None:
+        """A SETTLE query from a sender no longer a member whose verdicts are retired here (with CURVE, asked by
+        that node itself): the verdict of record (a push after the last one recorded was refused: not a member);
+        None for anything else."""
+        sender, seq = header.node, header.req
+        if header.op != "query" or sender in self._senders or (self._check_identity and user != sender):
+            return None
+        with self._lock:
+            record = self._verdicts.retired(sender)
+        if record is None:
+            return None
+        last, verdict = record
+        if seq > last or verdict is None:
+            return wire.encode_error(self.name, seq, ErrorCode.NOT_DELIVERED, "refused: not a member")
+        return self._verdict_reply(seq, last, verdict)
 
     def _verdict_reply(self, seq: int, last: int, verdict: bool | None) -> bytes | None:
         """What push ``seq`` gets when its sender asks again (caller holds the lock)."""
@@ -477,7 +497,7 @@ class PushReceiver:
     def _give_verdict(self, sender: str, seq: int, header: Push | None, *, taken: bool) -> None:
         """Push ``seq`` of ``sender`` is taken or refused for good (caller holds the lock): record its verdict and
         settle the round ``header`` names."""
-        self._verdicts[sender] = (seq, taken)
+        self._verdicts.set(sender, seq, taken)
         self._settle_round(sender, header)
 
     def _settle_round(self, sender: str, header: Push | None) -> None:
@@ -502,7 +522,7 @@ class PushReceiver:
         that could not be read, an expiry, an abort, a query. A free slot stays as it is."""
         if slot.state == SlotState.FREE:
             return
-        if not accepted and self._verdicts.get(slot.sender, (-1, None))[0] == slot.seq:
+        if not accepted and self._verdicts.get(slot.sender)[0] == slot.seq:
             self._give_verdict(slot.sender, slot.seq, slot.header, taken=False)
         if slot.served is not None:
             self._release(slot.served)
@@ -567,7 +587,7 @@ class PushReceiver:
         ``(-1, None)`` for a sender never seen. A leaving node sends it in its announcement: final once
         ``closing`` is set and nothing is arriving."""
         with self._lock:
-            return self._verdicts.get(sender, (-1, None))
+            return self._verdicts.get(sender)
 
     def receiving(self) -> int:
         """Pushes still arriving (any thread)."""
