@@ -258,12 +258,15 @@ def test_a_missing_bad_or_shared_public_key_is_a_config_error_at_security_keys(t
         load_config(path)
 
 
-def test_with_curve_node_names_must_name_key_files(tmp_path: Path) -> None:
+def test_node_names_must_name_files_with_curve_or_without(tmp_path: Path) -> None:
+    """A node's name names its key files, and its log, metrics and model files in a run directory: ``a/b`` would
+    name a path outside them (tests/data/configs/bad/node_name_*.yaml: more cases)."""
     text = "nodes:\n  - {name: w1, host: 127.0.0.1, port: 5001}\n  - {name: a/b, host: 127.0.0.1, port: 5002}\n"
-    assert load_config(write(tmp_path / "plain.yaml", text)).nodes[1].name == "a/b"  # fine without CURVE
-    with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path / "c.yaml", text + "security: {curve: true, keys: k}\n"))
-    assert (info.value.line, info.value.key) == (3, "nodes[1].name")
+    for name, extra in (("plain.yaml", ""), ("c.yaml", "security: {curve: true, keys: k}\n")):
+        with pytest.raises(ConfigError) as info:
+            load_config(write(tmp_path / name, text + extra))
+        assert (info.value.line, info.value.key) == (3, "nodes[1].name")
+        assert "it names the node's files" in info.value.reason
 
 
 def test_security_off_needs_no_keys_and_is_left_out_of_the_written_config(tmp_path: Path) -> None:

@@ -38,10 +38,11 @@ import yaml
 from dpwa.config.errors import MEMORY, ConfigError, error_in_memory
 from dpwa.rules import RULES, OuterSettings, momentum_hazard
 from dpwa.rules.schedules import SCHEDULES
-from dpwa.security.keyfiles import KeyFileError, name_problem, public_path, read_key_file, secret_path
+from dpwa.security.keyfiles import KeyFileError, public_path, read_key_file, secret_path
 from dpwa.utils.dtypes import WIRE_DTYPES
 from dpwa.utils.settings import (
     Flag,
+    NodeName,
     Reader,
     Spec,
     Word,
@@ -141,7 +142,7 @@ class _JoinAddress(Spec):
 class NodeSpec:
     """One cluster member: a unique name and the host:port its server binds/peers connect to."""
 
-    name: str = setting(spec=Word())
+    name: str = setting(spec=NodeName())
     host: str = setting(spec=Word())
     port: int = setting(lo=1, hi=65535, integer=True)
 
@@ -417,6 +418,13 @@ class ClusterConfig:
             )
         if getattr(self.settings, "bipartite", False):
             self._check_bipartite()
+        if self.outer and self.interpolation == "choco":
+            raise self.error(
+                "outer",
+                "does not fit interpolation 'choco' (docs/rules.md): CHOCO's messages are increments that every "
+                "neighbour must receive, and under the outer optimizer a node publishes at every step while its "
+                "neighbours fetch only every `every`-th; leave outer out",
+            )
         hazard = momentum_hazard(self.interpolation, self.schedule) if self.outer and self.outer.momentum else ""
         if hazard:
             way_out = "" if self.interpolation == "adpsgd" else " or another schedule than ring"
@@ -445,14 +453,11 @@ class ClusterConfig:
         return {name: given[name] if name in given else rule.settings_class() for name, rule in RULES.items()}
 
     def _check_public_keys(self) -> None:
-        """With ``security.curve``: node names can name key files, and every node's public key is readable."""
+        """With ``security.curve``: every node's public key is readable (node names can name key files: every name
+        can, :class:`~dpwa.utils.settings.NodeName`)."""
         keys = self.security.keys
         if not self.security.curve or keys is None:
             return
-        for i, node in enumerate(self.nodes):
-            problem = name_problem(node.name)
-            if problem:
-                raise self.error(f"nodes[{i}].name", f"with security.curve on, node names name key files: {problem}")
         names = [node.name for node in self.nodes]
         hint = f"; generate with `dpwa keys generate {{}} --dir {keys}` and copy every NAME.key to every machine"
         if not os.path.isdir(keys):

@@ -49,6 +49,13 @@ def resolve_config(config: ClusterConfig | str | os.PathLike[str]) -> ClusterCon
 
 def parse_config(text: str, source: str = MEMORY) -> ClusterConfig:
     """Validate cluster-file ``text`` (either format); ``source`` names it in errors."""
+    try:
+        return _parse(text, source)
+    except RecursionError:  # PyYAML composes (and we read) nested collections recursively
+        raise ConfigError("collections nested too deep (a cluster file needs three levels)", source, 1) from None
+
+
+def _parse(text: str, source: str) -> ClusterConfig:
     doc = ClusterFileReader(source)
     values: dict[str, Any] = {}
     rules: dict[str, object] = {}

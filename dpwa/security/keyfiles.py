@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from pathlib import Path
 
 from dpwa.utils.atomic import write_atomically
+from dpwa.utils.settings import NAME_PATTERN
 
 __all__ = [
     "PUBLIC_SUFFIX",
@@ -34,7 +34,6 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 Z85_ALPHABET = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 Z85_KEY_CHARS = 40
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 _PUBLIC_BANNER = """#   ****  Generated on {now} by dpwa keys generate  ****
 #   ZeroMQ CURVE Public Certificate of dpwa node {name}
 #   Copy it to every machine that runs a node of the cluster.
@@ -54,7 +53,7 @@ class KeyFileError(ValueError):
 def name_problem(name: str) -> str | None:
     """Why ``name`` cannot name key files (None when it can): letters, digits, ``.``, ``_``, ``-``,
     not starting with ``.`` or ``-`` (so it never names a path outside the key directory)."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
         return f"{name!r} cannot name a key file: use letters, digits, '.', '_', '-', starting with a letter or digit"
     return None
 

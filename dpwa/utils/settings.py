@@ -22,13 +22,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 __all__ = [
     "Choice",
     "Flag",
+    "NAME_PATTERN",
+    "NodeName",
     "Number",
+    "RESERVED_NAMES",
     "Reader",
     "SettingError",
     "Settings",
@@ -155,6 +159,30 @@ class Word(Spec):
     def check(self, value: object) -> Iterator[tuple[str, str]]:
         if not isinstance(value, str) or not value or any(c.isspace() for c in value):
             yield "", f"must be a non-empty string without spaces, got {show_value(value)}"
+
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+"""A node's name: letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit, at most 128 characters. It
+names files (its log, metrics, model and key files), so it never names a path outside their directory."""
+RESERVED_NAMES = frozenset({"evaluate"})
+"""Names a node cannot take: ``dpwa run``'s evaluation step writes ``evaluate.log`` beside the nodes' logs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeName(Spec):
+    """A node's name (:data:`NAME_PATTERN`, not one of :data:`RESERVED_NAMES`)."""
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if not isinstance(value, str) or not NAME_PATTERN.match(value):
+            yield (
+                "",
+                (
+                    "must be letters, digits, '.', '_' or '-', starting with a letter or digit, at most 128 characters "
+                    f"(it names the node's files), got {show_value(value)}"
+                ),
+            )
+        elif value in RESERVED_NAMES:
+            yield "", f"{value!r} is reserved (dpwa run's evaluation step writes {value}.log); choose another name"
 
 
 @dataclasses.dataclass(frozen=True)
