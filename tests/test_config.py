@@ -247,7 +247,8 @@ REQUIRED_CASES = {
     "constant_value_out_of_range", "timeout_not_positive", "divergence_negative", "port_out_of_range",
     "port_not_integer", "missing_node_field", "empty_node_name", "duplicate_node_name", "duplicate_address",
     "no_nodes", "unknown_interpolation", "yaml_syntax_error", "duplicate_key_mapping", "node_name_a_path",
-    "node_name_absolute", "node_name_nul", "node_name_reserved", "nested_too_deep",
+    "node_name_absolute", "node_name_nul", "node_name_reserved", "nested_too_deep", "join_host_nul",
+    "join_port_not_ascii",
     "duplicate_key_list_format", "list_item_two_keys", "empty", "top_level_scalar",
 }  # fmt: skip
 

@@ -650,6 +650,44 @@ def test_resume_keeps_the_runs_failure_policy_unless_told_otherwise(
     assert result.exit_code == 2 and "unreadable launch record: stop_on_failure must be true or false" in result.stderr
 
 
+@pytest.mark.parametrize(("field", "value"), [("threads", "Infinity"), ("command", "[]"), ("threads", "1e400")])
+def test_a_corrupt_launch_record_is_an_error_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: str
+) -> None:
+    """A launch.json edited by hand or half-written: one line naming it, exit 2 (threads: Infinity raised an
+    OverflowError; an empty command reached Popen)."""
+    monkeypatch.setattr(run_command, "_start", lambda *args: pytest.fail("started from a corrupt record"))
+    run_dir = write_run_dir(tmp_path / "run", free_ports(1))
+    record = (run_dir / "launch.json").read_text()
+    (run_dir / "launch.json").write_text(record.replace(f'"{field}": ' + json.dumps(json.loads(record)[field]),
+                                                        f'"{field}": {value}'))  # fmt: skip
+    result = CliRunner().invoke(cli.main, ["run", "--resume", str(run_dir)])
+    assert result.exit_code == 2 and "unreadable launch record" in result.stderr, result.output
+
+
+def test_a_summary_waits_for_another_launchers_lock_within_a_deadline(tmp_path: Path) -> None:
+    """Launchers sharing a run directory (one per host) write summary.json under a lock on the directory: a lock
+    held past the deadline is an OSError (dpwa run says it cannot write the summary), never an endless wait."""
+    import fcntl
+    import os
+
+    from dpwa.launcher.rundir import _lock_within
+
+    tmp_path.mkdir(exist_ok=True)
+    holder, waiter = os.open(tmp_path, os.O_RDONLY), os.open(tmp_path, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(OSError, match="held its lock for over 0.2 s"):
+            _lock_within(waiter, 0.2, tmp_path)
+        os.close(holder)
+        holder = -1
+        _lock_within(waiter, 0.2, tmp_path)  # free now: taken at once
+    finally:
+        for fd in (holder, waiter):
+            if fd >= 0:
+                os.close(fd)
+
+
 def test_resume_checks_the_ports_too(tmp_path: Path, busy_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(run_command, "_start", lambda *args: pytest.fail("started despite a port in use"))
     run_dir = write_run_dir(tmp_path / "run", [busy_port])

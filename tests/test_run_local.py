@@ -338,3 +338,17 @@ def test_n_runs_the_built_in_demo(tmp_path: Path) -> None:
         held.append(classes)
         assert f"classes:3: {','.join(map(str, classes))}" in out
     assert not set(held[0]) & set(held[1]), "two nodes, three classes each, ten classes: no class shared"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["-n", "2", "/nonexistent/train.py"], ["-n", "1", "--join", "a\x00b:99", "t.py"]],
+    ids=["missing-script", "bad-join-host"],
+)
+def test_a_run_that_fails_before_it_starts_leaves_no_lock_file(private_lock_dir: Path, argv: list[str]) -> None:
+    """``dpwa run -n N`` reserves N ports (a lock file each) before it checks the script and the rest: a run that
+    stops there (exit 2, one line) releases them (before, the files stayed until a later run drew those ports)."""
+    result = CliRunner().invoke(cli.main, ["run", *argv])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert not private_lock_dir.exists() or list(private_lock_dir.iterdir()) == []

@@ -234,14 +234,14 @@ def run(
         _check_resume_usage(node_count, cluster, node_names, run_dir, partition)
         _resume(RunDir(resume), steps, threads, timeout_s, stop, restart_failed, quiet, tensorboard, average)
     config, reservation, node_names, listed = _cluster(cluster, node_count, settings_file, join, node_names)
-    _check_average(script, average)
-    command = _command(script, script_args, steps, partition)
-    nodes = _nodes_here(config, node_names, listed)
-    directory = RunDir(run_dir if run_dir is not None else default_run_dir())
-    evaluate = script is None and runs_every_node(config, nodes) and not no_baseline
-    average = _average_here(config, nodes, average)
-    per_node = threads if threads is not None else threads_per_node(len(nodes))
-    try:  # the reserved ports stay locked until the job is over (and the process exits)
+    try:  # the reserved ports stay locked until the job is over (and the process exits), or it fails to start
+        _check_average(script, average)
+        command = _command(script, script_args, steps, partition)
+        nodes = _nodes_here(config, node_names, listed)
+        directory = RunDir(run_dir if run_dir is not None else default_run_dir())
+        evaluate = script is None and runs_every_node(config, nodes) and not no_baseline
+        average = _average_here(config, nodes, average)
+        per_node = threads if threads is not None else threads_per_node(len(nodes))
         _start(config, nodes, command, directory, evaluate, per_node, timeout_s, bool(stop), restart_failed, False,
                quiet, tensorboard, average)  # fmt: skip
     finally:
@@ -406,9 +406,9 @@ def _local_cluster(n: int, settings_file: str | None, join: str | None = None) -
         if address is None:
             return settings.with_nodes(local_nodes(reservation.ports)), reservation
         return settings.with_nodes(joining_nodes(address, reservation.ports, os.environ)), reservation
-    except (ConfigError, OSError) as err:
+    except (ConfigError, OSError, TypeError, ValueError) as err:  # TypeError, ValueError: a host no resolver takes
         reservation.release()
-        fail(f"--join {join}: {err}" if isinstance(err, OSError) else err)
+        fail(err if isinstance(err, ConfigError) else f"join {join or address}: {err}")
 
 
 def _start(
@@ -503,6 +503,8 @@ def _resume_plan(
     try:
         nodes = [config.node(name) for name in record["nodes"]]
         command = [str(arg) for arg in record["command"]]
+        if not command:
+            raise ValueError("the command is empty")
         evaluate, demo, per_node = bool(record["evaluate"]), bool(record["demo"]), int(record["threads"])
         stop_on_failure = record.get("stop_on_failure", False)
         if not isinstance(stop_on_failure, bool):
@@ -510,7 +512,7 @@ def _resume_plan(
         spec = record.get("average")
         if spec is not None and not isinstance(spec, str):
             raise TypeError(f"average must be MODULE:FUNCTION or null, got {spec!r}")
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:  # OverflowError: int(Infinity)
         fail(f"{directory.launch_path}: unreadable launch record: {err}")
     if steps is not None:
         if not demo:

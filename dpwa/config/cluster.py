@@ -114,8 +114,9 @@ def parse_join(value: str) -> JoinAddress:
     """``[NAME@]HOST:PORT`` -> :class:`JoinAddress`; ValueError saying what is wrong."""
     name, _, address = value.rpartition("@") if "@" in value else ("", "", value)
     host, sep, port = address.rpartition(":")
-    if not sep or not host or any(c.isspace() for c in value) or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"must be [NAME@]HOST:PORT with a port in [1, 65535], got {value!r}")
+    well_formed = bool(sep and host) and host.isascii() and host.isprintable() and port.isascii() and port.isdigit()
+    if not well_formed or any(c.isspace() for c in value) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"must be [NAME@]HOST:PORT (ASCII) with a port in [1, 65535], got {value!r}")
     if "@" in value and not name:
         raise ValueError(f"an empty NAME before '@' in {value!r}")
     return JoinAddress(host, int(port), name)

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,8 @@ __all__ = [
 ]
 
 CONFIG = "cluster.yaml"
+SUMMARY_LOCK_S = 30.0
+"""The longest ``write_summary`` waits for another launcher sharing the run directory to finish writing its own."""
 SUMMARY = "summary.json"
 DEMO = "demo.json"
 AVERAGE = "average.json"
@@ -181,7 +184,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         lock = os.open(self.path, os.O_RDONLY)  # flock on the directory itself: no lock file left behind
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            _lock_within(lock, SUMMARY_LOCK_S, self.path)
             old = self.read_summary() or {}
             nodes = dict(old["nodes"]) if isinstance(old.get("nodes"), dict) else {}
             nodes.update(summary.get("nodes", {}))
@@ -388,3 +391,17 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def _lock_within(fd: int, timeout_s: float, path: Path, poll_s: float = 0.05) -> None:
+    """Take an exclusive flock on ``fd`` within ``timeout_s`` seconds; OSError naming ``path`` past that (a launcher
+    that holds it that long is stuck, or the file system's locks are)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(f"{path}: another launcher held its lock for over {timeout_s:g} s") from None
+            time.sleep(poll_s)
