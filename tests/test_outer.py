@@ -239,7 +239,7 @@ def test_every_hook_is_the_base_rules() -> None:
     assert rule.push_shares(own, 1) and own.extras["weight"] == 0.5  # push-sum's own share-out
 
 
-@pytest.mark.parametrize(("name", "reads"), [("constant", False), ("dpsgd", False), ("gem", True), ("pushsum", True)])
+@pytest.mark.parametrize(("name", "reads"), [("constant", False), ("dpsgd", True), ("gem", True), ("pushsum", True)])
 def test_the_outer_rule_reads_what_it_published_as_its_base_does(name: str, reads: bool) -> None:
     """What decides whether a ``memory: low`` node keeps its snapshot in a narrower wire dtype alone: the outer
     step keeps its own anchor, so only the base rule's reading counts."""
@@ -583,8 +583,9 @@ def test_exchanging_every_fourth_step_keeps_the_consensus_point(
     tolerances. Measured, seeds 0-2: the bias is 7e-16-1e-14 for both rules at ROUNDS and 2e-16-7e-16 at 2*ROUNDS
     (both rules keep the nodes' sum and the outer step is linear: the nodes' mean takes DiLoCo's step on their
     mean pseudo-gradient). The spread, which the three local steps between exchanges widen, is
-    0.040-0.054 (dpsgd) and 0.040-0.076 (pushsum) at ROUNDS, against 0.007-0.009 and 0.016-0.029 without outer;
-    after 2*ROUNDS (as many exchanges as half the plain run's) 0.021-0.028 and 0.020-0.039, within SPREAD_TOL."""
+    0.049-0.070 (dpsgd) and 0.040-0.076 (pushsum) at ROUNDS, against 0.021-0.026 and 0.016-0.029 without outer;
+    after 2*ROUNDS (as many exchanges as half the plain run's) 0.026-0.036 and 0.020-0.039, within SPREAD_TOL (dpsgd
+    taking its whole local step since 2026-11-28; before: 0.040-0.054, 0.007-0.009 and 0.021-0.028)."""
     _, spread, bias = consensus_error(rule, schedule, None, seed, rounds=2 * ROUNDS, outer=OuterSettings(every=4))
     record_property("bias", bias)
     record_property("spread", spread)

@@ -378,12 +378,51 @@ def test_dpsgd_leaves_a_stale_neighbour_out_and_keeps_its_weight() -> None:
 
     rule = DpsgdRule(graph="ring", max_staleness=5.0)
     own = NodeState("w1", clock=20.0, extras=rule.initial_extras("w1", ["w1", "w2", "w3", "w4"]))
-    x = [np.array([3.0])]
+    rule.on_publish(own, [np.array([3.0])])  # x_sent
+    x = [np.array([2.5])]  # the local step since: -0.5
     fresh = PeerSnapshot(NodeState("w2", 18.0), [np.array([6.0])])
     stale = PeerSnapshot(NodeState("w4", 10.0), [np.array([-100.0])])
     out = rule.mix(own, x, [fresh, stale])
-    assert x[0][0] == pytest.approx((3.0 + 6.0 + 3.0) / 3)  # the stale neighbour's third stays with x
+    assert x[0][0] == (3.0 + 6.0 + 3.0) / 3 - 0.5  # the stale neighbour's third stays with x; the step stays whole
     assert out.peers == ("w2",) and rule.left_out == 1 and out.metrics["left_out"] == 1.0
+
+
+@pytest.mark.parametrize("graph", ["ring", "exponential", "directed-ring"])
+def test_dpsgd_in_lock_step_is_the_papers_step_the_average_then_the_whole_local_step(graph: str) -> None:
+    """Lian et al. 2017, Algorithm 1: ``x(k+1) = W x(k) - lr * grad f_i(x_i(k))``, the gradient at the model each
+    node published, applied whole after the average. 8 nodes in lock-step on ``f_i(x) = 1/2 |x - c_i|^2`` against
+    that recurrence computed with the matrix W; and nodes that start equal and take the same step of -1 a round move
+    by exactly -1 a round (averaging ``x_now`` in kept only ``1/(d+1)`` of it: -1/3 a round on the ring)."""
+    n, lr = 8, 0.1
+    rng = np.random.default_rng(3)
+    centres, start = rng.normal(size=(n, 4)), rng.normal(size=(n, 4))
+    w = np.zeros((n, n))
+    for i in range(n):
+        around = neighbours(i, n, graph)
+        for j in [i, *around]:
+            w[i, j] = 1.0 / (len(around) + 1)
+    sim = Simulation([[row.copy()] for row in start], lambda: DpsgdRule(graph=graph), lambda: NeighboursSchedule(graph))
+    index = {f"w{i + 1}": i for i in range(n)}
+    expected = start.copy()
+
+    def train(node: Any) -> float:
+        node.arrays[0] -= lr * (node.arrays[0] - centres[index[node.name]])
+        return 1.0
+
+    for _ in range(30):
+        sim.run_round(train=train)
+        expected = w @ expected - lr * (expected - centres)
+    np.testing.assert_allclose(np.array(sim.flats()), expected, rtol=0, atol=1e-12)
+
+    def step_back(node: Any) -> None:
+        node.arrays[0] -= 1.0
+
+    same = Simulation(
+        [[np.zeros(3)] for _ in range(n)], lambda: DpsgdRule(graph=graph), lambda: NeighboursSchedule(graph)
+    )
+    for _ in range(10):
+        same.run_round(train=step_back)
+    np.testing.assert_array_equal(np.array(same.flats()), -10.0)
 
 
 # --------------------------------------------------------------------------- floods of pushes at a live node

@@ -1,15 +1,21 @@
 """D-PSGD -- decentralized parallel SGD (Lian et al. 2017; docs/rules.md).
 
-Each node averages with its graph neighbours with the uniform weights of a regular graph,
-a doubly-stochastic mixing matrix: with ``d`` neighbours ``N(i)``, the nodes it reads (the
-``neighbours`` schedule: ring ``i +- 1``, exponential ``i +- 2^k``, or directed ring ``i - 1``),
+The paper's step, with ``d`` graph neighbours ``N(i)`` (the nodes node ``i`` reads: the ``neighbours``
+schedule, ring ``i +- 1``, exponential ``i +- 2^k``, or directed ring ``i - 1``) and the uniform weights of a
+regular graph, a doubly-stochastic mixing matrix ``W``::
 
-    x_i <- (x_i + sum_{j in N(i)} x_j) / (d + 1)
+    x_i(k+1) = (x_i(k) + sum_{j in N(i)} x_j(k)) / (d + 1)  -  lr * grad f_i(x_i(k))
 
-using each neighbour's last published model (fetched this step). A neighbour that did not
-answer in time, or whose clock lags this node's by more than ``max_staleness``, is left out
-and its weight stays with ``x_i`` (counted in ``left_out``): ``x_i <- x_i + sum_{j fresh}
-(x_j - x_i) / (d + 1)``. The clock is averaged with the same weights.
+averages the models of step ``k`` and takes the node's whole local step. Here ``x_i(k)`` is what node ``i``
+published at ``update_send`` (``x_sent``); the trainer has taken its step since (``x_now = x_sent - lr * g``); the
+neighbours' ``x_j(k)`` are their snapshots fetched this step. So ``update_wait`` adds the average's move::
+
+    x_i <- x_now + sum_{j fresh} (x_j - x_sent) / (d + 1)
+
+which is the paper's step exactly (in lock-step). Averaging ``x_now`` itself in, ``(x_now + sum x_j) / (d + 1)``,
+would keep only ``1/(d+1)`` of the node's own step. A neighbour that did not answer in time, or whose clock lags
+this node's by more than ``max_staleness``, is left out and its weight stays with ``x_i`` (counted in
+``left_out``). The clock is averaged with the same weights.
 
 ``d`` is the in-degree; every graph here has the same in- and out-degree at every node, so the
 columns sum to 1 as well and the average is kept. On the directed ring ``W = (I + P)/2`` is
@@ -26,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.mixing import weighted_sum_
+from dpwa.rules.mixing import add_difference_
 from dpwa.utils.settings import Settings, choice, setting
 
 __all__ = ["GRAPHS", "UNDIRECTED_GRAPHS", "DpsgdRule", "DpsgdSettings", "checked_graph", "neighbours", "readers"]
@@ -78,15 +84,17 @@ def checked_graph(graph: str, max_staleness: float, allowed: tuple[str, ...] = G
 
 @dataclasses.dataclass(frozen=True)
 class DpsgdSettings(Settings):
-    """D-PSGD: ``x <- (x + sum of neighbours) / (d + 1)`` on a ``ring``, ``exponential`` or ``directed-ring``
-    graph; a neighbour more than ``max_staleness`` steps behind is left out."""
+    """D-PSGD: ``x <- x + sum_j (x_j - x_sent) / (d + 1)`` (the average of the published models, plus the local
+    step) on a ``ring``, ``exponential`` or ``directed-ring`` graph; a neighbour more than ``max_staleness`` steps
+    behind is left out."""
 
     graph: str = choice("ring", GRAPHS)
     max_staleness: float = setting(10.0, lo=0)
 
 
 class DpsgdRule(Rule):
-    """``x <- x + sum_{j fresh} (x_j - x) / (d + 1)``, ``d`` = the node's number of graph neighbours.
+    """``x <- x + sum_{j fresh} (x_j - x_sent) / (d + 1)``, ``d`` = the node's number of graph neighbours, ``x_sent``
+    what this node published at ``update_send`` (its local step since is kept whole).
 
     ``graph``: ``ring``, ``exponential`` or ``directed-ring`` (the ``neighbours`` schedule reads it); ``max_staleness``:
     a neighbour whose clock lags by more is left out. Divergence damping scales every neighbour's
@@ -103,9 +111,11 @@ class DpsgdRule(Rule):
         self.graph, self.max_staleness = graph, checked_graph(graph, max_staleness)
         self.left_out = 0
         self._degree = 0
+        self._published: list[np.ndarray] | None = None
 
-    def mixes_narrower_peers(self) -> bool:
-        return True  # weighted_sum_
+    def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
+        """Keep the views of the model just published: ``x_sent``, what the neighbours average with."""
+        self._published = list(published)
 
     def _params(self) -> dict[str, Any]:
         return {
@@ -128,11 +138,11 @@ class DpsgdRule(Rule):
         self.left_out += max(0, self._degree - len(fresh))
         metrics = {"left_out": float(self.left_out), "neighbours_mixed": float(len(fresh))}
         g = self.diverge(1.0, own.loss)
-        if not fresh or g == 0.0 or self._degree == 0:
+        if not fresh or g == 0.0 or self._degree == 0 or self._published is None:
             return MixOutcome(0.0, (), metrics)
         d = float(self._degree + 1)
         k = len(fresh)
-        weights = [g] * k + [d - g * k]
-        weighted_sum_(arrays, [p.arrays for p in fresh] + [arrays], weights, d)
+        for p in fresh:
+            add_difference_(arrays, p.arrays, self._published, g / d)
         own.clock = math.fsum([g * p.state.clock for p in fresh] + [(d - g * k) * own.clock]) / d
         return MixOutcome(g * k / d, tuple(p.state.name for p in fresh), metrics)
