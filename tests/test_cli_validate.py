@@ -10,27 +10,50 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from conftest import free_ports
 
 from dpwa.cli import app as cli
 from dpwa.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-GOOD = ROOT / "samples" / "original-dpwa.yaml"
 BAD = Path(__file__).resolve().parent / "data" / "configs" / "bad"
+
+
+def sample_on_free_ports(name: str, directory: Path) -> Path:
+    """``samples/<name>`` copied into ``directory`` with its ports 45000-45003 replaced by ports free now.
+
+    `dpwa validate` checks that this machine's ports of the file are free, and the samples' ports are taken while
+    another test runs the sample cluster itself (tests/test_launcher.py, on the other pytest-xdist worker), or by
+    some connection's ephemeral port (45000 lies in Linux's ephemeral range): the sample as shipped failed here
+    once, four tests in a row."""
+    text = (ROOT / "samples" / name).read_text(encoding="utf-8")
+    for shipped, free in zip(range(45000, 45004), free_ports(4)):
+        text = text.replace(f"port: {shipped}}}", f"port: {free}}}")
+    path = directory / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    """samples/original-dpwa.yaml on free ports: the good file of the tests here."""
+    return sample_on_free_ports("original-dpwa.yaml", tmp_path)
+
+
 SUMMARY = (
     "4 nodes, interpolation constant (value=0.5, repeats=skip), fetch_probability 1, timeout_ms 2500,"
     " divergence_threshold 0.2"
 )
 
 
-def test_validate_prints_resolved_yaml_and_summary() -> None:
-    result = CliRunner().invoke(cli.main, ["validate", str(GOOD)])
+def test_validate_prints_resolved_yaml_and_summary(good: Path) -> None:
+    result = CliRunner().invoke(cli.main, ["validate", str(good)])
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
     for name in ("w1", "w2", "w3", "w4"):
         assert f"name: {name}" in result.stdout
-    assert yaml.safe_load(result.stdout) == load_config(GOOD).to_dict()
-    assert result.stdout.splitlines()[-1] == f"# {GOOD}: {SUMMARY}"
+    assert yaml.safe_load(result.stdout) == load_config(good).to_dict()
+    assert result.stdout.splitlines()[-1] == f"# {good}: {SUMMARY}"
 
 
 @pytest.mark.parametrize(
@@ -57,15 +80,15 @@ def test_validate_missing_file_is_a_clean_error(tmp_path: Path) -> None:
     assert result.stderr == f"error: {tmp_path / 'nope.yaml'}: cannot read cluster file: No such file or directory\n"
 
 
-def test_log_level_option_is_accepted_and_checked() -> None:
-    assert CliRunner().invoke(cli.main, ["--log-level", "debug", "validate", str(GOOD)]).exit_code == 0
-    assert CliRunner().invoke(cli.main, ["--log-level", "loud", "validate", str(GOOD)]).exit_code == 2
+def test_log_level_option_is_accepted_and_checked(good: Path) -> None:
+    assert CliRunner().invoke(cli.main, ["--log-level", "debug", "validate", str(good)]).exit_code == 0
+    assert CliRunner().invoke(cli.main, ["--log-level", "loud", "validate", str(good)]).exit_code == 2
 
 
-def test_lazy_commands_are_listed_and_imported_on_use(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lazy_commands_are_listed_and_imported_on_use(monkeypatch: pytest.MonkeyPatch, good: Path) -> None:
     monkeypatch.setitem(cli.COMMANDS, "check", "dpwa.cli.app:validate")
     assert "check" in CliRunner().invoke(cli.main, ["--help"]).stdout
-    assert CliRunner().invoke(cli.main, ["check", str(GOOD)]).exit_code == 0
+    assert CliRunner().invoke(cli.main, ["check", str(good)]).exit_code == 0
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess[str]:
@@ -73,13 +96,14 @@ def run_module(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
-def test_validate_as_a_real_process_on_a_good_file() -> None:
-    proc = run_module("validate", "samples/localhost.yaml")
+def test_validate_as_a_real_process_on_a_good_file(tmp_path: Path) -> None:
+    path = sample_on_free_ports("localhost.yaml", tmp_path)
+    proc = run_module("validate", str(path))
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     for name in ("w1", "w2", "w3", "w4"):
         assert f"name: {name}" in proc.stdout
-    assert proc.stdout.splitlines()[-1].startswith("# samples/localhost.yaml: 4 nodes, interpolation constant")
+    assert proc.stdout.splitlines()[-1].startswith(f"# {path}: 4 nodes, interpolation constant")
 
 
 def test_validate_as_a_real_process_on_a_bad_file() -> None:
