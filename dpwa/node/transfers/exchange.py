@@ -82,16 +82,16 @@ class ExchangeTransfer(InboxTransfer):
         an exchange whose push is not here is refused ``not-delivered`` first, whatever the snapshot); a lingering
         node refuses every exchange ``busy``, also one whose push it held before it began to linger: it will not
         mix again, and the fetcher would have mixed its half alone."""
+        declined = None
         if self.inbox.closing:
+            declined = "this node trains no more"
+        elif not pairs_exchange(snapshot.gen, self._paired_gen):
+            declined = "this snapshot is in an exchange already"
+        if declined is not None:
             if not self.inbox.holds_exchange(sender, seq):
                 return PUSH_MISSING
             self.host.stats.add("exchanges_declined")
-            return ErrorCode.BUSY, "this node trains no more"
-        if not pairs_exchange(snapshot.gen, self._paired_gen):
-            if not self.inbox.holds_exchange(sender, seq):
-                return PUSH_MISSING
-            self.host.stats.add("exchanges_declined")
-            return ErrorCode.BUSY, "this snapshot is in an exchange already"
+            return ErrorCode.BUSY, declined
         refusal = super().pair_exchange(sender, seq, snapshot)
         if refusal is None:
             self._paired_gen = snapshot.gen
