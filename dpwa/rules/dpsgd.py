@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.mixing import add_difference_
+from dpwa.rules.mixing import add_differences_
 from dpwa.utils.settings import Settings, choice, setting
 
 __all__ = ["GRAPHS", "UNDIRECTED_GRAPHS", "DpsgdRule", "DpsgdSettings", "checked_graph", "neighbours", "readers"]
@@ -142,7 +142,6 @@ class DpsgdRule(Rule):
             return MixOutcome(0.0, (), metrics)
         d = float(self._degree + 1)
         k = len(fresh)
-        for p in fresh:
-            add_difference_(arrays, p.arrays, self._published, g / d)
+        add_differences_(arrays, [p.arrays for p in fresh], self._published, g / d)  # one pass over x
         own.clock = math.fsum([g * p.state.clock for p in fresh] + [(d - g * k) * own.clock]) / d
         return MixOutcome(g * k / d, tuple(p.state.name for p in fresh), metrics)

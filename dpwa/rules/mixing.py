@@ -35,6 +35,7 @@ __all__ = [
     "BLOCK",
     "Scratch",
     "add_difference_",
+    "add_differences_",
     "apply_divergence",
     "check_pairs",
     "compute_dtype",
@@ -223,42 +224,59 @@ def add_difference_(
     """In place: ``x <- x + a*(peer - reference)`` (AD-PSGD's half step toward the pair's average); ``reference``
     None: ``peer`` already holds the difference (for float32/float64 the same bits as subtracting here).
 
-    Block by block with block-sized scratch; float16/bfloat16 computed in float32 and rounded once.
-    ``a == 0`` leaves ``x`` untouched. All arrays are validated before any is written.
+    :func:`add_differences_` with one peer (the same bits).
+    """
+    add_differences_(x, [peer], reference, a)
+
+
+def add_differences_(
+    x: Sequence[np.ndarray], peers: Sequence[Sequence[np.ndarray]], reference: Sequence[np.ndarray] | None, a: float
+) -> None:
+    """In place, in one pass: ``x <- x + a * sum_j (peers[j] - reference)`` (D-PSGD's move toward its neighbours'
+    average); ``reference`` None: each peer already holds a difference.
+
+    Block by block with block-sized scratch: the differences are summed in the order given, multiplied by ``a``
+    and added to ``x`` once, so one peer gives ``x + a*(p - r)`` and the bits never depend on the block size.
+    float16/bfloat16 are computed in float32 and rounded once. ``a == 0`` or no peers leaves ``x`` untouched. All
+    arrays are validated before any is written.
     """
     a = _check_factor(a)
-    check_pairs(x, peer)
+    for j, peer in enumerate(peers):
+        check_pairs(x, peer, f"peer {j}")
     if reference is not None:
         check_pairs(x, reference, "reference")
-    if a == 0.0:
+    if a == 0.0 or not peers:
         return
     scratch = Scratch()
-    for xa, pa, ra in zip(x, peer, reference if reference is not None else [None] * len(peer)):
+    for i, xa in enumerate(x):
         if xa.size == 0:
             continue
-        xv, pv, rv = _flat(xa), _flat(pa), None if ra is None else _flat(ra)
+        xv, rv = _flat(xa), None if reference is None else _flat(reference[i])
+        pvs = [_flat(peer[i]) for peer in peers]
         c = compute_dtype(xa.dtype)
         ac = c.type(a)
         half = is_half(xa.dtype)
         for start in range(0, xv.size, BLOCK):
             stop = min(start + BLOCK, xv.size)
             n = stop - start
-            if half:
-                diff = widen(pv[start:stop], scratch.get(c, n, 0))
-                if rv is not None:
-                    np.subtract(diff, widen(rv[start:stop], scratch.get(c, n, 1)), out=diff)
-                acc = widen(xv[start:stop], scratch.get(c, n, 1))
-                np.multiply(diff, ac, out=diff)
-                np.add(acc, diff, out=acc)
-                narrow(acc, xv[start:stop], diff)
-            else:
-                diff = scratch.get(c, n, 0)
-                if rv is not None:
-                    np.subtract(pv[start:stop], rv[start:stop], out=diff)
-                    np.multiply(diff, ac, out=diff)
+            acc, tmp = scratch.get(c, n, 0), scratch.get(c, n, 1)
+            ref = None if rv is None else (widen(rv[start:stop], scratch.get(c, n, 2)) if half else rv[start:stop])
+            for j, pv in enumerate(pvs):
+                term = widen(pv[start:stop], tmp) if half else pv[start:stop]
+                if j == 0 and ref is not None:
+                    np.subtract(term, ref, out=acc)
+                elif j == 0:
+                    np.copyto(acc, term)
                 else:
-                    np.multiply(pv[start:stop], ac, out=diff)
-                np.add(xv[start:stop], diff, out=xv[start:stop])
+                    if ref is not None:
+                        term = np.subtract(term, ref, out=tmp)
+                    np.add(acc, term, out=acc)
+            np.multiply(acc, ac, out=acc)
+            if half:
+                np.add(widen(xv[start:stop], tmp), acc, out=acc)
+                narrow(acc, xv[start:stop], tmp)
+            else:
+                np.add(xv[start:stop], acc, out=xv[start:stop])
 
 
 def scale_motion_(x: Sequence[np.ndarray], reference: Sequence[np.ndarray], s: float) -> None:
