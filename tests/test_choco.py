@@ -9,6 +9,7 @@ is 1e-5. The mean itself never moves (the mixing is doubly stochastic): 6e-15 to
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,15 @@ def test_parse_compressor() -> None:
         with pytest.raises(ValueError):
             parse_compressor(bad)  # type: ignore[arg-type]
     assert Compressor("topk", 0.01).kept(1000) == 10 and Compressor("topk", 0.01).kept(5) == 1
+
+
+@pytest.mark.parametrize(("fraction", "n", "kept"), [(0.07, 100, 7), (0.14, 300, 42), (0.28, 100, 28), (0.55, 100, 55)])
+def test_the_share_kept_is_the_fraction_as_written_in_exact_arithmetic(fraction: float, n: int, kept: int) -> None:
+    """``ceil(F * n)`` of the decimal written: in binary floating point each of these products lands a hair above
+    the integer (0.07 * 100 = 7.000000000000001) and ceil would keep one coordinate more."""
+    assert math.ceil(fraction * n) == kept + 1  # the control: float arithmetic overshoots here
+    assert parse_compressor(f"topk:{fraction}").kept(n) == kept
+    assert Compressor("topk", fraction).kept(n + 1) == kept + 1  # a fraction of an element more: one more kept
 
 
 def test_a_bad_compressor_in_the_rule_settings_is_refused() -> None:

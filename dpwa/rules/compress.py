@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -42,8 +43,9 @@ class Compressor:
         return self.kind in ("topk", "randk")
 
     def kept(self, n: int) -> int:
-        """How many of ``n`` coordinates a sparse compressor sends: ``min(n, max(1, ceil(fraction * n)))``."""
-        return min(n, max(1, math.ceil(self.fraction * n)))
+        """How many of ``n`` coordinates a sparse compressor sends: ``min(n, max(1, ceil(fraction * n)))``, in exact
+        arithmetic on the fraction as written (``topk:0.07`` of 100 keeps 7; binary floating point would say 8)."""
+        return min(n, max(1, math.ceil(Fraction(repr(self.fraction)) * n)))
 
     def __str__(self) -> str:
         return self.kind if self.kind == "int8" else f"{self.kind}:{self.fraction:g}"
