@@ -3,7 +3,7 @@
 Every node holds a weight ``w`` (1.0 at start). The model it trains is the de-biased
 ``x = z / w`` of a numerator ``z``. At ``update_send`` a node with ``k`` out-neighbours
 keeps ``(z, w) / (k+1)`` and pushes the same share to each (in de-biased form: ``x`` stays,
-``w <- w/(k+1)``, each push carries ``x`` and ``w_given = w``). At ``update_wait`` it folds
+``w <- w/(k+1)``, each push carries ``x`` and ``w_given = w/(k+1)``, the weight kept). At ``update_wait`` it folds
 every message ``(x_j, w_j)`` that arrived:
 
     x <- (w*x + sum_j w_j*x_j) / (w + sum_j w_j) ;  w <- w + sum_j w_j
