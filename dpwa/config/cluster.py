@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from dpwa.config.addresses import address_clashes
 from dpwa.config.errors import MEMORY, ConfigError, error_in_memory
 from dpwa.rules import RULES, OuterSettings, momentum_hazard
 from dpwa.rules.schedules import SCHEDULES
@@ -42,10 +43,10 @@ from dpwa.security.keyfiles import KeyFileError, public_path, read_key_file, sec
 from dpwa.utils.dtypes import WIRE_DTYPES
 from dpwa.utils.settings import (
     Flag,
+    HostName,
     NodeName,
     Reader,
     Spec,
-    Word,
     choice,
     omits_default,
     setting,
@@ -72,8 +73,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_LOOPBACK = frozenset({"localhost", "127.0.0.1"})  # spellings of one host, for duplicate host:port
 
 
 class FileReader(Reader, Protocol):
@@ -144,7 +143,7 @@ class NodeSpec:
     """One cluster member: a unique name and the host:port its server binds/peers connect to."""
 
     name: str = setting(spec=NodeName())
-    host: str = setting(spec=Word())
+    host: str = setting(spec=HostName())
     port: int = setting(lo=1, hi=65535, integer=True)
 
     def __post_init__(self) -> None:
@@ -300,7 +299,6 @@ class _Nodes(Spec):
             yield "", f"must list at least one node ({{name, host, port}} maps), got {show_value(value)}"
             return
         names: dict[str, int] = {}
-        addresses: dict[tuple[str, int], int] = {}
         for i, node in enumerate(value):
             if not isinstance(node, NodeSpec):
                 yield f"[{i}]", f"must be a NodeSpec, got {show_value(node)}"
@@ -312,18 +310,8 @@ class _Nodes(Spec):
                     f"duplicate node name {node.name!r} (also nodes[{first}]); names must be unique",
                 )
             names.setdefault(node.name, i)
-            host = node.host.lower()
-            address = ("localhost" if host in _LOOPBACK else host, node.port)
-            if address in addresses:
-                other = value[addresses[address]]
-                yield (
-                    f"[{i}]",
-                    (
-                        f"duplicate address {node.host}:{node.port} (also {other.name!r} at "
-                        f"{other.host}:{other.port}); every node needs its own host:port"
-                    ),
-                )
-            addresses.setdefault(address, i)
+        for i, reason in address_clashes(value):
+            yield f"[{i}]", reason
 
     def coerce(self, value: object) -> object:
         return tuple(value)  # type: ignore[arg-type]

@@ -104,6 +104,7 @@ class ClusterFileReader:
         if root is None or (isinstance(root, yaml.ScalarNode) and root.tag == "tag:yaml.org,2002:null"):
             raise ConfigError(f"file is empty; expected {_SHAPES}", self.source, 1)
         self.marks[""] = root.start_mark.line + 1
+        _no_base_60(root)
         return root
 
     def _yaml_error(self, err: yaml.MarkedYAMLError) -> ConfigError:
@@ -221,6 +222,28 @@ class ClusterFileReader:
 # --------------------------------------------------------------------------- helpers
 
 _SHAPES = "a mapping (nodes: ..., fetch_probability: ...) or a list of one-key maps (- nodes: ...)"
+
+
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _no_base_60(root: yaml.Node) -> None:
+    """Read plain scalars with a ``:`` as strings, as YAML 1.2 does: YAML 1.1 made ``port: 12:30`` the base-60
+    number 750. Then ``12:30`` reaches the check as written and is refused there. Iterative, each node once (an
+    alias shares its anchor's node): any depth, no blow-up."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            if node.tag in _NUMBER_TAGS and node.style is None and ":" in node.value:
+                node.tag = "tag:yaml.org,2002:str"
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(part for pair in node.value for part in pair)
 
 
 def _required(cls: type) -> list[str]:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 __all__ = [
     "Choice",
     "Flag",
+    "HostName",
     "NAME_PATTERN",
     "NodeName",
     "Number",
@@ -37,7 +38,6 @@ __all__ = [
     "SettingError",
     "Settings",
     "Spec",
-    "Word",
     "choice",
     "omits_default",
     "setting",
@@ -153,12 +153,15 @@ class Choice(Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class Word(Spec):
-    """A non-empty string without whitespace (node names and hosts)."""
+class HostName(Spec):
+    """A node's host: an IPv4 address or a host name (ASCII, no spaces). Nodes bind and connect over IPv4 (the host
+    is resolved as IPv4), and ``host:port`` is how addresses are written, so an IPv6 literal is refused here."""
 
     def check(self, value: object) -> Iterator[tuple[str, str]]:
-        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-            yield "", f"must be a non-empty string without spaces, got {show_value(value)}"
+        if not isinstance(value, str) or not value or not value.isascii() or not value.isprintable() or " " in value:
+            yield "", f"must be an IPv4 address or a host name (ASCII, no spaces), got {show_value(value)}"
+        elif ":" in value:
+            yield "", f"IPv6 is not supported: give an IPv4 address or a host name, got {value!r}"
 
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
