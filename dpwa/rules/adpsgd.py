@@ -8,7 +8,8 @@ move to the pair's average, each against the snapshot it sent:
     j (at its next update_wait):  x_j <- x_j + a*(s_i - s_j)
 
 with ``a = 1/2`` (divergence damping may lower it). The two moves cancel, so the sum over the
-pair -- and the cluster's mean -- changes only by the local training steps. ``j`` mixes only
+pair -- and the cluster's mean -- changes only by the local training steps. Divergence damping breaks
+that: each end damps ``a`` by its own loss, so the two moves differ once one end's loss is below the threshold. ``j`` mixes only
 once ``i`` confirmed it got ``s_j`` (a SETTLE commit); an exchange whose reply was lost is
 aborted on both sides. ``clock <- (clock + peer_clock) / 2``.
 
