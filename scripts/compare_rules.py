@@ -4,7 +4,7 @@
     python scripts/compare_rules.py [--steps N] [--partition P] [--out DIR] [--rules constant,gem,...] [--cluster FILE]
 
 (``scripts/compare_rules.sh`` sets up ./.venv with matplotlib first.) For every rule it writes a cluster
-file ``OUT/<rule>.yaml`` -- the nodes, ports, fetch probability and timeout of ``--cluster`` (default
+file ``OUT/<rule>.yaml`` -- the nodes, ports, fetch probability, timeout and transport of ``--cluster`` (default
 samples/localhost.yaml, ports 45000-45003: do not run two comparisons at once), the rule and its
 settings -- and runs ``dpwa run OUT/<rule>.yaml --steps N --partition P --run-dir OUT/<rule> -q``: same
 data, seed (the demo's default, 0), initial weights, split (``--partition``: ``iid``, the default,
@@ -47,7 +47,7 @@ from dpwa.config import load_config  # noqa: E402
 from dpwa.metrics import read_metrics  # noqa: E402
 from dpwa.utils.partition import parse_partition  # noqa: E402
 
-NODE_SETTINGS = ("nodes", "fetch_probability", "timeout_ms")  # taken from --cluster; the rest is the rule's
+NODE_SETTINGS = ("nodes", "fetch_probability", "timeout_ms", "transport")  # from --cluster; the rest is the rule's
 
 # label -> (what it is, the cluster-file keys it sets). Settings not given are the rules' defaults (each rule
 # module's settings class); group uses pairs, as samples/group.yaml (with 4 nodes, group_size 4 is everyone
@@ -127,7 +127,8 @@ def say(message: str) -> None:
 
 
 def write_cluster(base: dict[str, Any], label: str, path: Path) -> None:
-    """``--cluster``'s nodes, fetch probability and timeout plus ``label``'s rule settings, checked."""
+    """``--cluster``'s nodes, fetch probability, timeout and transport (``shared_memory: off`` measures the
+    socket's bytes) plus ``label``'s rule settings, checked."""
     doc = {k: base[k] for k in NODE_SETTINGS if k in base}
     doc.setdefault("interpolation", "constant")
     doc.update(VARIANTS[label][1])

@@ -91,3 +91,20 @@ def test_the_report_names_the_split_and_each_nodes_classes(tmp_path: Path) -> No
     text = compare.markdown([row], meta)
     assert "partition `dirichlet:0.1`" in text
     assert "w1: 0 (90%), 1 (10%); w2: 2 (97%)" in text
+
+
+def test_the_cluster_s_transport_goes_into_every_rule_s_file(tmp_path: Path) -> None:
+    """``--cluster`` with ``transport: {shared_memory: off}`` (to count the socket's bytes) keeps it for every
+    rule; the rule's own settings come from the variant."""
+    compare = load_script()
+    base = {
+        "nodes": [{"name": "w1", "host": "localhost", "port": 1}, {"name": "w2", "host": "localhost", "port": 2}],
+        "timeout_ms": 700,
+        "transport": {"shared_memory": "off"},
+        "interpolation": "gem",  # the cluster's rule is not kept: each file is its variant's
+    }
+    path = tmp_path / "dpsgd.yaml"
+    compare.write_cluster(base, "dpsgd", path)
+    config = compare.load_config(path)
+    assert config.transport.shared_memory == "off" and config.timeout_ms == 700
+    assert config.interpolation == "dpsgd"
