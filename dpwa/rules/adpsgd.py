@@ -9,8 +9,8 @@ move to the pair's average, each against the snapshot it sent:
 
 with ``a = 1/2`` (divergence damping may lower it). The two moves cancel, so the sum over the
 pair -- and the cluster's mean -- changes only by the local training steps. Divergence damping breaks
-that: each end damps ``a`` by its own loss, so the two moves differ once one end's loss is below the threshold. ``j`` mixes only
-once ``i`` confirmed it got ``s_j`` (a SETTLE commit); an exchange whose reply was lost is
+that: each end damps ``a`` by its own loss, so the two moves differ once one end's loss is below the
+threshold. ``j`` mixes only once ``i`` confirmed it got ``s_j`` (a SETTLE commit); an exchange whose reply was lost is
 aborted on both sides. ``clock <- (clock + peer_clock) / 2``.
 
 ``bipartite: true`` splits the nodes as the paper's code does: *active* nodes start every exchange, each with a
