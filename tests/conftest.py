@@ -58,18 +58,28 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+_RESERVED: list[Any] = []  # the port reservations of the running test, given back when it ends
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports on 127.0.0.1 that were free a moment ago."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct TCP ports on 127.0.0.1, reserved as ``dpwa run -n`` reserves its own: free a moment ago,
+    below the kernel's ephemeral range (no outgoing connection takes one as its source port before the test's
+    node binds it; one did, with ``bind(0)``'s ports) and locked against the other worker's tests and every dpwa
+    launcher until the test ends."""
+    from dpwa.engines.local import reserve_ports
+
+    reservation = reserve_ports(n)
+    _RESERVED.append(reservation)
+    return list(reservation.ports)
+
+
+@pytest.fixture(autouse=True)
+def _release_reserved_ports() -> Iterator[None]:
+    """Give back the ports :func:`free_ports` reserved during the test (a port still bound by a module's
+    nodes stays theirs: a reservation skips a port it cannot bind)."""
+    yield
+    while _RESERVED:
+        _RESERVED.pop().release()
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -33,16 +33,20 @@ from dpwa.metrics import read_metrics
 # --------------------------------------------------------------------------- reserving ports
 
 
+# The spans and ports of these tests lie below PORT_RANGE (20000-32767), where no dpwa launcher, bench or test
+# (conftest.free_ports) reserves: a port the other test worker reserved there would take one of theirs.
+
+
 def free_span(size: int) -> tuple[int, int]:
     """A span of ``size`` ports of which every one can be reserved now (one taken by anything else on the machine
     -- another test's process, another user's -- would leave a reservation of them all short)."""
-    for lo in range(30000, 32768 - size, size):
+    for lo in range(18000, 20000 - size, size):
         try:
             reserve_ports(size, port_range=(lo, lo + size - 1)).release()
         except OSError:
             continue
         return lo, lo + size - 1
-    pytest.skip(f"no {size} free ports in 30000-32767")
+    pytest.skip(f"no {size} free ports in 18000-19999")
 
 
 def test_two_reservations_never_share_a_port_and_a_released_port_is_free_again() -> None:
@@ -63,21 +67,21 @@ def test_two_reservations_never_share_a_port_and_a_released_port_is_free_again()
 
 
 def test_a_port_locked_by_another_process_or_in_use_is_skipped() -> None:
-    span = (30100, 30103)
+    span = (19100, 19103)
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);"
          " fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-         str(lock_dir() / "30100.lock")],
+         str(lock_dir() / "19100.lock")],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     listener = socket.socket()
     try:
         lock_dir().mkdir(exist_ok=True)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        listener.bind(("127.0.0.1", 30101))
+        listener.bind(("127.0.0.1", 19101))
         listener.listen()
         with reserve_ports(2, port_range=span) as got:
-            assert sorted(got.ports) == [30102, 30103]
+            assert sorted(got.ports) == [19102, 19103]
     finally:
         listener.close()
         holder.kill()
@@ -93,7 +97,7 @@ def private_lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_released_ports_leave_no_lock_file(private_lock_dir: Path) -> None:
-    span = (30200, 30219)
+    span = (19200, 19219)
     with reserve_ports(3, port_range=span) as held:
         assert sorted(p.name for p in private_lock_dir.iterdir()) == sorted(f"{p}.lock" for p in held.ports)
         other = reserve_ports(2, port_range=span)
@@ -104,17 +108,17 @@ def test_released_ports_leave_no_lock_file(private_lock_dir: Path) -> None:
     assert list(private_lock_dir.iterdir()) == []
     with pytest.raises(OSError, match="only 0 of 1 ports free"):  # a failed reservation leaves none either
         with socket.socket() as busy:
-            busy.bind(("127.0.0.1", 30220))
+            busy.bind(("127.0.0.1", 19220))
             busy.listen()
-            reserve_ports(1, port_range=(30220, 30220))
+            reserve_ports(1, port_range=(19220, 19220))
     assert list(private_lock_dir.iterdir()) == []
 
 
 def test_a_stale_lock_file_of_a_killed_launcher_is_taken_and_removed(private_lock_dir: Path) -> None:
     private_lock_dir.mkdir()
-    (private_lock_dir / "30230.lock").touch()  # nobody holds it: its launcher was killed
-    with reserve_ports(1, port_range=(30230, 30230)) as held:
-        assert held.ports == (30230,)
+    (private_lock_dir / "19230.lock").touch()  # nobody holds it: its launcher was killed
+    with reserve_ports(1, port_range=(19230, 19230)) as held:
+        assert held.ports == (19230,)
     assert list(private_lock_dir.iterdir()) == []
 
 
@@ -136,7 +140,7 @@ def test_a_lock_file_removed_while_being_locked_is_opened_again_and_one_process_
     else a third launcher C could create and lock a new file for the same port, and both would hold it.
 
     ``replaced``: C has already created and locked the new file when B notices; B must then not hold the port."""
-    port = 30240
+    port = 19240
     private_lock_dir.mkdir()
     holder = local._lock(port, private_lock_dir)  # A
     assert holder is not None
@@ -177,7 +181,7 @@ def test_a_lock_file_that_keeps_being_removed_is_given_up_after_a_bounded_number
     private_lock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     private_lock_dir.mkdir()
-    path = private_lock_dir / "30250.lock"
+    path = private_lock_dir / "19250.lock"
     tries: list[int] = []
     real_open = local._open_lock_file
 
@@ -188,7 +192,7 @@ def test_a_lock_file_that_keeps_being_removed_is_given_up_after_a_bounded_number
         return fd
 
     monkeypatch.setattr(local, "_open_lock_file", open_then_remove)
-    assert local._lock(30250, private_lock_dir) is None
+    assert local._lock(19250, private_lock_dir) is None
     assert len(tries) == local.LOCK_ATTEMPTS and not path.exists()
 
 

@@ -10,11 +10,11 @@ those processes are ever signalled.  This module never imports torch.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from dpwa.config import ClusterConfig, NodeSpec
+from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.launcher.placement import node_env, threads_per_node
 from dpwa.launcher.rundir import tail_lines
 from dpwa.launcher.supervisor import POLL_S, SignalTrap, Supervisor, stop_quietly
@@ -37,6 +38,7 @@ __all__ = [
     "WorkerRun",
     "count_fds",
     "free_ports",
+    "release_ports",
     "node_names",
     "read_rss_kib",
     "run_workers",
@@ -75,23 +77,31 @@ def worker_start(bench: str, argv: Sequence[str] | None = None) -> tuple[dict[st
     return json.loads(args.spec.read_text()), args.rank
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports on ``host`` that the kernel handed out as free a moment ago.
+_HELD: list[PortReservation] = []
+"""The ports this process reserved for its benches' workers, held until it exits (:func:`release_ports`)."""
 
-    All ``n`` sockets are held open together so the ports are distinct; the fixed ports of the
-    sample cluster files (45000-45003) are never chosen deliberately.  A port can still be taken
-    between this call and the worker's bind; a worker then fails with an error naming the endpoint.
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports on ``host``, reserved as ``dpwa run -n`` reserves its own (:func:`reserve_ports`):
+    free a moment ago, below the kernel's ephemeral range and locked against every other dpwa launcher and bench
+    until this process exits.
+
+    A port the kernel handed out as free (``bind(0)``) lies in the ephemeral range: any outgoing connection on
+    the machine (a ZeroMQ peer's, another job's) could take it as its source port before the worker binds it;
+    one did in a test run. Below that range only an explicit bind can, and dpwa's own binders take the lock.
     """
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    reservation = reserve_ports(n, host)
+    _HELD.append(reservation)
+    return list(reservation.ports)
+
+
+def release_ports() -> None:
+    """Give back every port :func:`free_ports` reserved (at exit; idempotent)."""
+    while _HELD:
+        _HELD.pop().release()
+
+
+atexit.register(release_ports)
 
 
 def node_names(n: int) -> list[str]:
