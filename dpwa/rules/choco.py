@@ -293,14 +293,15 @@ class ChocoRule(Rule):
 
     def _copy_for(self, name: str, epoch: int, count: int, clock: float) -> _Copy:
         """My copy of ``name``'s public copy for its message ``count`` of ``epoch``: a new epoch (a first message,
-        a restart) starts a copy at zero, as the sender's did; one whose first message is more than
-        ``max_staleness`` messages into the epoch (this node joined or restarted late) is not mixed until every
-        window has arrived."""
+        a restart) starts a copy at zero, as the sender's did; one whose first message is not the epoch's first
+        (this node missed it, joined or restarted late) is not mixed until every window has arrived: the copy
+        lacks the messages before, and message 0 is most of the model (int8: all of it), so mixing it would move
+        the cluster's mean for good."""
         copy = self._copies.get(name)
         if copy is None or copy.epoch != epoch:
             assert self._hat is not None
             copy = _Copy([np.zeros_like(h) for h in self._hat], clock, epoch)
-            if count > self.max_staleness:
+            if count > 0:
                 copy.missing = set(range(self.resync)) if self.resync else {-1}
             self._copies[name] = copy
         return copy
@@ -322,8 +323,7 @@ class ChocoRule(Rule):
         if not self._apply_checked(copy.hat, message[: 2 * count], scratch):
             self.dropped += 1
             return
-        if copy.last >= 0:
-            self.gaps += number - copy.last - 1
+        self.gaps += number - copy.last - 1  # a new copy's last is -1: the messages before its first are gaps
         copy.last, copy.clock = number, peer.state.clock
         window = whole_number(extras.get(WINDOW_KEY))
         if not self.resync or window is None or not 0 <= window < self.resync:
