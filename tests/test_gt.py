@@ -294,3 +294,85 @@ def test_bfloat16_parameters_are_computed_in_float32() -> None:
     peer = PeerSnapshot(NodeState("w2", clock=1.0, extras={"gt_epoch": 1}), [bf16([-1.0, 1.0]), np.zeros(2)])
     rule.mix(own, x, [peer])
     np.testing.assert_array_equal(to_float32(x[0], np.empty(2, np.float32)), [0.0, 2.0])
+
+
+# --------------------------------------------------------------------------- the neighbours change
+
+
+def publish(rule: GtRule, own: NodeState, x: list[np.ndarray]) -> PeerSnapshot:
+    """update_send's part: the snapshot (with the extras it goes out with) and the rule told it went out."""
+    extras = dict(own.extras)  # as Node.publish: the extras are copied before the arrays are made
+    arrays = [np.array(a, copy=True) for a in rule.public_arrays(x)]
+    rule.on_publish(own, arrays)
+    return PeerSnapshot(NodeState(own.name, own.clock, 0.0, extras), arrays)
+
+
+def tracked_sender(steps: int = 40) -> tuple[GtRule, NodeState, list[np.ndarray], GtRule, NodeState]:
+    """w1 of a ring of 5 offering for ``steps`` rounds (a step of ``k`` in round ``k``), w2 collecting them."""
+    names = [f"w{i + 1}" for i in range(5)]
+    sender, receiver = GtRule(graph="ring"), GtRule(graph="ring")
+    own = NodeState("w1", extras=sender.initial_extras("w1", names))
+    mine = NodeState("w2", extras=receiver.initial_extras("w2", names))
+    x, y = [np.zeros(3)], [np.ones(3)]
+    for k in range(1, steps + 1):
+        snapshot = publish(sender, own, x)
+        publish(receiver, mine, y)
+        x[0] += k
+        sender.mix(own, x, [])
+        receiver.mix(mine, y, [snapshot])
+    return sender, own, x, receiver, mine
+
+
+def test_a_change_of_neighbours_in_the_middle_of_a_publish_takes_out_exactly_the_offer_made() -> None:
+    """The members change on another thread between the snapshot's arrays and its publish: the offer made (to
+    the epoch's 2 receivers, ``w = 1/3``) is what is taken out, ``z <- z - 2 z/3``. Before, the change zeroed the
+    running sum in between and ``z`` fell by ``2 rho`` instead: -38 where 0.5 was due."""
+    sender, own, x, _, _ = tracked_sender()
+    z, epoch = sender._z[0].copy(), own.extras["gt_epoch"]
+    arrays = [np.array(a, copy=True) for a in sender.public_arrays(x)]
+    sender.on_members("w1", ["w1", "w2", "w3", "w4"], 5.0)  # w5 left: w1's neighbours are w2 and w4 now
+    sender.on_publish(own, arrays)
+    np.testing.assert_allclose(sender._z[0], z / 3, rtol=1e-12)
+    assert own.extras["gt_epoch"] != epoch and own.extras["gt_to"] == ["w2", "w4"]  # the next snapshot's
+
+
+def test_across_a_change_of_neighbours_each_snapshot_brings_exactly_its_offer() -> None:
+    """After w1's neighbours change, its next snapshot still carries the old epoch with the running sum grown by
+    this publish's offer, and the one after a new epoch whose sum starts at zero: w2 collects exactly the offer
+    each time. Before, the first of them carried the old epoch with the sum already zeroed: w2's tracker lost
+    w1's whole running sum (40 rounds of offers)."""
+    sender, own, x, receiver, mine = tracked_sender()
+    sender.on_members("w1", ["w1", "w2", "w3", "w4"], 5.0)
+    receiver.on_members("w2", ["w1", "w2", "w3", "w4"], 5.0)  # w2's neighbours stay w1 and w3
+    y = [np.ones(3)]
+    for w in (1 / 3, 1 / 3):  # the old epoch's receivers (w2, w5), then the new one's (w2, w4): 2 each
+        offer = w * sender._z[0]
+        snapshot = publish(sender, own, x)
+        publish(receiver, mine, y)
+        before = receiver._z[0].copy()
+        receiver.mix(mine, y, [snapshot])
+        u = receiver.state_arrays()["gt_u/0"]  # this round's step (0: y did not move), already in z
+        np.testing.assert_allclose(receiver._z[0] - before - u, offer, rtol=1e-9)
+        sender.mix(own, x, [])
+
+
+def test_a_node_takes_no_offer_of_an_epoch_that_was_not_offered_to_it() -> None:
+    """w6 joined between w5 and w1: until w1 publishes under a new epoch, its snapshot's offers are for w2 and
+    w5, and w6 (its neighbour now) takes none of them -- before, it took w1's whole running sum as new."""
+    sender, own, x, _, _ = tracked_sender()
+    six = [f"w{i + 1}" for i in range(6)]
+    stale = publish(sender, own, x)  # offered to w2 and w5
+    newcomer = GtRule(graph="ring")
+    mine = NodeState("w6", clock=stale.state.clock, extras=newcomer.initial_extras("w6", six))
+    y = [np.zeros(3)]
+    publish(newcomer, mine, y)
+    newcomer.mix(mine, y, [stale])
+    np.testing.assert_array_equal(newcomer._z[0], 0.0)  # the model is averaged in, the offers are not taken
+    sender.on_members("w1", six, 6.0)
+    sender.mix(own, x, [])
+    publish(sender, own, x)  # the change takes effect here: the next snapshot's epoch is for w2 and w6
+    offer = sender._z[0] / 3  # w = 1/(2+1), its sums from zero
+    fresh = publish(sender, own, x)
+    publish(newcomer, mine, y)
+    newcomer.mix(mine, y, [fresh])
+    np.testing.assert_allclose(newcomer._z[0], offer, rtol=1e-12)

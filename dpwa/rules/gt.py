@@ -54,6 +54,8 @@ STEP_KEY = "gt_u"
 SUM_KEY = "gt_rho"
 EPOCH_KEY = "gt_epoch"
 """The extras key of the number a node draws when its rule starts (its running sums count from then)."""
+RECEIVERS_KEY = "gt_to"
+"""The extras key of the neighbours an epoch's offers are for: a node that is not among them takes none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,8 @@ class GtRule(Rule):
         self._degree = 0
         self._neighbours: tuple[str, ...] = ()
         self._epoch = secrets.randbits(31)
+        self._receivers: tuple[str, ...] = ()  # whom this epoch's offers are for (its degree is theirs)
+        self._restart = False  # the neighbours changed: a new epoch starts at the next publish
         self._z: list[np.ndarray] | None = None
         self._u: list[np.ndarray] | None = None
         self._rho: list[np.ndarray] = []
@@ -103,22 +107,28 @@ class GtRule(Rule):
         }
 
     def initial_extras(self, me: str, names: Sequence[str]) -> dict[str, Any]:
-        """``gt_epoch``: the number that names this node's running sums since they last started from zero."""
+        """``gt_epoch``: the number that names this node's running sums since they last started from zero;
+        ``gt_to``: the neighbours they are offered to."""
         self.on_members(me, names, float(len(names)))
-        return {EPOCH_KEY: self._epoch}
+        self._receivers, self._restart = self._neighbours, False
+        return self._extras()
+
+    def _extras(self) -> dict[str, Any]:
+        return {EPOCH_KEY: self._epoch, RECEIVERS_KEY: list(self._receivers)}
 
     def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
-        """My neighbours on the graph of the current members. When they change, the running sums start over
-        from zero under a new epoch (what was offered and not collected yet is lost: a join or a leave costs a
-        little of the tracker's sum), and the sums of nodes no longer neighbours are forgotten."""
+        """My neighbours on the graph of the current members (the ``x`` average's, from now), and the sums of
+        nodes no longer neighbours forgotten. When they change, the running sums start over from zero under a
+        new epoch for the new neighbours -- at the next publish (:meth:`on_publish`), so that a snapshot's epoch,
+        sums and receivers always belong together, whichever thread calls this and when. Until then the offers
+        go to the old neighbours: what a neighbour that left does not collect is lost (a join or a leave costs a
+        little of the tracker's sum); a new neighbour takes nothing of an epoch not offered to it."""
         members = list(names)
         mine = (
             tuple(members[j] for j in neighbours(members.index(me), len(members), self.graph)) if me in members else ()
         )
-        if mine != self._neighbours and self._z is not None:
-            self._epoch = secrets.randbits(31)
-            for rho in self._rho:
-                rho[...] = 0.0
+        if mine != self._neighbours:
+            self._restart = True
         self._neighbours, self._degree = mine, len(mine)
         for gone in set(self._last) - set(mine):
             del self._last[gone]
@@ -133,12 +143,16 @@ class GtRule(Rule):
     def _w(self) -> float:
         return 1.0 / float(self._degree + 1)
 
+    def _offer_weight(self) -> float:
+        """``w`` of the offers: ``1/(d+1)`` with ``d`` the epoch's receivers (0.0: none)."""
+        return 1.0 / float(len(self._receivers) + 1) if self._receivers else 0.0
+
     def public_arrays(self, params: Sequence[np.ndarray]) -> list[np.ndarray]:
         """``x`` then ``rho + w z`` (float64), the running sum with this publish's offer; ``rho`` and ``z`` change
         only when the snapshot is published (:meth:`on_publish`)."""
         self._allocate(params)
         assert self._z is not None
-        w = self._w() if self._degree else 0.0
+        w = self._offer_weight()
         for offer, rho, z in zip(self._offer, self._rho, self._z):
             np.multiply(z, w, out=offer, dtype=np.float64)
             offer += rho
@@ -150,15 +164,21 @@ class GtRule(Rule):
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         """The offer went out: ``z <- z - d (rho_new - rho)`` and ``rho <- rho_new`` (taking out exactly what the
-        sum grew by); remember ``x_sent`` (read-only views, valid until the next ``update_send``)."""
+        sum grew by, ``d`` the epoch's receivers); then, if the neighbours changed, a new epoch for them, its sums
+        at zero; the next snapshot's epoch and receivers into ``own.extras``. Remember ``x_sent`` (read-only
+        views, valid until the next ``update_send``)."""
         assert self._z is not None
-        own.extras[EPOCH_KEY] = self._epoch  # the next snapshot's (a checkpoint restore may have set a float)
         n = len(published) // 2
         for z, rho, new in zip(self._z, self._rho, published[n:]):
             given = np.subtract(new, rho)
-            given *= self._degree
+            given *= len(self._receivers)
             z -= given.astype(z.dtype, copy=False)
             rho[...] = new
+        if self._restart:
+            self._epoch, self._receivers, self._restart = secrets.randbits(31), self._neighbours, False
+            for rho in self._rho:
+                rho[...] = 0.0
+        own.extras.update(self._extras())  # the next snapshot's (a checkpoint restore may have set a float)
         self._sent = published[:n]
 
     def on_params_replaced(self, own: NodeState) -> None:
@@ -201,15 +221,21 @@ class GtRule(Rule):
                 last[name] = (their, sums)
         self._allocate(params)
         self._z, self._u, self._rho, self._epoch = z, u, rho, epoch
+        self._receivers, self._restart = self._neighbours, False
         self._last = {name: entry for name, entry in last.items() if name in self._neighbours or not self._neighbours}
         return True
 
-    def _collect(self, peer: PeerSnapshot, n: int) -> list[np.ndarray] | None:
+    def _collect(self, peer: PeerSnapshot, n: int, me: str) -> list[np.ndarray] | None:
         """What neighbour ``peer``'s running sums grew by since the last message of it this node took (from zero
         for an epoch not seen before: every epoch's sums start at zero); remembers the sums. None: not a
-        neighbour, or no epoch."""
-        epoch = whole_number(peer.state.extras.get(EPOCH_KEY))
+        neighbour, no epoch, or an epoch whose offers are not for ``me`` (the sender's neighbours changed and its
+        new epoch starts at its next publish)."""
+        extras = peer.state.extras
+        epoch = whole_number(extras.get(EPOCH_KEY))
+        receivers = extras.get(RECEIVERS_KEY)
         if epoch is None or peer.state.name not in self._neighbours:
+            return None
+        if isinstance(receivers, list) and me not in receivers:
             return None
         sums = [np.array(a, dtype=np.float64) for a in peer.arrays[n:]]
         known = self._last.get(peer.state.name)
@@ -227,9 +253,9 @@ class GtRule(Rule):
         self._allocate(arrays)
         assert self._z is not None and self._u is not None
         n = len(arrays)
-        others = [p for p in peers if p.state.name != own.name]
+        others = [p for p in peers if p.state.name in self._neighbours]  # the graph's: d of them at most
         for peer in others:
-            grown = self._collect(peer, n)
+            grown = self._collect(peer, n, own.name)
             for z, inc in zip(self._z, grown or ()):
                 z += inc.astype(z.dtype, copy=False)
         fresh = self._fresh(own, others)
