@@ -414,9 +414,11 @@ class ClusterConfig:
                 "neighbour must receive, and under the outer optimizer a node publishes at every step while its "
                 "neighbours fetch only every `every`-th; leave outer out",
             )
-        hazard = momentum_hazard(self.interpolation, self.schedule) if self.outer and self.outer.momentum else ""
+        graph = getattr(self.settings, "graph", None)
+        hazard = momentum_hazard(self.interpolation, self.schedule, graph) if self.outer and self.outer.momentum else ""
         if hazard:
-            way_out = "" if self.interpolation == "adpsgd" else " or another schedule than ring"
+            ways = {"adpsgd": "", "dpsgd": " or graph: ring"}
+            way_out = ways.get(self.interpolation, " or another schedule than ring")
             raise self.error("outer.momentum", f"{hazard} (docs/rules.md); use momentum: 0{way_out}")
         self._check_public_keys()
 

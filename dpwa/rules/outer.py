@@ -90,12 +90,15 @@ def is_outer_step(index: int, every: int) -> bool:
     return (index + 1) % every == 0
 
 
-def momentum_hazard(rule: str, schedule: str) -> str:
-    """Why outer momentum is known to make ``rule`` on ``schedule`` diverge ("" when it is not known to).
+def momentum_hazard(rule: str, schedule: str, graph: str | None = None) -> str:
+    """Why outer momentum is known to make ``rule`` on ``schedule`` (and its ``graph``, for the ``neighbours``
+    schedule) diverge ("" when it is not known to).
 
     The pseudo-gradient holds the mix's own motion, so the momentum acts on the differences between nodes too; it
     makes them grow where the mix turns them around instead of shrinking them. Measured in the simulator (6 nodes
-    from random starts, no training; docs/rules.md): on the directed ``ring`` (a rotation of the differences) and
+    from random starts, no training; docs/rules.md): on the directed ``ring`` schedule and D-PSGD's
+    ``directed-ring`` graph (both ``W = (I + P)/2``: a rotation of the differences; spread 3.07 -> 1e19 with
+    DiLoCo's settings, 8e11 with SlowMo's) and
     with ``adpsgd`` (a node in two exchanges at once keeps no weight of its own: the differences flip sign). In
     lock-step ``adpsgd`` on random peers converges all the same, but asynchronously a node can mix its own exchange
     and two it served in one step (its own weight then -0.5), which lock-step never does: refused on every graph."""
@@ -103,6 +106,8 @@ def momentum_hazard(rule: str, schedule: str) -> str:
         return "adpsgd nodes in two exchanges at once flip their differences, and outer momentum makes them grow"
     if schedule == "ring":
         return "on the ring schedule the differences between nodes rotate, and outer momentum makes them grow"
+    if graph == "directed-ring":
+        return "on the directed ring the differences between nodes rotate, and outer momentum makes them grow"
     return ""
 
 
