@@ -890,3 +890,22 @@ def test_run_the_sample_cluster_with_the_built_in_demo(tmp_path: Path) -> None:
     assert summary["demo"]["averaged_accuracy"] == demo["averaged_accuracy"]
     assert f"averaged model accuracy {demo['averaged_accuracy']:.4f}" in out
     assert f"single-process baseline {demo['baseline_accuracy']:.4f}" in out
+
+
+@pytest.mark.parametrize("ntasks", ["4", "1"])
+def test_n_inside_a_slurm_job_starts_every_node_it_reserved(
+    tmp_path: Path, node_script: Path, monkeypatch: pytest.MonkeyPatch, ntasks: str
+) -> None:
+    """``dpwa run -n 4`` in a SLURM job's shell (SLURM_PROCID and SLURM_NTASKS set, as in an sbatch script or
+    ``srun --pty bash``) starts its 4 nodes: SLURM_PROCID picks a node of a cluster file only. Before, it started
+    w1 alone (SLURM_NTASKS=4) or exited 2 (SLURM_NTASKS=1: "the file has 4 nodes")."""
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", ntasks)
+    monkeypatch.chdir(tmp_path)
+    started: list[list[str]] = []
+    monkeypatch.setattr(
+        run_command, "_start", recording_start(lambda config, nodes, *a: [n.name for n in nodes], started)
+    )
+    result = CliRunner().invoke(cli.main, ["run", "-n", "4", str(node_script)])
+    assert result.exit_code == 0, result.output
+    assert started == [["w1", "w2", "w3", "w4"]]

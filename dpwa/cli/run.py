@@ -356,10 +356,12 @@ def _command(script: str | None, script_args: tuple[str, ...], steps: int | None
 
 def _nodes_here(config: ClusterConfig, node_names: tuple[str, ...], listed: bool) -> list[NodeSpec]:
     """The nodes to start on this machine (warnings on stderr); exit 2 when a ``listed`` one's port is in use
-    (ports ``-n`` reserved, or an engine derived, are this launcher's own: not checked)."""
+    (ports ``-n`` reserved, or an engine derived, are this launcher's own: not checked). SLURM_PROCID picks one
+    node of a ``listed`` file only: ``-n``'s nodes are all this launcher's, also inside a SLURM job (an engine's
+    come named)."""
     is_local = LocalHosts()
     try:
-        nodes, warnings = select_nodes(config, node_names, is_local=is_local)
+        nodes, warnings = select_nodes(config, node_names, env=None if listed else {}, is_local=is_local)
     except ConfigError as err:
         fail(err)
     for warning in warnings:
