@@ -219,11 +219,11 @@ def _joining_node(
 def _engine_node(
     config: ClusterConfig | str | os.PathLike[str] | None,
 ) -> tuple[str, ClusterConfig, PortReservation | None]:
-    """Under srun or torchrun / a PyTorchJob, without a node name: node number SLURM_PROCID / RANK of
-    ``config``'s nodes; for a config without nodes (or none: every default), the engine's node list -- the
-    SLURM step (:mod:`dpwa.engines.slurm`) or the rendezvous (:mod:`dpwa.adapters.rendezvous`, whose port
-    reservation is returned: hold it until the node has bound)."""
-    slurm = in_slurm_step(os.environ)
+    """Under torchrun / a PyTorchJob (also inside a SLURM job: ``srun torchrun``) or srun, without a node name:
+    node number RANK / SLURM_PROCID of ``config``'s nodes; for a config without nodes (or none: every default),
+    the engine's node list -- the rendezvous (:mod:`dpwa.adapters.rendezvous`, whose port reservation is
+    returned: hold it until the node has bound) or the SLURM step (:mod:`dpwa.engines.slurm`)."""
+    slurm = in_slurm_step(os.environ) and not in_torch_launch(os.environ)  # torchrun is the innermost launcher
     settings = resolve_config(config) if config is not None else ClusterConfig(source="srun" if slurm else "torchrun")
     if settings.nodes:
         variable = "SLURM_PROCID" if slurm else "RANK"

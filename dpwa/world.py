@@ -4,10 +4,11 @@ Looked up in this order (the same order the PyTorch adapter resolves its node in
 
 1. ``name=`` / ``config=`` given to the call (a cluster file path or a ClusterConfig, and a node of it);
 2. ``DPWA_NODE`` + ``DPWA_CONFIG``, set by ``dpwa run`` for every node it starts;
-3. a SLURM step (``srun``): rank ``SLURM_PROCID`` of ``SLURM_NTASKS``, named ``<host>-<SLURM_LOCALID>`` as
-   :mod:`dpwa.engines.slurm` names the step's nodes (or the cluster file's node number ``SLURM_PROCID``);
-4. torchrun or a Kubeflow PyTorchJob: rank ``RANK`` of ``WORLD_SIZE``, named ``<address>-<LOCAL_RANK>`` as the
-   adapter's rendezvous names it (or the cluster file's node number ``RANK``).
+3. torchrun or a Kubeflow PyTorchJob: rank ``RANK`` of ``WORLD_SIZE``, named ``<address>-<LOCAL_RANK>`` as the
+   adapter's rendezvous names it (or the cluster file's node number ``RANK``) -- also inside a SLURM job or step
+   (``srun torchrun ...``): torchrun is the innermost launcher, its variables are this process's;
+4. a SLURM step (``srun``): rank ``SLURM_PROCID`` of ``SLURM_NTASKS``, named ``<host>-<SLURM_LOCALID>`` as
+   :mod:`dpwa.engines.slurm` names the step's nodes (or the cluster file's node number ``SLURM_PROCID``).
 
 The rank of a node is its index in the cluster's node list, which is also the index the built-in demo and the
 benchmarks split the data by (:func:`dpwa.shard`). A node joining a running cluster (``DPWA_JOIN``) has a name
@@ -120,10 +121,10 @@ def whereami(
     try:
         if name is not None and config is not None:
             return _from_config(name, config, f"{ENV_NODE}/{ENV_CONFIG}" if env.get(ENV_NODE) == name else "config")
+        if in_torch_launch(env):  # before SLURM: `srun torchrun` workers carry both, torchrun's are theirs
+            return _from_torch(env, config)
         if in_slurm_step(env):
             return _from_slurm(env, config)
-        if in_torch_launch(env):
-            return _from_torch(env, config)
     except ConfigError as err:
         raise WorldError(str(err)) from None
     if name is None and config is None:

@@ -170,3 +170,21 @@ def test_the_advertised_address_is_the_route_to_master_addr_unless_given() -> No
     assert advertised_address({ADVERTISE_ENV: "10.1.2.3"}, "127.0.0.1", 29500) == "10.1.2.3"
     with pytest.raises(RendezvousError, match="MASTER_ADDR='no.such.host.invalid': no route"):
         advertised_address({}, "no.such.host.invalid", 29500)
+
+
+def test_torchrun_inside_a_slurm_step_picks_the_cluster_files_node_by_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker of ``srun torchrun`` carries SLURM_PROCID (its srun task's, 0 on every worker of the first host)
+    and RANK: the adapter's node is number RANK. Before, it was number SLURM_PROCID: every worker one node."""
+    from dpwa.adapters.pytorch import _engine_node
+
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes:\n" + "".join(f"  - {{name: n{i}, host: 127.0.0.1, port: {47100 + i}}}\n" for i in range(4)))
+    slurm = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    for rank in ("1", "3"):
+        env = {**slurm, "RANK": rank, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        name, config, reservation = _engine_node(str(path))
+        assert (name, reservation) == (f"n{rank}", None)

@@ -195,3 +195,15 @@ def test_a_users_own_random_sampler_is_not_replaced(monkeypatch: pytest.MonkeyPa
     ):
         with pytest.raises(ValueError, match="its own sampler \\(RandomSampler\\)"):
             node_sampler(theirs, data, "iid", seed=0, framework="X")
+
+
+def test_torchrun_inside_a_slurm_job_is_the_engine_of_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``srun torchrun --nproc-per-node=4 train.py`` (or torchrun in an sbatch script): each worker carries the
+    SLURM task's variables and torchrun's; torchrun is the innermost launcher, so rank and size are its. Before,
+    the SLURM step won: every worker of a host was rank 0 of 1 with the same name."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
+             "SLURM_STEP_NODELIST": "gpu01", "SLURM_STEP_TASKS_PER_NODE": "1"}  # fmt: skip
+    torch_env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in {**slurm, **torch_env}.items():
+        monkeypatch.setenv(name, value)
+    assert dpwa.whereami() == dpwa.World("127.0.0.1-1", 1, 2, "torchrun")
