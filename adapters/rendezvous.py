@@ -10,7 +10,10 @@ PyTorchJob in every pod) and the cluster config has no ``nodes``, every worker:
    ``dpwa/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/<rank>``; the name is
    ``<address>-<LOCAL_RANK>``, the same after a restart of the run;
 3. waits, at most ``timeout_s``, for all WORLD_SIZE entries (the error names the missing ranks) and
-   builds the cluster in memory.
+   builds the cluster in memory -- unless some workers advertised a loopback address and others did not
+   (:func:`unreachable_workers`): the training operator sets ``MASTER_ADDR=localhost`` in a PyTorchJob's
+   master pod, whose address is then 127.0.0.1, which no other pod can reach. Every worker raises the same
+   one-line error, naming ``DPWA_ADVERTISE_ADDR`` (the pod's IP, from the downward API).
 
 A restart by TorchElastic (every worker restarted, RESTART_COUNT + 1) meets under a new prefix. The
 core never sees torch: it gets a resolved :class:`~dpwa.config.ClusterConfig`.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dpwa.config import ClusterConfig, NodeSpec
@@ -34,7 +37,15 @@ from dpwa.engines.join import advertised_address as engine_address
 from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.engines.variables import TORCH_VARIABLES, env_int
 
-__all__ = ["ADVERTISE_ENV", "RENDEZVOUS_TIMEOUT_S", "Rendezvous", "RendezvousError", "advertised_address", "rendezvous"]
+__all__ = [
+    "ADVERTISE_ENV",
+    "RENDEZVOUS_TIMEOUT_S",
+    "Rendezvous",
+    "RendezvousError",
+    "advertised_address",
+    "rendezvous",
+    "unreachable_workers",
+]
 
 RENDEZVOUS_TIMEOUT_S = 300.0
 """How long a worker waits for every rank to publish its address."""
@@ -61,6 +72,25 @@ def advertised_address(env: Mapping[str, str], master: str, port: int) -> str:
         return engine_address(env, master, port)
     except OSError as err:
         raise RendezvousError(f"MASTER_ADDR={master!r}: {err}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.")
+
+
+def unreachable_workers(nodes: Sequence[NodeSpec]) -> str | None:
+    """Why some workers cannot be reached (None: all can): the ranks that advertised a loopback address while
+    others advertised another -- one machine's loopback, behind which the others cannot fetch."""
+    loopback = [rank for rank, node in enumerate(nodes) if _is_loopback(node.host)]
+    if not loopback or len(loopback) == len(nodes):
+        return None
+    hosts = ", ".join(sorted({nodes[r].host for r in loopback}))
+    return (
+        f"ranks {loopback} of {len(nodes)} advertised a loopback address ({hosts}: MASTER_ADDR is local to them, as "
+        "the training operator sets it in a PyTorchJob's master pod) and the others did not: no other host can "
+        f"reach them; set {ADVERTISE_ENV} to each worker's own address (in Kubernetes: the pod's IP, "
+        "valueFrom.fieldRef.fieldPath: status.podIP)"
+    )
 
 
 def rendezvous(
@@ -113,6 +143,9 @@ def rendezvous(
         if rank == 0 and not agent_store:
             while store.add(f"{prefix}/read", 0) < world and time.monotonic() < deadline:
                 time.sleep(POLL_S)
+        unreachable = unreachable_workers(nodes)
+        if unreachable is not None:  # every worker read the same entries: each raises the same error
+            raise RendezvousError(unreachable)
         return Rendezvous(settings.with_nodes(nodes), name, reservation)
     except BaseException:
         reservation.release()

@@ -188,3 +188,29 @@ def test_torchrun_inside_a_slurm_step_picks_the_cluster_files_node_by_rank(
             monkeypatch.setenv(name, value)
         name, config, reservation = _engine_node(str(path))
         assert (name, reservation) == (f"n{rank}", None)
+
+
+def test_a_worker_behind_its_loopback_beside_others_is_refused_with_the_variable_that_fixes_it() -> None:
+    """A PyTorchJob's master pod gets MASTER_ADDR=localhost: it advertises 127.0.0.1, which the other pods
+    cannot reach (before, they timed out on it in silence). All on loopback (torchrun --standalone) or none:
+    fine."""
+    from dpwa.adapters.rendezvous import unreachable_workers
+    from dpwa.config import NodeSpec
+
+    def nodes(*hosts: str) -> list[NodeSpec]:
+        return [NodeSpec(f"{h}-0", h, 40000 + i) for i, h in enumerate(hosts)]
+
+    said = unreachable_workers(nodes("127.0.0.1", "10.0.0.5", "10.0.0.6"))
+    assert said is not None and "ranks [0] of 3" in said and "DPWA_ADVERTISE_ADDR" in said and "status.podIP" in said
+    assert unreachable_workers(nodes("127.0.0.1", "127.0.0.1", "127.0.0.1")) is None
+    assert unreachable_workers(nodes("10.0.0.4", "10.0.0.5")) is None
+
+
+def test_the_kubernetes_example_gives_every_pod_its_ip_to_advertise() -> None:
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples/kubernetes/pytorchjob.yaml").read_text())
+    for replica in doc["spec"]["pytorchReplicaSpecs"].values():
+        (container,) = replica["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["DPWA_ADVERTISE_ADDR"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
