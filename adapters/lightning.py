@@ -113,6 +113,8 @@ class DpwaCallback(NodeCallback, lightning.pytorch.Callback):
         self._global_step = trainer.global_step
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, (torch.Tensor, int, float)):
+            if pl_module.automatic_optimization:  # Lightning hands on the loss divided by the accumulation
+                loss = loss * trainer.accumulate_grad_batches
             self.exchange.set_loss(loss)
         self.exchange.exchange()
         if trainer.loggers:

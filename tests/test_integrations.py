@@ -93,10 +93,13 @@ def test_lightning_exchanges_once_per_optimizer_step_under_gradient_accumulation
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Linear(3, 1)
+            self.losses: list[float] = []
 
         def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
             x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(float(loss))
+            return loss
 
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -108,13 +111,19 @@ def test_lightning_exchanges_once_per_optimizer_step_under_gradient_accumulation
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[gossip],
     )  # fmt: skip
     data = DataLoader(TensorDataset(torch.randn(60, 3), torch.randn(60, 1)), batch_size=4)
-    trainer.fit(Tiny(), data)
+    module = Tiny()
+    trainer.fit(module, data)
     assert trainer.global_step == 5 and gossip.exchange is not None and gossip.exchange.exchanges == 5
     assert gossip.exchange.loss > 0 and gossip.adapter is not None and gossip.adapter.closed
     saved = gossip.state_dict()
     assert saved["meta"]["step"] == 5  # update_wait calls: one per exchange, the last one's at teardown
     records = [r for r in read_metrics(tmp_path / "run" / "w1.metrics.jsonl") if r.get("event") is None]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    # the loss a record holds is the training step's, of the batch that completed an optimizer step: the one its
+    # update_wait was given, the next step's (the last step's twice: finish). Lightning hands the callback that
+    # loss divided by accumulate_grad_batches; before, a third of it was reported and sent to the peers.
+    completing = [module.losses[3 * k + 2] for k in range(5)]
+    assert [r["loss"] for r in records] == pytest.approx([*completing[1:], completing[-1]], rel=1e-6)
 
 
 @pytest.mark.slow
