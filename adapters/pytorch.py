@@ -135,14 +135,17 @@ class _Entry:
 
 
 def _named_tensors(model: torch.nn.Module, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Floating parameters, then (``buffers``) floating buffers; integer ones are left out."""
-    for name, p in model.named_parameters():
-        if p.is_floating_point():
-            yield name, p
-    if buffers:
-        for name, b in model.named_buffers():
-            if b.is_floating_point():
-                yield name, b
+    """Floating parameters, then (``buffers``) floating buffers; integer ones are left out (counters, indices),
+    complex ones refused (ValueError): left out, they would drift apart between the nodes in silence."""
+    named = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
+    for name, t in named:
+        if t.is_complex():
+            raise ValueError(
+                f"{name}: complex tensors are not supported (dpwa exchanges real floating tensors); hold it as a real "
+                "tensor with a last dimension of 2 (torch.view_as_real) and make it complex in forward"
+            )
+        if t.is_floating_point():
+            yield name, t
 
 
 def _collect(model: torch.nn.Module, buffers: bool, force_staging: bool) -> list[_Entry]:
@@ -287,7 +290,12 @@ class DpwaPyTorchAdapter:
                 "or under srun."
             )
         assert name is not None and config is not None
-        self._entries = _collect(model, buffers, _force_staging)
+        try:
+            self._entries = _collect(model, buffers, _force_staging)
+        except BaseException:
+            if reservation is not None:  # the rendezvous' port: nobody binds it now
+                reservation.release()
+            raise
         self._arrays = [e.array for e in self._entries]
         self._staged = [e for e in self._entries if e.staged]
         self._step = 0

@@ -338,7 +338,8 @@ def test_loss_as_0_dim_tensor_and_bad_shapes(adapters, solo: Path, tmp_path: Pat
     [
         (lambda: _int_only(), "no floating-point"),
         (lambda: _with_param(torch.randn(4, 3).t()), "contiguous"),
-        (lambda: _with_param(torch.zeros(3, dtype=torch.complex64)), "no floating-point"),
+        (lambda: _with_param(torch.zeros(3, dtype=torch.complex64)), "p: complex tensors are not supported"),
+        (lambda: _beside_a_linear(torch.zeros(3, dtype=torch.complex64)), "p: complex"),  # before: left out, silently
         (lambda: _with_param(torch.zeros(3).to(torch.float8_e4m3fn)), "float8"),
         (lambda: _overlapping(), "overlap"),
     ],
@@ -357,6 +358,12 @@ def _int_only() -> nn.Module:
 def _with_param(t: torch.Tensor) -> nn.Module:
     m = nn.Module()
     m.p = nn.Parameter(t, requires_grad=False)
+    return m
+
+
+def _beside_a_linear(t: torch.Tensor) -> nn.Module:
+    m = _with_param(t)
+    m.lin = nn.Linear(2, 2)
     return m
 
 

@@ -167,8 +167,11 @@ class HostName(Spec):
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 """A node's name: letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit, at most 128 characters. It
 names files (its log, metrics, model and key files), so it never names a path outside their directory."""
-RESERVED_NAMES = frozenset({"evaluate"})
-"""Names a node cannot take: ``dpwa run``'s evaluation step writes ``evaluate.log`` beside the nodes' logs."""
+RESERVED_NAMES = {
+    "evaluate": "dpwa run's evaluation step writes evaluate.log",
+    "averaged": "dpwa average writes averaged.model.npz",
+}
+"""Names a node cannot take, and why: files the launcher and ``dpwa average`` write beside the nodes' own."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +188,7 @@ class NodeName(Spec):
                 ),
             )
         elif value in RESERVED_NAMES:
-            yield "", f"{value!r} is reserved (dpwa run's evaluation step writes {value}.log); choose another name"
+            yield "", f"{value!r} is reserved ({RESERVED_NAMES[value]}); choose another name"
 
 
 @dataclasses.dataclass(frozen=True)
