@@ -36,7 +36,7 @@ from dpwa.launcher.job import _watch
 from dpwa.launcher.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
 from dpwa.launcher.progress import NodeView, Progress, summary_table
 from dpwa.launcher.restarts import Restarter
-from dpwa.launcher.rundir import NodeMetrics, RunDir
+from dpwa.launcher.rundir import NodeMetrics, RunDir, default_run_dir
 from dpwa.launcher.supervisor import STOP_GRACE_S
 from dpwa.metrics import MetricsTail, read_metrics
 
@@ -909,3 +909,27 @@ def test_n_inside_a_slurm_job_starts_every_node_it_reserved(
     result = CliRunner().invoke(cli.main, ["run", "-n", "4", str(node_script)])
     assert result.exit_code == 0, result.output
     assert started == [["w1", "w2", "w3", "w4"]]
+
+
+def test_default_run_directories_are_new_even_in_the_same_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call makes a directory of its own with an exclusive mkdir: two launches in one second never share
+    one (the second's RunDir would remove the first's node files; before, both passed an exists() check). Under
+    SLURM, the step's shared name, not made."""
+    import datetime
+
+    from dpwa.launcher import rundir
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Frozen:
+            return cls(2026, 11, 28, 20, 15, 0)
+
+    monkeypatch.setattr(rundir._dt, "datetime", Frozen)
+    made = [default_run_dir(tmp_path / "runs", env={}) for _ in range(3)]
+    assert [p.name for p in made] == ["20261128-201500", "20261128-201500-2", "20261128-201500-3"]
+    assert all(p.is_dir() and not any(p.iterdir()) for p in made)
+    assert default_run_dir(tmp_path / "runs", env={}, prefix="sim-").name == "sim-20261128-201500"
+    slurm = default_run_dir(tmp_path / "runs", env={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "2"})
+    assert slurm == tmp_path / "runs" / "slurm-7.2" and not slurm.exists()

@@ -134,7 +134,7 @@ def simulate_command(
     for bit. Writes a run directory that `dpwa plot` reads, and prints a summary table."""
     options = _options(config_path, nodes, steps, model, partition, seed, step_time, straggler, bandwidth, per,
                        latency, loss, churn, lr, batch_size)  # fmt: skip
-    out = run_dir if run_dir is not None else default_run_dir().with_name("sim-" + default_run_dir().name)
+    out = run_dir if run_dir is not None else default_run_dir(prefix="sim-")
     progress = SimProgress(sys.stderr)
     try:
         result = simulate(options, out, progress)

@@ -66,22 +66,28 @@ MODEL_SUFFIX = ".model.npz"
 DATA_SUFFIX = ".data.json"
 
 
-def default_run_dir(base: str | os.PathLike[str] = "runs", env: Mapping[str, str] | None = None) -> Path:
-    """``base/<YYYYmmdd-HHMMSS>`` -- or, under SLURM, ``base/slurm-<job>[.<step>]`` so that every task
-    of one job step shares a directory (on a shared file system). A taken timestamp gets ``-2``, ``-3``...
-    """
+def default_run_dir(
+    base: str | os.PathLike[str] = "runs", env: Mapping[str, str] | None = None, prefix: str = ""
+) -> Path:
+    """``base/<prefix><YYYYmmdd-HHMMSS>``, created here and new: a taken timestamp gets ``-2``, ``-3``..., and the
+    directory is made with an exclusive ``mkdir``, so two launches in the same second never share one. Under
+    SLURM, ``base/<prefix>slurm-<job>[.<step>]`` (not created), which every task of one job step shares (on a
+    shared file system)."""
     env = os.environ if env is None else env
     job = env.get("SLURM_JOB_ID")
     if job:
         step = env.get("SLURM_STEP_ID")
-        return Path(base) / (f"slurm-{job}.{step}" if step else f"slurm-{job}")
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path(base) / stamp
-    n = 2
-    while path.exists():
-        path = Path(base) / f"{stamp}-{n}"
-        n += 1
-    return path
+        return Path(base) / (prefix + (f"slurm-{job}.{step}" if step else f"slurm-{job}"))
+    stamp = prefix + _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    Path(base).mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = Path(base) / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"{base}: {stamp} and its next 9,998 suffixes are all taken")
 
 
 class RunDir:
