@@ -36,6 +36,7 @@ from dpwa.engines.join import ADVERTISE_ENV
 from dpwa.engines.join import advertised_address as engine_address
 from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.engines.variables import TORCH_VARIABLES, env_int
+from dpwa.utils.endpoints import is_loopback
 
 __all__ = [
     "ADVERTISE_ENV",
@@ -74,14 +75,10 @@ def advertised_address(env: Mapping[str, str], master: str, port: int) -> str:
         raise RendezvousError(f"MASTER_ADDR={master!r}: {err}") from None
 
 
-def _is_loopback(host: str) -> bool:
-    return host == "localhost" or host.startswith("127.")
-
-
 def unreachable_workers(nodes: Sequence[NodeSpec]) -> str | None:
     """Why some workers cannot be reached (None: all can): the ranks that advertised a loopback address while
     others advertised another -- one machine's loopback, behind which the others cannot fetch."""
-    loopback = [rank for rank, node in enumerate(nodes) if _is_loopback(node.host)]
+    loopback = [rank for rank, node in enumerate(nodes) if is_loopback(node.endpoint)]
     if not loopback or len(loopback) == len(nodes):
         return None
     hosts = ", ".join(sorted({nodes[r].host for r in loopback}))

@@ -39,9 +39,9 @@ from dpwa.cli import main
 from dpwa.config import ClusterConfig, NodeSpec, SecurityConfig
 from dpwa.node import wire
 from dpwa.node.wire import Kind, Layout
-from dpwa.security.curve import is_loopback
 from dpwa.security.keyfiles import read_key_file, write_key_pair
 from dpwa.security.keys import generate_keys
+from dpwa.utils.endpoints import is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_MS = 400

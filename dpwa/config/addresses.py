@@ -36,6 +36,7 @@ def address_clashes(nodes: Sequence[Addressed]) -> Iterator[tuple[int, str]]:
     for i, node in enumerate(nodes):
         host = node.host.lower()
         address = ("localhost" if host in _LOOPBACK else host, node.port)
+        local_host = _is_local(host)
         if address in seen:
             other = nodes[seen[address]]
             yield (
@@ -45,12 +46,12 @@ def address_clashes(nodes: Sequence[Addressed]) -> Iterator[tuple[int, str]]:
                     f"{other.host}:{other.port}); {_OWN}"
                 ),
             )
-        elif _is_local(host):
+        elif local_host:
             wild = [j for j in local.get(node.port, []) if host == WILDCARD or nodes[j].host.lower() == WILDCARD]
             if wild:
                 other = nodes[wild[0]]
                 why = f"{WILDCARD} binds every address of this host, so it clashes with {other.host}:{other.port}"
                 yield i, f"duplicate address {node.host}:{node.port}: {why} (also {other.name!r}); {_OWN}"
         seen.setdefault(address, i)
-        if _is_local(host):
+        if local_host:
             local.setdefault(node.port, []).append(i)

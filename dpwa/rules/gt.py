@@ -121,8 +121,8 @@ class GtRule(Rule):
         nodes no longer neighbours forgotten. When they change, the running sums start over from zero under a
         new epoch for the new neighbours -- at the next publish (:meth:`on_publish`), so that a snapshot's epoch,
         sums and receivers always belong together, whichever thread calls this and when. Until then the offers
-        go to the old neighbours: what a neighbour that left does not collect is lost (a join or a leave costs a
-        little of the tracker's sum); a new neighbour takes nothing of an epoch not offered to it."""
+        go to the old neighbours: what a neighbour that left does not collect is lost for good (so is a leaver's
+        ``z``: the fixed point moves, docs/rules.md); a new neighbour takes nothing of an epoch not offered to it."""
         members = list(names)
         mine = (
             tuple(members[j] for j in neighbours(members.index(me), len(members), self.graph)) if me in members else ()

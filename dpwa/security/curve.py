@@ -21,7 +21,6 @@ directory when a node first connects to it.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import stat
@@ -33,10 +32,11 @@ from zmq.utils import z85
 
 from dpwa.security.keyfiles import PUBLIC_SUFFIX, KeyFileError, public_path, read_key_file
 from dpwa.security.zap import ZAP_DOMAIN, ZapHandler
+from dpwa.utils.endpoints import is_loopback
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STOP_TIMEOUT_S", "NodeSecurity", "is_loopback", "warn_if_exposed"]
+__all__ = ["STOP_TIMEOUT_S", "NodeSecurity", "warn_if_exposed"]
 
 STOP_TIMEOUT_S = 1.0
 """How long :meth:`NodeSecurity.stop` waits for the ZAP thread to end."""
@@ -127,17 +127,6 @@ def _warn_if_readable(path: str | os.PathLike[str]) -> None:
     mode = os.stat(path).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("secret key %s is readable by other users (mode %o); chmod 600 it", path, stat.S_IMODE(mode))
-
-
-def is_loopback(endpoint: str) -> bool:
-    """True when ``tcp://ADDRESS:PORT`` binds a loopback address (127.0.0.0/8, ::1 or localhost)."""
-    host = endpoint.split("://", 1)[-1].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def warn_if_exposed(name: str, endpoint: str, curve: bool) -> bool:
