@@ -29,9 +29,9 @@ pytestmark = [
 ]
 
 NUMBERS = [
-    "model_mb", "wire_mb", "memcpy_ms", "a_ms", "a_mbs", "a2_ms", "send_ms", "ready_ms", "fetch_ms", "fetch_mbs",
-    "mix_ms", "c_ms", "c_mbs", "step_ms", "wait_ms", "fetch_a", "fetch_a2", "fm_c", "send_memcpy", "mix_memcpy",
-    "block", "fm_memcpy",
+    "model_mb", "wire_mb", "memcpy_ms", "a_ms", "a_mbs", "a2_ms", "a3_ms", "send_ms", "ready_ms", "fetch_ms",
+    "fetch_mbs", "mix_ms", "c_ms", "c_mbs", "step_ms", "wait_ms", "fetch_a", "fetch_a2", "fm_c", "send_memcpy",
+    "mix_memcpy", "block", "fm_memcpy",
 ]  # fmt: skip
 CHECKS = [
     "ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block", "ok_push", "ok_fm_memcpy", "ok_pf_memcpy",
@@ -87,7 +87,9 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
             assert row[key] in ("✓", "✗", "-"), (key, row[key])
         for key, values in row["samples"].items():
             assert len(values) == 2 and all(math.isfinite(v) for v in values), key
-        assert row["fetch_ms"] > 0 and row["a_ms"] > 0 and row["c_ms"] > 0
+        assert row["fetch_ms"] > 0 and row["a_ms"] > 0 and row["a3_ms"] > 0 and row["c_ms"] > 0
+        # the floor of a socket fetch (a3) plus this row's mix, against gloo: the float32 socket row only
+        assert (row["floor_c"] > 0) if row["wire"] == "float32" else row["floor_c"] is None, row
         for key in PUSH:
             value = row[key]
             pushed = row["wire"] in ("float32", "float32+shm")  # over the socket, and co-located
@@ -107,7 +109,8 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
         assert row["floats"] == 10000 and math.isfinite(row["model_sizes"]) and len(row["mixes"]) == 2, row
         # a low-memory node declines the fetches that come while it rewrites its snapshot: no count is promised
         assert min(row["mixes"]) > 0 or row["memory"] == "low", row
-    headers = ("(a) raw ms", "(b) fetch ms", "(c) gloo ms", "(d) push ms", "fetch/a", "(fetch+mix)/c", "mix/memcpy")
+    headers = ("(a) raw ms", "(a3) tcp ms", "(a3+mix)/c", "(b) fetch ms", "(c) gloo ms", "(d) push ms", "fetch/a")
+    headers += ("(fetch+mix)/c", "mix/memcpy")
     headers += ("(fetch+mix)/memcpy", "(push+fold)/memcpy", "model sizes")
     for header in headers + ("(push+fold)/(fetch+mix)",):
         assert header in out

@@ -2,7 +2,7 @@
 
 :class:`_Size` holds the trainer's side of each measurement family for one size and has the peer build its
 side (the ``setup`` command). :data:`WARMUP_ROUNDS` untimed rounds come first, so every snapshot and receive
-buffer has its pages. Then :class:`_Rounds` runs ``--repeat`` rounds of every task -- memcpy, (a), (a2),
+buffer has its pages. Then :class:`_Rounds` runs ``--repeat`` rounds of every task -- memcpy, (a), (a2), (a3),
 (d), (b) per wire dtype, the overlap per wire dtype, (c) -- each round starting one task further down the
 list than the one before, so no method always runs first or right after the same other one; each task
 appends its samples. :func:`measure_size` turns them into one table row per wire dtype.
@@ -25,7 +25,7 @@ from dpwa.tools.bench.exchange.gloo import timed_all_reduce, to_tensor
 from dpwa.tools.bench.exchange.overlap import step_seconds
 from dpwa.tools.bench.exchange.pair import SHARED, make_model, pair_config
 from dpwa.tools.bench.exchange.push import PushNode
-from dpwa.tools.bench.exchange.raw import RawClient
+from dpwa.tools.bench.exchange.raw import RawClient, TcpClient
 from dpwa.tools.bench.exchange.table import push_key, table_row
 from dpwa.tools.bench.procs import free_ports
 
@@ -33,7 +33,7 @@ __all__ = ["WARMUP_ROUNDS", "measure_size"]
 
 WARMUP_ROUNDS = 3
 """Untimed rounds first: every snapshot buffer and receive buffer gets its pages."""
-COMMON_KEYS = ("memcpy_ms", "a_ms", "a2_ms", "c_ms", "push_ms", "fold_ms", "shm_push_ms", "shm_fold_ms")
+COMMON_KEYS = ("memcpy_ms", "a_ms", "a2_ms", "a3_ms", "c_ms", "push_ms", "fold_ms", "shm_push_ms", "shm_fold_ms")
 """The samples measured once per round for the whole size, shown in each of its rows."""
 PER_WIRE_KEYS = ("send_ms", "fetch_ms", "mix_ms", "step_ms", "wait_ms", "bytes", "ready_ms")
 """The samples measured once per round and wire dtype."""
@@ -50,8 +50,8 @@ class _Size:
         self.src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
         self.dst = np.empty_like(self.src)
         push_variants = [w for w in ("float32", SHARED) if w in wires and "float32" in wires]
-        ports = free_ports(1 + 2 * (len(wires) + len(push_variants)))
-        pairs = [ports[1 + 2 * i : 3 + 2 * i] for i in range(len(wires) + len(push_variants))]
+        ports = free_ports(2 + 2 * (len(wires) + len(push_variants)))  # (a), (a3), then two per pair
+        pairs = [ports[2 + 2 * i : 4 + 2 * i] for i in range(len(wires) + len(push_variants))]
         configs = [pair_config(w, p, n) for w, p in zip(wires, pairs)]
         peer_configs = [pair_config(w, p, n, 0.0) for w, p in zip(wires, pairs)]
         push_configs = [pair_config(w, p, n, push=True) for w, p in zip(push_variants, pairs[len(wires) :])]
@@ -59,12 +59,16 @@ class _Size:
         self.pushes: dict[str, PushNode] = {}
         """(d) per variant: over the socket (float32), co-located (float32+shm)."""
         self.raw: RawClient | None = None
+        self.tcp: TcpClient | None = None
         try:
             self.fetch.open(wires, configs)
             for i, (w, text) in enumerate(zip(push_variants, push_configs)):
                 self.pushes[w] = PushNode(peer, text, self.fetch.params, self.timeout_s, i)
-            peer.call("setup", floats=n, raw_port=ports[0], configs=peer_configs, push_configs=push_configs)
+            peer.call(
+                "setup", floats=n, raw_port=ports[0], tcp_port=ports[1], configs=peer_configs, push_configs=push_configs
+            )
             self.raw = RawClient(ctx, ports[0], self.nbytes, self.timeout_s)
+            self.tcp = TcpClient(ports[1], self.nbytes, self.timeout_s)
         except BaseException:
             self.close()
             raise
@@ -89,6 +93,9 @@ class _Size:
         if self.raw is not None:
             self.raw.close()
             self.raw = None
+        if self.tcp is not None:
+            self.tcp.close()
+            self.tcp = None
         with contextlib.suppress(Exception):
             if self.peer.proc.poll() is None:
                 self.peer.call("teardown", timeout_s=30)
@@ -96,10 +103,11 @@ class _Size:
 
 def _warm_up(size: _Size, wires: Sequence[str], gloo: bool) -> None:
     """One untimed round of every method (the overlap aside)."""
-    assert size.raw is not None
+    assert size.raw is not None and size.tcp is not None
     size.memcpy()
     size.raw.fetch()
     size.raw.fetch_chunked()
+    size.tcp.fetch()
     for w in wires:
         size.fetch.exchange(w)
     for node in size.pushes.values():
@@ -123,7 +131,7 @@ class _Rounds:
         self.busy = busy
         self.common: dict[str, list[float]] = {k: [] for k in COMMON_KEYS}
         self.per: dict[str, dict[str, list[float]]] = {w: {k: [] for k in PER_WIRE_KEYS} for w in wires}
-        self.tasks: list[Callable[[], None]] = [self.memcpy, self.raw, self.raw_chunked]
+        self.tasks: list[Callable[[], None]] = [self.memcpy, self.raw, self.raw_chunked, self.tcp]
         self.tasks += [functools.partial(self.push, w) for w in size.pushes]
         self.tasks += [functools.partial(self.fetch, w) for w in wires]
         self.tasks += [functools.partial(self.overlap, w) for w in wires]
@@ -151,6 +159,11 @@ class _Rounds:
         """(a2): one message per chunk."""
         assert self.size.raw is not None
         self.common["a2_ms"].append(self.size.raw.fetch_chunked())
+
+    def tcp(self) -> None:
+        """(a3): the bytes over a plain TCP socket."""
+        assert self.size.tcp is not None
+        self.common["a3_ms"].append(self.size.tcp.fetch())
 
     def gloo(self) -> None:
         """(c): one all-reduce."""

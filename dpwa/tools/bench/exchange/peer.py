@@ -5,8 +5,9 @@ describes the channel), it answers one command at a time:
 
 ``gloo_init`` (``port``)
     join the gloo group as rank 1 (every later ``setup`` then makes a tensor for (c));
-``setup`` (``floats``, ``raw_port``, ``configs``, ``push_config``)
+``setup`` (``floats``, ``raw_port``, ``tcp_port``, ``configs``, ``push_config``)
     drop the previous size, then build this one: the model (seed 2), the raw server of (a) on ``raw_port``,
+    the plain TCP server of (a3) on ``tcp_port``,
     one serving node per cluster file in ``configs`` (b), the receiving node of (d) when ``push_config``
     is not empty, and (c)'s tensor;
 ``publish`` (``index``)
@@ -42,7 +43,7 @@ from dpwa.tools.bench.exchange.fetch import publish, serving_node
 from dpwa.tools.bench.exchange.gloo import all_reduce, init_gloo, to_tensor
 from dpwa.tools.bench.exchange.pair import make_model
 from dpwa.tools.bench.exchange.push import fold_and_push_back, receiving_node
-from dpwa.tools.bench.exchange.raw import RawServer
+from dpwa.tools.bench.exchange.raw import RawServer, TcpServer
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,14 @@ class _PeerState:
         self.gloo = False
         self.conns: list[Any] = []
         self.raw: RawServer | None = None
+        self.tcp: TcpServer | None = None
         self.tensor: Any = None
         self.model: list[np.ndarray] = []
         self.pushes: list[tuple[Any, list[np.ndarray]]] = []
         """(d)'s receiving nodes, each with its model: over the socket, then (with shared memory) co-located."""
 
     def close(self) -> None:
-        """Drop the current model size: its nodes, its raw server and its tensor."""
+        """Drop the current model size: its nodes, its raw and TCP servers and its tensor."""
         for conn in self.conns:
             conn.close()
         self.conns = []
@@ -73,6 +75,9 @@ class _PeerState:
         if self.raw is not None:
             self.raw.stop()
             self.raw = None
+        if self.tcp is not None:
+            self.tcp.stop()
+            self.tcp = None
         self.tensor = None
 
 
@@ -84,12 +89,15 @@ def _gloo_init(state: _PeerState, message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _setup(state: _PeerState, message: dict[str, Any]) -> dict[str, Any]:
-    """Drop the previous model size and build this one: the raw server, the serving nodes, (d)'s node, the tensor."""
+    """Drop the previous model size and build this one: the raw and TCP servers, the serving nodes, (d)'s node, the
+    tensor."""
     state.close()
     model = make_model(message["floats"], seed=2)
     flat = np.concatenate(model)
     state.raw = RawServer(state.ctx, message["raw_port"], flat)
     state.raw.start()
+    state.tcp = TcpServer(message["tcp_port"], flat)
+    state.tcp.start()
     for text in message["configs"]:
         state.conns.append(serving_node(text, model))
     state.model = model

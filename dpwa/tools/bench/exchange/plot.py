@@ -10,19 +10,19 @@ __all__ = ["plot_rows"]
 
 
 def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """A bar chart (ms, log scale) per model size: memcpy, (a), (b) fetch+mix per wire dtype, (c)."""
+    """A bar chart (ms, log scale) per model size: memcpy, (a), (a2), (a3), (b) fetch+mix per wire dtype, (c)."""
     from matplotlib.figure import Figure  # the optional extra
 
     sizes = sorted({r["floats"] for r in rows})
     fig = Figure(figsize=(4 + 3 * len(sizes), 4.5))
     ax = fig.add_subplot()
-    labels: list[str] = ["memcpy", "(a) raw", "(a2) raw chunked"]
+    labels: list[str] = ["memcpy", "(a) raw", "(a2) raw chunked", "(a3) tcp"]
     labels += [f"(b) {w}" for w in dict.fromkeys(r["wire"] for r in rows)] + ["(c) gloo"]
     width = 0.8 / len(labels)
     for i, n in enumerate(sizes):
         these = [r for r in rows if r["floats"] == n]
         first = these[0]
-        values = [first["memcpy_ms"], first["a_ms"], first["a2_ms"]]
+        values = [first["memcpy_ms"], first["a_ms"], first["a2_ms"], first["a3_ms"]]
         values += [r["fetch_ms"] + r["mix_ms"] for r in these] + [first["c_ms"]]
         for j, v in enumerate(values):
             ax.bar(i + j * width, v, width, color=f"C{j}", label=labels[j] if i == 0 else None)

@@ -3,7 +3,7 @@
 One row per (model size, wire dtype). Its figures are medians over the rounds; its ratios are the median
 over rounds of each round's ratio (a round measures everything within a second or so, so a load change on
 the shared machine between rounds cancels out of its ratios), each with a check mark against
-:data:`TARGETS` -- informational, never a test. (a), (a2), (c) and memcpy are measured once per size and
+:data:`TARGETS` -- informational, never a test. (a), (a2), (a3), (c) and memcpy are measured once per size and
 shown in every row of it; (d) only in the float32 row, and its co-located pair in the float32+shm row. A
 skipped measurement is NaN, printed ``-`` and written to JSON as null (:func:`finite_or_none`).
 """
@@ -40,6 +40,7 @@ ABSOLUTE = [
     Column("a_ms", "(a) raw ms", ".1f"),
     Column("a_mbs", "(a) MB/s", ".0f"),
     Column("a2_ms", "(a2) ms", ".1f"),
+    Column("a3_ms", "(a3) tcp ms", ".1f"),
     Column("fetch_ms", "(b) fetch ms", ".1f"),
     Column("fetch_mbs", "fetch MB/s", ".0f"),
     Column("mix_ms", "mix ms", ".1f"),
@@ -61,6 +62,7 @@ RATIOS = [
     Column("ok_fetch_a2", "<=1.15 "),
     Column("fm_c", "(fetch+mix)/c", ".2f"),
     Column("ok_fm_c", "<=1.1|0.7"),
+    Column("floor_c", "(a3+mix)/c", ".2f"),
     Column("send_memcpy", "send/memcpy", ".2f"),
     Column("ok_send", "<=1.2"),
     Column("mix_memcpy", "mix/memcpy", ".2f"),
@@ -108,6 +110,7 @@ def _figures(n: int, wire: str, samples: dict[str, list[float]], common: dict[st
         "a_ms": med["a_ms"],
         "a_mbs": nbytes / 1e3 / med["a_ms"],
         "a2_ms": med["a2_ms"],
+        "a3_ms": med["a3_ms"],
         "send_ms": m["send_ms"],
         "ready_ms": m["ready_ms"],
         "fetch_ms": m["fetch_ms"],
@@ -138,6 +141,9 @@ def _ratios(wire: str, samples: dict[str, list[float]], common: dict[str, list[f
         "fetch_a": _median_ratio(fetches, common["a_ms"]),
         "fetch_a2": _median_ratio(fetches, common["a2_ms"]),
         "fm_c": _median_ratio(fetch_mix, common["c_ms"]),
+        "floor_c": _median_ratio([t + x for t, x in zip(common["a3_ms"], mixes)], common["c_ms"])
+        if wire == "float32"
+        else math.nan,
         "send_memcpy": _median_ratio(samples["send_ms"], common["memcpy_ms"]),
         "mix_memcpy": _median_ratio(mixes, common["memcpy_ms"]),
         "block": _median_ratio(samples["wait_ms"], samples["step_ms"]),
