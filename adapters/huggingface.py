@@ -5,7 +5,7 @@
     from dpwa.adapters.huggingface import DpwaTrainerCallback
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[DpwaTrainerCallback()])
-    trainer.train()                                 # node from dpwa run / srun / torchrun
+    trainer.train()                                 # node from dpwa run or srun (not torchrun: below)
 
 The Trainer calls ``on_step_end`` after each optimizer step (after gradient accumulation, the scheduler step
 and ``zero_grad``): there the callback mixes what the exchange started at the previous step brought and starts
@@ -23,6 +23,12 @@ hook receives the Trainer) and wraps its ``_get_train_sampler``; a sampler of th
 DistributedSampler, a custom one) is refused with a message saying what to do, and ``on_train_begin`` refuses
 to train when the loader it got is not sharded (a callback added after construction: pass it to ``Trainer(...,
 callbacks=[...])``). ``partition=None`` leaves the data alone.
+
+Not under torchrun: the Trainer reads torchrun's ``WORLD_SIZE`` and ``LOCAL_RANK`` and makes itself one rank of a
+torch.distributed job (DistributedDataParallel's gradient all-reduce every step, and the data split again between
+the ranks), the synchronous training dpwa replaces. The callback refuses such a Trainer at its construction
+(``args.world_size`` > 1) with a message naming ``dpwa run``; the adapter, ``DpwaOptimizer`` and the Lightning
+callback do run under torchrun.
 """
 
 from __future__ import annotations
@@ -61,12 +67,25 @@ def _loader_sampler(loader: Any) -> Any:
     return inner if inner is not None else getattr(loader, "sampler", None)
 
 
+def _refuse_distributed(args: TrainingArguments) -> None:
+    """ValueError when the Trainer is one rank of a torch.distributed job (``args.world_size`` > 1: torchrun)."""
+    if args.world_size > 1:
+        raise ValueError(
+            f"DpwaTrainerCallback: this Trainer is one of {args.world_size} torch.distributed processes (torchrun's "
+            "WORLD_SIZE / LOCAL_RANK): it would all-reduce the gradients every step (DistributedDataParallel) and "
+            "split the data again between the ranks, the synchronous training dpwa replaces. Start the script with "
+            "`dpwa run` (or srun) instead, where each node's Trainer is a single process; under torchrun use the "
+            "adapter, DpwaOptimizer or the Lightning callback"
+        )
+
+
 class DpwaTrainerCallback(NodeCallback, TrainerCallback):
     """Gossip the Trainer's model after every optimizer step; see the module doc-string. The keywords
     (``partition`` and ``data_seed``: this node's shard) are :class:`~dpwa.adapters.stepping.NodeCallback`'s; the
     adapter is built at ``on_train_begin``."""
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        _refuse_distributed(args)
         trainer = _calling_trainer()
         if trainer is None or self.partition is None:
             return

@@ -144,3 +144,24 @@ def test_lightning_under_torchrun_meets_through_the_rendezvous(tmp_path: Path) -
         report = next(r for r in read_metrics(tmp_path / "run" / f"{name}.metrics.jsonl") if r.get("event") == "report")
         # they met and mixed; how often is timing: a fresh clone under load saw 30 of 60 (an older bound said > 30)
         assert report["exchanges"] == 60 and report["mixes"] > 0, report
+
+
+@pytest.mark.slow
+def test_hugging_face_under_torchrun_is_refused_before_training(tmp_path: Path) -> None:
+    """Under `torchrun --nproc-per-node 2` the Trainer makes itself a DDP rank (gradient all-reduce, the data split
+    again): the callback refuses it at the Trainer's construction, naming `dpwa run`, before any node starts.
+    Before, the run died at on_train_begin with "the training data are not split" (accelerate had re-wrapped
+    the sampler), a message that sent the user the wrong way."""
+    pytest.importorskip("transformers", reason="the dpwa[hf] extra is not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DPWA_", "SLURM_"))}
+    env["DPWA_RUN_DIR"] = str(tmp_path / "run")
+    env["TMPDIR"] = str(tmp_path)  # torchrun's agent leaves a torchelastic_* directory there, not in /tmp
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / "huggingface" / "train.py"), "--steps", "5"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "is one of 2 torch.distributed processes" in output and "`dpwa run`" in output, output[-3000:]
+    assert not list((tmp_path / "run").glob("*.metrics.jsonl"))  # no node started
