@@ -321,6 +321,25 @@ def test_close_is_fast_frees_the_port_and_reopens(two_ports):
     a.close()  # idempotent
 
 
+def test_a_ctrl_c_while_lingering_still_closes_the_node(two_ports) -> None:
+    """close(linger=...) interrupted while it serves its peers (KeyboardInterrupt out of the linger loop): the
+    node is closed anyway -- threads stopped, port free -- and the interrupt propagates. Before, the node stayed
+    up and the adapter, already marked closed, never closed it."""
+    ports, cfg = two_ports
+    a = DpwaConnection("w1", cfg)
+    a.update_send(make_params(), 1.0)
+    a.update_wait(1.0)
+
+    def interrupted(linger: float, idle: float) -> float:
+        raise KeyboardInterrupt
+
+    a._node.linger = interrupted  # the user's Ctrl-C, as the linger loop would see it
+    with pytest.raises(KeyboardInterrupt):
+        a.close(linger=5.0)
+    assert a.closed and port_is_free(ports[0])
+    assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-") and "w1" in t.name]
+
+
 def test_port_in_use_fails_loudly(two_ports):
     _, cfg = two_ports
     with DpwaConnection("w1", cfg):

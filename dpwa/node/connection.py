@@ -179,14 +179,17 @@ class DpwaConnection:
         Then the node leaves cleanly: a push-sum node hands its mass to a member, and every member
         learns at once that it left (docs/membership.md). To hand it over, a push rule first folds in the
         pushes that arrived since the last ``update_wait``; ``final_mix`` False (the default) leaves the arrays
-        given to the node as the trainer last saw them, True leaves that fold in them.
+        given to the node as the trainer last saw them, True leaves that fold in them. An exception while
+        lingering (a Ctrl-C) still closes the node, then propagates.
         """
-        if linger > 0 and not self.closed:
-            spent = self._node.linger(linger, idle)
-            log.info("node %s served its peers %.1fs after training", self.name, spent)
-        if self._finalizer.alive:
-            self._finalizer.detach()
-            self._node.close(final_mix=final_mix)
+        try:
+            if linger > 0 and not self.closed:
+                spent = self._node.linger(linger, idle)
+                log.info("node %s served its peers %.1fs after training", self.name, spent)
+        finally:  # a Ctrl-C while lingering still stops the threads, frees the port and leaves
+            if self._finalizer.alive:
+                self._finalizer.detach()
+                self._node.close(final_mix=final_mix)
 
     @property
     def closed(self) -> bool:
