@@ -57,7 +57,7 @@ from dpwa.adapters.torch_state import load_model_arrays, load_optimizer_parts, m
 from dpwa.checkpoint import DpwaState, checkpoint_path, load_latest, write_checkpoint
 from dpwa.config import ClusterConfig, ConfigError, NodeSpec, resolve_config
 from dpwa.engines import EngineError, engine_nodes
-from dpwa.engines.join import JOIN_ENV, joining_nodes
+from dpwa.engines.join import JOIN_ENV, joining_host, joining_nodes
 from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.engines.slurm import in_slurm_step
 from dpwa.engines.variables import in_torch_launch
@@ -208,9 +208,13 @@ def _joining_node(
     assert address is not None
     if name is not None and any(n.name == name for n in settings.nodes):
         return name, settings, None
-    reservation = reserve_ports(1)
     try:
-        (node,) = joining_nodes(address, reservation.ports, os.environ)
+        host = joining_host(address, os.environ)  # the node listens there: its port is reserved there
+    except (OSError, TypeError, ValueError) as err:  # TypeError, ValueError: a host no resolver takes
+        raise ValueError(f"{JOIN_ENV}={join!r}: {err}") from None
+    reservation = reserve_ports(1, host)
+    try:
+        (node,) = joining_nodes(host, reservation.ports)
         if name is not None:
             node = NodeSpec(name, node.host, node.port)
         return node.name, settings.with_nodes([node]), reservation

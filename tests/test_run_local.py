@@ -356,3 +356,29 @@ def test_a_run_that_fails_before_it_starts_leaves_no_lock_file(private_lock_dir:
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert not private_lock_dir.exists() or list(private_lock_dir.iterdir()) == []
+
+
+def test_a_joiner_reserves_its_ports_on_the_address_it_will_listen_on(
+    private_lock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dpwa run -n 1 --join`` listens on its advertised address, so it checks its ports there: an advertised
+    address that is not this machine's stops the run at once (exit 2, one line naming it, no lock file left).
+    Before, the ports were checked on 127.0.0.1, the reservation passed, and the node then failed to bind."""
+    monkeypatch.setenv("DPWA_ADVERTISE_ADDR", "192.0.2.1")  # TEST-NET-1: never an address of this machine
+    result = CliRunner().invoke(cli.main, ["run", "-n", "1", "--join", "127.0.0.1:20001", "t.py"])
+    assert result.exit_code == 2, result.output
+    assert "192.0.2.1 is not an address of this machine" in result.output and "Traceback" not in result.output
+    assert not private_lock_dir.exists() or list(private_lock_dir.iterdir()) == []
+
+
+def test_a_port_taken_on_the_given_address_alone_is_not_reserved_there(private_lock_dir: Path) -> None:
+    """A port bound on 127.0.0.2 only: free on 127.0.0.1, not on 127.0.0.2 -- the reservation asks the address."""
+    from dpwa.engines.local import reserve_ports
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.2", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match="only 0 of 1"):
+            reserve_ports(1, "127.0.0.2", port_range=(port, port))
+        reserve_ports(1, "127.0.0.1", port_range=(port, port)).release()

@@ -15,7 +15,7 @@ import click
 from dpwa.cli.common import fail
 from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config
 from dpwa.engines import EngineError, engine_nodes
-from dpwa.engines.join import joining_nodes
+from dpwa.engines.join import joining_host, joining_nodes
 from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
 from dpwa.launcher.job import DEMO_MODULE, Job, run_job, runs_every_node
 from dpwa.launcher.placement import LocalHosts, select_nodes, threads_per_node
@@ -400,17 +400,23 @@ def _local_cluster(n: int, settings_file: str | None, join: str | None = None) -
     if settings.nodes:
         fail(settings.error("nodes", "with -n N the nodes are chosen here: leave `nodes` out of the file, or drop -n"))
     address = settings.join_address
+    host = LOCAL_HOST
+    if address is not None:  # the nodes listen on the advertised address: their ports are reserved there
+        try:
+            host = joining_host(address, os.environ)
+        except (OSError, TypeError, ValueError) as err:  # TypeError, ValueError: a host no resolver takes
+            fail(f"join {join or address}: {err}")
     try:
-        reservation = reserve_ports(n)
+        reservation = reserve_ports(n, host)
     except OSError as err:
-        fail(f"-n {n}: cannot reserve {n} free ports on {LOCAL_HOST}: {err.strerror or err}")
+        fail(f"-n {n}: cannot reserve {n} free ports on {host}: {err.strerror or err}")
     try:
         if address is None:
             return settings.with_nodes(local_nodes(reservation.ports)), reservation
-        return settings.with_nodes(joining_nodes(address, reservation.ports, os.environ)), reservation
-    except (ConfigError, OSError, TypeError, ValueError) as err:  # TypeError, ValueError: a host no resolver takes
+        return settings.with_nodes(joining_nodes(host, reservation.ports)), reservation
+    except ConfigError as err:
         reservation.release()
-        fail(err if isinstance(err, ConfigError) else f"join {join or address}: {err}")
+        fail(err)
 
 
 def _start(

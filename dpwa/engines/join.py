@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from dpwa.config import JoinAddress, NodeSpec
 
-__all__ = ["ADVERTISE_ENV", "JOIN_ENV", "advertised_address", "joining_name", "joining_nodes"]
+__all__ = ["ADVERTISE_ENV", "JOIN_ENV", "advertised_address", "joining_host", "joining_name", "joining_nodes"]
 
 JOIN_ENV = "DPWA_JOIN"
 """``[NAME@]HOST:PORT`` of a member: the adapter's node joins that cluster."""
@@ -44,7 +44,12 @@ def joining_name(port: int, hostname: str | None = None) -> str:
     return f"{short}-{port}"
 
 
-def joining_nodes(join: JoinAddress, ports: Sequence[int], env: Mapping[str, str]) -> tuple[NodeSpec, ...]:
-    """The nodes this machine starts to join the member at ``join``: one per reserved port."""
-    host = advertised_address(env, join.host, join.port)
+def joining_host(join: JoinAddress, env: Mapping[str, str]) -> str:
+    """The address the nodes that join the member at ``join`` listen on, and reserve their ports on: the
+    advertised one (:func:`advertised_address`; OSError when no route reaches the member)."""
+    return advertised_address(env, join.host, join.port)
+
+
+def joining_nodes(host: str, ports: Sequence[int]) -> tuple[NodeSpec, ...]:
+    """The nodes this machine starts to join a cluster: one per port reserved on ``host`` (:func:`joining_host`)."""
     return tuple(NodeSpec(joining_name(port), host, port) for port in ports)

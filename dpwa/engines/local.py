@@ -118,11 +118,15 @@ def _unlock(fd: int, path: Path) -> None:
 
 
 def _bindable(port: int, host: str) -> bool:
+    """Whether ``host:port`` can be bound now; OSError when ``host`` is no address of this machine (every port
+    would fail alike)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no obstacle
         try:
             sock.bind((host, port))
-        except OSError:
+        except OSError as err:
+            if err.errno == errno.EADDRNOTAVAIL:
+                raise OSError(err.errno, f"{host} is not an address of this machine") from None
             return False
     return True
 
@@ -130,7 +134,8 @@ def _bindable(port: int, host: str) -> bool:
 def reserve_ports(
     n: int, host: str = LOCAL_HOST, *, port_range: tuple[int, int] = PORT_RANGE, rng: random.Random | None = None
 ) -> PortReservation:
-    """Reserve ``n`` distinct ports of ``port_range`` free on ``host``; OSError when fewer are to be had."""
+    """Reserve ``n`` distinct ports of ``port_range`` free on ``host``; OSError when fewer are to be had, or at
+    once when ``host`` is not an address of this machine."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     directory = lock_dir()
@@ -147,7 +152,12 @@ def reserve_ports(
             handle = _lock(port, directory)
             if handle is None:
                 continue
-            if not _bindable(port, host):
+            try:
+                bindable = _bindable(port, host)
+            except BaseException:
+                _unlock(*handle)
+                raise
+            if not bindable:
                 _unlock(*handle)
                 continue
             ports.append(port)
