@@ -27,7 +27,7 @@ from dpwa.cli import app as cli
 from dpwa.cli.run import _names_node_count, _split_at_script
 from dpwa.config import parse_config
 from dpwa.engines import local
-from dpwa.engines.local import local_nodes, lock_dir, reserve_ports
+from dpwa.engines.local import LOCK_DIR_ENV, local_nodes, lock_dir, reserve_ports
 from dpwa.metrics import read_metrics
 
 # --------------------------------------------------------------------------- reserving ports
@@ -90,10 +90,22 @@ def test_a_port_locked_by_another_process_or_in_use_is_skipped() -> None:
 
 @pytest.fixture
 def private_lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """``<tmp>/dpwa-ports`` in this test's own temporary directory: nothing else's lock files in it."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    """A lock directory in this test's own temporary directory (``DPWA_LOCK_DIR``): nothing else's lock files."""
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "dpwa-ports"))
     assert lock_dir() == tmp_path / "dpwa-ports"
     return lock_dir()
+
+
+def test_every_launcher_shares_one_lock_directory_whatever_its_tmpdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two launchers with different TMPDIRs (a batch system's per-job one) must see each other's port locks:
+    the directory is /tmp/dpwa-ports, not <TMPDIR>/dpwa-ports (before, each TMPDIR had its own)."""
+    monkeypatch.delenv(LOCK_DIR_ENV, raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    assert tempfile.gettempdir() == str(tmp_path)
+    assert lock_dir() == Path("/tmp/dpwa-ports")
 
 
 def test_released_ports_leave_no_lock_file(private_lock_dir: Path) -> None:

@@ -1,6 +1,6 @@
 """``dpwa run -n N``: N nodes on this machine, on ports that no concurrent ``dpwa run -n`` takes.
 
-A port is *reserved* by an exclusive ``flock`` on ``<tmp>/dpwa-ports/<port>.lock``, held by the
+A port is *reserved* by an exclusive ``flock`` on ``/tmp/dpwa-ports/<port>.lock`` (:func:`lock_dir`), held by the
 launcher until its job ends (the kernel drops it when the launcher exits, however it exits), and
 checked free by binding it. Ports are drawn at random from below Linux's ephemeral range
 (32768-60999), where no outgoing connection is given one, so nothing else takes a reserved port
@@ -31,9 +31,20 @@ from dpwa.config import NodeSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCAL_HOST", "LOCK_ATTEMPTS", "PORT_RANGE", "PortReservation", "local_nodes", "lock_dir", "reserve_ports"]
+__all__ = [
+    "LOCAL_HOST",
+    "LOCK_ATTEMPTS",
+    "LOCK_DIR_ENV",
+    "PORT_RANGE",
+    "PortReservation",
+    "local_nodes",
+    "lock_dir",
+    "reserve_ports",
+]
 
 LOCAL_HOST = "127.0.0.1"
+LOCK_DIR_ENV = "DPWA_LOCK_DIR"
+"""Where the port lock files go, when not ``/tmp/dpwa-ports`` (:func:`lock_dir`)."""
 PORT_RANGE = (20000, 32767)
 """Ports ``dpwa run -n`` draws from: below the ephemeral range, above most well-known services."""
 LOCK_ATTEMPTS = 8
@@ -41,8 +52,13 @@ LOCK_ATTEMPTS = 8
 
 
 def lock_dir() -> Path:
-    """``<tmp>/dpwa-ports``: one lock file per reserved port (shared by every user's launchers)."""
-    return Path(tempfile.gettempdir()) / "dpwa-ports"
+    """One lock file per reserved port, in one directory for every launcher of the machine: ``$DPWA_LOCK_DIR``,
+    else ``/tmp/dpwa-ports`` whatever a launcher's TMPDIR (a job's own TMPDIR would hide its locks from the
+    others), else ``<tmp>/dpwa-ports`` on a system without /tmp."""
+    given = os.environ.get(LOCK_DIR_ENV)
+    if given:
+        return Path(given)
+    return (Path("/tmp") if os.path.isdir("/tmp") else Path(tempfile.gettempdir())) / "dpwa-ports"
 
 
 class PortReservation:
