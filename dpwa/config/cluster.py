@@ -45,6 +45,7 @@ from dpwa.utils.settings import (
     Flag,
     HostName,
     NodeName,
+    Number,
     Reader,
     Spec,
     choice,
@@ -160,6 +161,15 @@ class NodeSpec:
 PEER_SCHEDULES = ("auto", *SCHEDULES)
 #: Values of the ``bootstrap`` key: ``none`` or ``peer`` (copy a peer's model before the first step).
 BOOTSTRAP_MODES = ("none", "peer")
+
+
+@dataclasses.dataclass(frozen=True)
+class _OptionalPort(Spec):
+    """None (not given: the engine derives it) or a port, an integer in [1, 65535]."""
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if value is not None:
+            yield from Number(1, 65535, integer=True).check(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,8 +375,9 @@ class ClusterConfig:
     inbox_slots: int = setting(4, lo=1, hi=64, integer=True, omit_default=True)
     #: Push rules: how many of those one sender may fill; update_wait mixes one per sender, its oldest.
     inbox_per_sender: int = setting(2, lo=1, hi=64, integer=True, omit_default=True)
-    #: Engines that choose the ports (SLURM): a node listens on base_port + its index among its host's tasks.
-    base_port: int = setting(45000, lo=1, hi=65535, integer=True, omit_default=True)
+    #: Engines that choose the ports (SLURM): a node listens on base_port + its index among its host's tasks;
+    #: None: derived from the job and step (:func:`dpwa.engines.slurm.derived_base_port`).
+    base_port: int | None = setting(None, spec=_OptionalPort(), omit_default=True)
     #: ``[NAME@]HOST:PORT`` of any member of a running cluster: this file's nodes join it (docs/membership.md);
     #: ``nodes`` then lists only the joining nodes' own addresses (or is left out: the engine gives them).
     join: str = setting("", spec=_JoinAddress(), omit_default=True)

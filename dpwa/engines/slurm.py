@@ -1,11 +1,12 @@
 """SLURM: the node list of a job step, computed by every task alone from the variables ``srun`` sets.
 
 One node per task, named ``<host>-<SLURM_LOCALID>``, listening on ``base_port + SLURM_LOCALID`` of its
-host, in SLURM's block order: the hosts of ``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``) in order,
-each with its count of ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_TASKS_PER_NODE``) tasks, so that task
-``SLURM_PROCID`` is node number ``SLURM_PROCID`` of the list. A layout that is not block (a cyclic
-distribution: task ``PROCID`` is not local task ``LOCALID`` of host ``NODEID`` in block order) or a
-heterogeneous job is refused with one line naming the variable.
+host (``base_port`` from the cluster file, else :func:`derived_base_port`: a block of ports chosen by the job
+and step IDs, so two jobs or steps sharing a host rarely meet), in SLURM's block order: the hosts of
+``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``) in order, each with its count of ``SLURM_STEP_TASKS_PER_NODE``
+(or ``SLURM_TASKS_PER_NODE``) tasks, so that task ``SLURM_PROCID`` is node number ``SLURM_PROCID`` of the list. A
+layout that is not block (a cyclic distribution: task ``PROCID`` is not local task ``LOCALID`` of host ``NODEID`` in
+block order) or a heterogeneous job is refused with one line naming the variable.
 
 The compressed host list (``gpu[01-04,07],cpu9``) is expanded by ``scontrol show hostnames`` when it is on
 PATH, else by :func:`expand_hostlist` (SLURM's syntax: comma-separated names, each with bracketed
@@ -18,13 +19,16 @@ import itertools
 import re
 import shutil
 import subprocess
+import zlib
 from collections.abc import Mapping
 
 from dpwa.config import NodeSpec
 from dpwa.engines.variables import env_int
 
 __all__ = [
-    "DEFAULT_BASE_PORT",
+    "DERIVED_PORTS",
+    "PORT_BLOCK",
+    "derived_base_port",
     "SlurmError",
     "expand_hostlist",
     "expand_tasks_per_node",
@@ -32,7 +36,11 @@ __all__ = [
     "slurm_nodes",
 ]
 
-DEFAULT_BASE_PORT = 45000
+DERIVED_PORTS = (20000, 32767)
+"""Where :func:`derived_base_port` puts a step's ports: below Linux's ephemeral range (no outgoing connection
+is given one), as ``dpwa run -n``'s."""
+PORT_BLOCK = 64
+"""The ports of one step on one host: a derived base port starts a block of this many."""
 SCONTROL_TIMEOUT_S = 10.0
 _STEP_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
 
@@ -132,10 +140,22 @@ def _first(env: Mapping[str, str], *names: str) -> tuple[str, str]:
     raise SlurmError(f"{' / '.join(names)}: not set, so the step's hosts are unknown")
 
 
+def derived_base_port(env: Mapping[str, str]) -> int:
+    """The step's base port when the cluster file gives none: the start of one of the :data:`PORT_BLOCK`-port
+    blocks of :data:`DERIVED_PORTS`, picked by a hash of ``SLURM_JOB_ID.SLURM_STEP_ID`` -- the same in every task
+    of the step, and for two jobs (or two steps of one job) sharing a host a different block but for 1 chance in
+    199. A fixed base port gave every job on a host the same ports, and the second to start could not bind."""
+    lo, hi = DERIVED_PORTS
+    blocks = (hi - lo + 1) // PORT_BLOCK
+    key = f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}".encode()
+    return lo + (zlib.crc32(key) % blocks) * PORT_BLOCK
+
+
 def slurm_nodes(
-    env: Mapping[str, str], base_port: int = DEFAULT_BASE_PORT, *, use_scontrol: bool = True
+    env: Mapping[str, str], base_port: int | None = None, *, use_scontrol: bool = True
 ) -> tuple[tuple[NodeSpec, ...], str]:
-    """Every node of this job step, in block order, and the name of this task's node (SlurmError if not)."""
+    """Every node of this job step, in block order, and the name of this task's node (SlurmError if not);
+    ``base_port`` None: :func:`derived_base_port`."""
     for name in ("SLURM_HET_SIZE", "SLURM_PACK_SIZE"):
         if env.get(name):
             raise SlurmError(f"{name}={env[name]!r}: a heterogeneous job; list the nodes in the cluster file")
@@ -152,6 +172,8 @@ def slurm_nodes(
     for total_name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
         if env.get(total_name) and env_int(env, total_name, SlurmError) != sum(counts):
             raise SlurmError(f"{total_name}={env[total_name]!r} but {tasks_name}={tasks_text!r} sums to {sum(counts)}")
+    if base_port is None:
+        base_port = derived_base_port(env)
     if base_port + max(counts) - 1 > 65535:
         raise SlurmError(f"{tasks_name}={tasks_text!r}: base port {base_port} + {max(counts) - 1} tasks exceeds 65535")
     nodes = tuple(
