@@ -340,6 +340,25 @@ def test_a_ctrl_c_while_lingering_still_closes_the_node(two_ports) -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-") and "w1" in t.name]
 
 
+def test_a_ctrl_c_while_leaving_still_closes_the_node(two_ports) -> None:
+    """The same for the leave that close() makes (the hand-off and the announcement, up to 2 x timeout_ms):
+    interrupted, the node still stops its threads and frees its port, and the interrupt propagates. Before, the
+    finalizer was already detached and the node stayed up, closed by nothing."""
+    ports, cfg = two_ports
+    a = DpwaConnection("w1", cfg)
+    a.update_send(make_params(), 1.0)
+    a.update_wait(1.0)
+
+    def interrupted(budget_s: float, final_mix: bool) -> None:
+        raise KeyboardInterrupt
+
+    a._node.leave = interrupted  # the user's Ctrl-C, as the leave would see it
+    with pytest.raises(KeyboardInterrupt):
+        a.close()
+    assert a.closed and port_is_free(ports[0])
+    assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-") and "w1" in t.name]
+
+
 def test_port_in_use_fails_loudly(two_ports):
     _, cfg = two_ports
     with DpwaConnection("w1", cfg):

@@ -486,11 +486,17 @@ class Node:
             return
         if self.transport.owns(threading.current_thread()):  # pragma: no cover - misuse
             raise RuntimeError("close() called from a dpwa thread")
-        if announce and not self.transport.failures() and not self.membership.leaving:
-            try:
-                self.leave(self.timeouts.leave_s, final_mix)
-            except Exception:  # leaving is a courtesy: the node still closes
-                log.exception("node %s: leaving the cluster failed", self.name)
+        try:
+            if announce and not self.transport.failures() and not self.membership.leaving:
+                try:
+                    self.leave(self.timeouts.leave_s, final_mix)
+                except Exception:  # leaving is a courtesy: the node still closes
+                    log.exception("node %s: leaving the cluster failed", self.name)
+        finally:  # a Ctrl-C during the leave still stops the threads and frees the port, then propagates
+            self._stop()
+
+    def _stop(self) -> None:
+        """close()'s second half: stop every thread, close the pool and the sockets."""
         self.closed = True
         self.transport.stop()
         self.loans.close()
