@@ -359,6 +359,30 @@ def test_a_ctrl_c_while_leaving_still_closes_the_node(two_ports) -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-") and "w1" in t.name]
 
 
+@pytest.mark.timing  # the member must answer within announce_s (0.5 s); 20 stressed runs passed
+def test_a_hand_off_that_takes_its_whole_budget_still_leaves_the_announcement_its_own(two_ports) -> None:
+    """A leave whose hand-off waits out its deadline (a push-sum target that stopped answering) still announces
+    the leave, and the member hears it. Before, the hand-off had the whole budget and the announcement's sockets
+    closed at once: no member learned of the leave."""
+    _, cfg = two_ports
+    with DpwaConnection("w2", cfg) as b:
+        a = DpwaConnection("w1", cfg)
+        for conn in (a, b):
+            conn.update_send(make_params(), 1.0)
+        for conn in (a, b):
+            conn.update_wait(1.0)
+        given: list[float] = []
+
+        def silent_target(deadline: float, final_mix: bool = False) -> None:
+            given.append(deadline - time.monotonic())
+            time.sleep(max(0.0, deadline - time.monotonic()))
+
+        a._node.transfer.hand_off = silent_target
+        a.close()
+        assert given and a.stats()["leave_acknowledged"] == 1, (given, a.stats()["leave_acknowledged"])
+        assert any(e.name == "w1" and e.what == "left" for e in b.member_events())
+
+
 def test_port_in_use_fails_loudly(two_ports):
     _, cfg = two_ports
     with DpwaConnection("w1", cfg):
