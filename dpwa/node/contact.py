@@ -33,7 +33,7 @@ from dpwa.node.wire import Kind
 from dpwa.rules.schedules import Schedule
 from dpwa.security.curve import NodeSecurity
 
-__all__ = ["Contacting", "announce", "ask_members", "file_roster", "join", "join_answer", "wait_for_peers"]
+__all__ = ["Contacting", "announce", "ask_members", "file_roster", "join", "join_answer", "leave", "wait_for_peers"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,19 @@ def file_roster(answer: wire.Members, me: str, address: JoinAddress) -> list[Nod
             f"name, names one missing from its table or names the joiner ({', '.join(answer.permanent)[:300]})"
         )
     return [listed[name].spec() for name in answer.permanent]
+
+
+def leave(node: Contacting, timeout_s: float, final_mix: bool = False) -> None:
+    """A clean close's leave, within ``timeout_s``: the transfer hands what the rule holds to a member
+    (:meth:`~dpwa.node.transfers.TransferPattern.hand_off`, ``final_mix`` there), then ``node`` is marked ``left``
+    and tells every member (:func:`announce`); from then on every request is answered ``left``. The announcement
+    keeps its own ``timeouts.announce_s`` (at most half of ``timeout_s``) out of the budget: a hand-off that waits
+    out its deadline on a silent member must not leave it none (its sockets would close before a message went
+    out, and no member would learn of the leave)."""
+    announce_s = min(node.timeouts.announce_s, timeout_s / 2)
+    node.transfer.hand_off(time.monotonic() + timeout_s - announce_s, final_mix=final_mix)
+    node.membership.leave()
+    announce(node, time.monotonic() + announce_s)
 
 
 def announce(node: Contacting, deadline: float) -> None:

@@ -125,6 +125,7 @@ class Node:
         )
         self.sync_lock = threading.Lock()
         self.endpoints: dict[str, str] = {}
+        self.departed: set[str] = set()
         peers = [m.spec() for m in self.membership.peers()]
         self.names = self.membership.order()
         self._init_step(rule, schedule, seed, [p.name for p in peers])
@@ -449,21 +450,8 @@ class Node:
         return contact.join(self, address, timeout_s)
 
     def leave(self, timeout_s: float, final_mix: bool = False) -> None:
-        """Trainer thread, at a clean close, within ``timeout_s``: the transfer hands what the rule holds to a
-        member (:meth:`~dpwa.node.transfers.TransferPattern.hand_off`, ``final_mix`` there), then this node is
-        marked ``left`` and tells every member (:meth:`announce`); from then on every request is answered ``left``.
-        The announcement keeps its own ``timeouts.announce_s`` (at most half of ``timeout_s``) out of the budget: a
-        hand-off that waits out its deadline on a silent member must not leave it none (its sockets would close
-        before a message went out, and no member would learn of the leave)."""
-        announce_s = min(self.timeouts.announce_s, timeout_s / 2)
-        self.transfer.hand_off(time.monotonic() + timeout_s - announce_s, final_mix=final_mix)
-        self.membership.leave()
-        self.announce(time.monotonic() + announce_s)
-
-    def announce(self, deadline: float) -> None:
-        """Tell every member that is up that this node left, waiting until ``deadline`` for their answers
-        (:func:`dpwa.node.contact.announce`)."""
-        contact.announce(self, deadline)
+        """Trainer thread, at a clean close: hand off, then announce, within ``timeout_s`` (:func:`contact.leave`)."""
+        contact.leave(self, timeout_s, final_mix)
 
     def wait_for_peers(self, timeout_s: float) -> dict[str, bool]:
         """Trainer thread, before training: wait until every member's server answers, at most ``timeout_s``

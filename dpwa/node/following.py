@@ -5,7 +5,8 @@ from any thread, after a join, a leave, or a member forgotten). Under the node's
 the node in line with the table: flow control scores exactly the members, the TX thread connects to each at its
 current address, the transfer takes pushes from the members only, the schedule's order is the table's, and the
 rule hears of the change (:meth:`~dpwa.rules.Rule.on_members`). A member forgotten (not merely left) has
-everything the node kept of it dropped (:func:`forget_member`), so the node's memory follows the table.
+everything the node kept of it dropped (:func:`forget_member`), so the node's memory follows the table -- also
+one that left long before it was forgotten (``departed``), whose open push no settlement closed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Follower(Protocol):
     """Serializes the changes, and guards ``endpoints``."""
     endpoints: dict[str, str]
     """The address the TX thread has for each member."""
+    departed: set[str]
+    """Members taken out of the peers (``left``) but still in the table: cleaned up once it forgets them."""
     names: list[str]
     flow: FlowControl
     flow_lock: threading.Lock
@@ -81,7 +84,12 @@ def sync_members(node: Follower) -> None:
         for name in set(node.endpoints) - peers.keys():
             del node.endpoints[name]
             node.transport.set_peer(name, None)
-            if node.membership.get(name) is None:  # forgotten: nobody will answer, nothing is kept of it
+            node.departed.add(name)
+        for name in list(node.departed):  # also those gone before this change: a leave learned from gossip
+            if name in peers:  # back (it rejoined)
+                node.departed.discard(name)
+            elif node.membership.get(name) is None:  # forgotten: nobody will answer, nothing is kept of it
+                node.departed.discard(name)
                 forget_member(node, name)
         node.transfer.set_senders(list(peers))
         node.names = order
