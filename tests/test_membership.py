@@ -181,6 +181,60 @@ def test_joining_nowhere_times_out_with_a_clear_error() -> None:
     assert port_is_free(port)
 
 
+class SlowAnswers(threading.Thread):
+    """A proxy before a sponsor: a joiner's requests pass at once, each answer comes back ``delay_s`` late (a
+    sponsor whose RX thread waits for the trainer's mix, or a long round trip). One joiner at a time."""
+
+    def __init__(self, port: int, sponsor_port: int, delay_s: float) -> None:
+        super().__init__(name="slow-answers", daemon=True)
+        self.ctx = zmq.Context()
+        self.front, self.back = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.DEALER)
+        self.front.bind(f"tcp://127.0.0.1:{port}")
+        self.back.connect(f"tcp://127.0.0.1:{sponsor_port}")
+        self.delay_s, self.stop_flag = delay_s, threading.Event()
+
+    def run(self) -> None:
+        identity, held = b"", []  # held: (due, frames) in arrival order
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        while not self.stop_flag.is_set():
+            for sock, _ in poller.poll(10):
+                if sock is self.front:
+                    identity, *frames = self.front.recv_multipart()
+                    self.back.send_multipart(frames)
+                else:
+                    held.append((time.monotonic() + self.delay_s, self.back.recv_multipart()))
+            while held and held[0][0] <= time.monotonic():
+                self.front.send_multipart([identity, *held.pop(0)[1]])
+
+    def close(self) -> None:
+        self.stop_flag.set()
+        self.join(5.0)
+        self.front.close(linger=0)
+        self.back.close(linger=0)
+        self.ctx.term()
+
+
+def test_a_join_whose_answers_come_after_the_next_join_still_succeeds() -> None:
+    """Every answer reaches the joiner only after it sent its next JOIN (answers 1.5 x the retry interval late):
+    the joiner takes the answer to any JOIN it sent. Before, it took only the latest one's, dropped every answer
+    as stale and timed out, although the sponsor had admitted it."""
+    ports = free_ports(4)
+    _, conns = founders(2, ports)
+    proxy = SlowAnswers(ports[3], ports[0], delay_s=1.5 * FAST["timeout_ms"] / 1000.0)
+    proxy.start()
+    try:
+        j1 = joiner("j1", ports[2], via=ports[3], join_timeout_s=6.0)
+        try:
+            assert states(j1).get("w1") == "alive" and states(j1).get("j1") == "alive"
+        finally:
+            j1.close()
+    finally:
+        proxy.close()
+        close_all(conns)
+
+
 JOIN_WORKER = Path(__file__).with_name("join_worker.py")
 
 

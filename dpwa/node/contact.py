@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Protocol
 
 from dpwa.config import JoinAddress, NodeSpec
@@ -66,16 +66,18 @@ def join(node: Contacting, address: JoinAddress, timeout_s: float) -> Member:
     JoinRefused (the member's reason: a name clash, a file node's name) or TimeoutError (no answer; with
     CURVE, an unlisted key looks the same)."""
     me = node.membership.me
+    sent: set[int] = set()  # an answer to any of them will do: a slow one comes after the next JOIN went out
 
     def request() -> tuple[int, bytes]:
         req = next(node.requests)
+        sent.add(req)
         return req, wire.encode_join(node.name, req, me.host, me.port, bipartite=node.schedule.splits_roles())
 
     own = node.transport.control.join(
         address.name,
         f"tcp://{address.host}:{address.port}",
         request,
-        lambda frames, req: join_answer(node, frames, req, address),
+        lambda frames, _latest: join_answer(node, frames, sent, address),
         retry_s=node.timeouts.exchange_s,
         timeout_s=timeout_s,
     )
@@ -92,14 +94,14 @@ def join(node: Contacting, address: JoinAddress, timeout_s: float) -> Member:
     return own
 
 
-def join_answer(node: Contacting, frames: list[bytes], req: int, address: JoinAddress) -> Member | None:
-    """The answer to JOIN ``req``: ``node``'s entry once the table is taken; None for an unrelated message (counted
-    ``stale_replies``); JoinRefused for an ERROR."""
+def join_answer(node: Contacting, frames: list[bytes], reqs: Container[int], address: JoinAddress) -> Member | None:
+    """The answer to one of the JOINs ``reqs``: ``node``'s entry once the table is taken; None for an unrelated
+    message (counted ``stale_replies``); JoinRefused for an ERROR."""
     try:
         header = wire.decode_message(frames[0]) if len(frames) == 1 else None
     except wire.WireError:
         header = None
-    if header is None or header.req != req:
+    if header is None or header.req not in reqs:
         node.stats.add("stale_replies")
         return None
     if header.kind is Kind.ERROR:
