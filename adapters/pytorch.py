@@ -53,7 +53,13 @@ import numpy as np
 import torch
 
 from dpwa.adapters.rendezvous import RendezvousError, rendezvous
-from dpwa.adapters.torch_state import load_model_arrays, load_optimizer_parts, model_arrays, optimizer_parts
+from dpwa.adapters.torch_state import (
+    check_model_arrays,
+    load_model_arrays,
+    load_optimizer_parts,
+    model_arrays,
+    optimizer_parts,
+)
 from dpwa.checkpoint import DpwaState, checkpoint_path, load_latest, write_checkpoint
 from dpwa.config import ClusterConfig, ConfigError, NodeSpec, resolve_config
 from dpwa.engines import EngineError, engine_nodes
@@ -563,7 +569,8 @@ class DpwaPyTorchAdapter:
         previous one if the latest is damaged) into model, optimizer and node; None (nothing changed) if none.
 
         Call it before training; a checkpoint that does not fit the model or optimizer raises (ValueError, or
-        the RuntimeError of ``load_state_dict``).
+        the RuntimeError of ``load_state_dict``) before anything is loaded: model, optimizer and node are left
+        as they were. Values of another dtype are cast, as ``load_state_dict`` casts them.
         """
         target = Path(path) if path is not None else self._checkpoint
         checkpoint = load_latest(target) if target is not None else None
@@ -571,11 +578,13 @@ class DpwaPyTorchAdapter:
             return None
         self._check_open()
         state = DpwaState.from_meta(checkpoint.meta.get("dpwa", {}), checkpoint.section("dpwa"))
-        load_model_arrays(self._model, checkpoint.section("model"))
-        if self._optimizer is not None and "optimizer" in checkpoint.meta:
+        model = checkpoint.section("model")
+        check_model_arrays(self._model, model)  # all checked before anything is applied: never half-loaded
+        if self._optimizer is not None and "optimizer" in checkpoint.meta:  # torch checks it all before it loads
             load_optimizer_parts(self._optimizer, checkpoint.section("optim"), checkpoint.meta["optimizer"])
         elif self._optimizer is not None:
             log.warning("node %s: %s holds no optimizer state; the optimizer starts afresh", self.name, target)
+        load_model_arrays(self._model, model)
         self.load_gossip_state(state)  # load_state_dict copied in place: the exchanged tensors are the same memory
         user = checkpoint.meta.get("user")
         log.info("node %s: resumed from %s at step %d", self.name, checkpoint.path, self._step)

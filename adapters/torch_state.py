@@ -21,7 +21,15 @@ import torch
 
 from dpwa.utils.bfloat16 import BFLOAT16, is_bfloat16
 
-__all__ = ["array_of", "load_model_arrays", "load_optimizer_parts", "model_arrays", "optimizer_parts", "tensor_of"]
+__all__ = [
+    "array_of",
+    "check_model_arrays",
+    "load_model_arrays",
+    "load_optimizer_parts",
+    "model_arrays",
+    "optimizer_parts",
+    "tensor_of",
+]
 
 
 def array_of(t: torch.Tensor) -> np.ndarray:
@@ -42,6 +50,18 @@ def tensor_of(a: np.ndarray) -> torch.Tensor:
 def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
     """``model.state_dict()`` as arrays, keyed by state-dict name."""
     return {name: array_of(t) for name, t in model.state_dict().items()}
+
+
+def check_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    """ValueError unless ``arrays`` has exactly ``model``'s state_dict names with their shapes (nothing is loaded:
+    a checkpoint is checked whole before any part of it is applied)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing, extra = sorted(expected.keys() - arrays.keys()), sorted(arrays.keys() - expected.keys())
+    if missing or extra:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in expected.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ValueError(f"checkpoint does not fit the model: {name} has shape {arrays[name].shape}, not {shape}")
 
 
 def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:

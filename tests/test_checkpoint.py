@@ -321,3 +321,39 @@ def test_restart_settings_are_validated_with_file_and_line(line: str, says: str)
     assert str(err.value) == f"c.yaml:3: {says}"
     ok = parse_config(text.replace(line, "checkpoint_every: 5\nbootstrap: peer"), "c.yaml")
     assert (ok.checkpoint_every, ok.bootstrap, ok.bootstrap_timeout_s, ok.bootstrap_gap) == (5, "peer", 10.0, 100.0)
+
+
+def test_a_checkpoint_that_does_not_fit_the_optimizer_changes_nothing(tmp_path: Path) -> None:
+    """A checkpoint whose optimizer state does not fit (here: two parameter groups where it holds one) is refused
+    before anything is loaded: the model keeps its own weights and the node its step. Before, the model was
+    overwritten first, then the optimizer raised: weights of the checkpoint, step and clock of the fresh node."""
+    cluster = write_cluster(tmp_path / "c.yaml", free_ports(2), fetch_probability=0.0)
+    data = Batches(torch.float32)
+    model, opt = small(1, torch.float32)
+    with DpwaPyTorchAdapter(model, "w1", cluster, run_dir=tmp_path / "run", optimizer=opt) as adapter:
+        train(adapter, model, opt, data, 4)
+        adapter.save_checkpoint()
+        path = adapter.checkpoint_path
+    other, _ = small(99, torch.float32)
+    params = list(other.parameters())
+    two_groups = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.05, momentum=0.9)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with DpwaPyTorchAdapter(other, "w1", cluster, run_dir=tmp_path / "run", optimizer=two_groups) as adapter:
+        with pytest.raises(ValueError, match="parameter group"):
+            adapter.load_checkpoint(path)
+        assert adapter.step == 0
+        assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path: Path) -> None:
+    cluster = write_cluster(tmp_path / "c.yaml", free_ports(2), fetch_probability=0.0)
+    model, opt = small(1, torch.float32)
+    with DpwaPyTorchAdapter(model, "w1", cluster, run_dir=tmp_path / "run", optimizer=opt) as adapter:
+        adapter.save_checkpoint()
+        path = adapter.checkpoint_path
+    wider = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with DpwaPyTorchAdapter(wider, "w1", cluster, run_dir=tmp_path / "run") as adapter:
+        with pytest.raises(ValueError, match=r"0\.weight has shape \(7, 5\), not \(8, 5\)"):
+            adapter.load_checkpoint(path)
+    assert all(torch.equal(wider.state_dict()[k], v) for k, v in before.items())
