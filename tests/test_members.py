@@ -10,7 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpwa.config import NodeSpec
-from dpwa.node.members import STATES, TABLE_BUDGET_BYTES, JoinRefused, Member, MemberTable, entry_bytes, newer
+from dpwa.node.members import (
+    FILE_LEAVE_JUMP,
+    MAX_VERSION,
+    STATES,
+    TABLE_BUDGET_BYTES,
+    JoinRefused,
+    Member,
+    MemberTable,
+    entry_bytes,
+    newer,
+)
 from dpwa.node.membership import Membership
 from dpwa.node.wire import Fetch, MemberNews, Members, State, encode_members
 
@@ -229,3 +239,38 @@ def test_the_running_size_and_count_match_the_table_through_merges_and_expiry(en
     t.merge(later, now=11.0)
     assert t.wire_bytes() == sum(entry_bytes(m) for m in t.members())
     assert t.joined() == sum(m.name not in ("w1", "w2") for m in t.members())
+
+
+def test_a_forged_own_leave_of_a_file_node_at_a_version_it_could_never_outbid_is_refused() -> None:
+    """Without CURVE a MEMBERS message's sender is only its word: "w1 left at 2^53", sent as w1's own
+    announcement, was taken and w1 could never outbid it (gone from every schedule for good). Now a file node's
+    own leave is taken only within FILE_LEAVE_JUMP of its known version; the real one (version + 1) still is."""
+    w2 = Membership(FILE[1], FILE, 8, 10.0, lambda: None)
+    for version in (MAX_VERSION, FILE_LEAVE_JUMP + 1):
+        forged = Members(node="w1", req=0, news=MemberNews("x", (Member("w1", "127.0.0.1", 4001, "left", version),)))
+        w2.observe(forged, authenticated=True)  # what a node without CURVE makes of it
+        assert w2.get("w1").state == "alive" and "w1" in w2.order()  # type: ignore[union-attr]
+    real = Members(node="w1", req=0, news=MemberNews("x", (Member("w1", "127.0.0.1", 4001, "left", 1),)))
+    w2.observe(real, authenticated=True)
+    assert w2.get("w1").state == "left"  # type: ignore[union-attr]
+
+
+def test_a_forgotten_members_return_refused_for_the_byte_budget_keeps_its_tombstone() -> None:
+    """A new incarnation of a forgotten member, refused because the table's bytes are spent, leaves the tombstone
+    in place: once room is made, older gossip of the forgotten incarnation is still not taken. Before, the
+    tombstone was dropped before the check, and that gossip brought the forgotten member back."""
+    t = MemberTable(FILE, capacity=4000, forget_after_s=10.0)
+    t.merge([Member("j1", "127.0.0.1", 5000, "left", 3)], now=0.0)
+    assert t.expire(now=10.0) == ["j1"]
+    long_host = "h" * 250
+    for host in (long_host, "10.0.0.1"):  # fill the byte budget: long entries while they fit, then short ones
+        n = 0
+        while t.merge([Member(f"f-{len(host)}-{n}", host, 6000)], now=0.0):
+            n += 1
+    refused = t.refused
+    assert t.merge([Member("j1", long_host, 5000, "alive", 4)], now=10.0) == [] and t.refused == refused + 1
+    for m in [m for m in t.members() if m.name.startswith("f")]:  # make room: the fillers, down since t=1, go
+        t.merge([Member(m.name, m.host, m.port, "left", 1)], now=1.0)
+    assert len(t.expire(now=15.0)) > 100  # j1's tombstone (from t=10) stays until t=20
+    assert t.merge([Member("j1", "127.0.0.1", 5000, "left", 3)], now=15.0) == []  # the forgotten one's gossip
+    assert t.get("j1") is None

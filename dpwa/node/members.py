@@ -33,6 +33,7 @@ from typing import Any
 from dpwa.config import ConfigError, NodeSpec
 
 __all__ = [
+    "FILE_LEAVE_JUMP",
     "MAX_MEMBER_NAME",
     "MAX_WIRE_MEMBERS",
     "STATES",
@@ -50,6 +51,9 @@ STATES = ("alive", "suspected", "left")
 """Member states, weakest first: at equal versions the later one wins."""
 MAX_VERSION = 2**53
 """Versions above this (not exact in a JSON number) are refused."""
+FILE_LEAVE_JUMP = 1024
+"""How far above its known version a file node's own ``left`` may be taken (a leave is its version + 1; the slack
+covers refutations this node missed)."""
 MAX_WIRE_MEMBERS = 4096
 """A member list on the wire longer than this is malformed (the table's own bound is the capacity setting)."""
 MAX_MEMBER_NAME = 128
@@ -200,7 +204,9 @@ class MemberTable:
         """Take every entry that supersedes what is known; returns the entries that changed the table.
 
         A file node is ``left`` only on its own word: such an entry is taken from ``sender`` == that node (its
-        leave announcement, or this node itself), never relayed, so a forged one cannot drop a file node."""
+        leave announcement, or this node itself), never relayed, and at most :data:`FILE_LEAVE_JUMP` versions
+        above the known one (without CURVE the sender's name is only its word: a forged leave at the largest
+        version could never be outbid; one within the jump the node refutes as any claim about itself)."""
         changed = []
         for entry in entries:
             if not _valid(entry):
@@ -213,16 +219,18 @@ class MemberTable:
             if fixed is not None and entry.state == "left" and sender != entry.name:
                 continue  # relayed: the node's own announcement reached every member it could
             known = self._entries.get(entry.name)
-            tomb = self._tombstones.get(entry.name)
-            if known is None and tomb is not None:
-                if entry.version <= tomb[0]:
-                    continue  # gossip of a member this node forgot: not taken again
-                del self._tombstones[entry.name]
+            if fixed is not None and entry.state == "left" and known is not None:
+                if entry.version > known.version + FILE_LEAVE_JUMP:
+                    self.refused += 1
+                    continue
+            tomb = self._tombstones.get(entry.name) if known is None else None
+            if tomb is not None and entry.version <= tomb[0]:
+                continue  # gossip of a member this node forgot: not taken again
             if (
                 known is None
                 and fixed is None
                 and (
-                    self.joined() + len(self._tombstones) >= self.capacity
+                    self.joined() + len(self._tombstones) - (tomb is not None) >= self.capacity
                     or self.wire_bytes() + entry_bytes(entry) > TABLE_BUDGET_BYTES
                 )
             ):
@@ -237,6 +245,8 @@ class MemberTable:
                 continue
             if known is not None and not newer(entry, known):
                 continue
+            if tomb is not None:  # taken: a new incarnation of a forgotten member (a refused one keeps it)
+                del self._tombstones[entry.name]
             if known is None or known.version != entry.version:
                 self.incarnations += 1
             self._entries[entry.name] = entry
