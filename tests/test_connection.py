@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -388,6 +389,19 @@ def test_port_in_use_fails_loudly(two_ports):
     with DpwaConnection("w1", cfg):
         with pytest.raises(OSError, match="cannot bind"):
             DpwaConnection("w1", cfg)
+
+
+def test_a_node_that_cannot_bind_leaves_no_thread_of_its_snapshot_pool(two_ports) -> None:
+    """Given its parameters at construction, a node opens its snapshot pool (with a 16-bit wire dtype, a
+    converter thread) before it binds: a port in use now closes the pool too. Before, the thread stayed."""
+    _, cfg = two_ports
+    narrow = dataclasses.replace(load_config(cfg), wire_dtype="bfloat16")
+    with DpwaConnection("w1", cfg):
+        running = set(threading.enumerate())
+        with pytest.raises(OSError, match="cannot bind"):
+            DpwaConnection("w1", narrow, params=make_params())
+        left = [t for t in threading.enumerate() if t not in running and t.name.startswith("dpwa-")]
+        assert not left, left
 
 
 @pytest.mark.parametrize("ending", ["del conn; gc.collect()", "pass  # exit with the node open"])

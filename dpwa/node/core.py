@@ -131,7 +131,12 @@ class Node:
         self._init_step(rule, schedule, seed, [p.name for p in peers])
         if params is not None:  # buffers and inbox ready before the server answers anyone: no "not ready" pushes
             self.take_params(params)
-        self.transport = open_transport(self, transport, me, peers)  # bound; started below
+        try:
+            self.transport = open_transport(self, transport, me, peers)  # bound; started below
+        except BaseException:  # the port is taken, say: the pool's buffers and converter thread go too
+            if self.pool is not None:
+                self.pool.close(timeout=self.timeouts.thread_join_s)
+            raise
         self.security: NodeSecurity | None = self.transport.security
         self.endpoints = {p.name: p.endpoint for p in peers}
         self.synced = True  # from here on a table change (the RX thread may see one at once) is applied
@@ -227,10 +232,8 @@ class Node:
             layout = Layout.of(params)
             for i, code in enumerate(layout.dtypes):
                 if code not in FLOAT_CODES:  # integer arrays are what rules publish (indices), never parameters
-                    raise ValueError(
-                        f"params[{i}] has dtype {params[i].dtype}; parameters must be float16, float32, float64 "
-                        "or bfloat16"
-                    )
+                    kinds = "float16, float32, float64 or bfloat16"
+                    raise ValueError(f"params[{i}] has dtype {params[i].dtype}; parameters must be {kinds}")
             self.setup_layout(params)
             self.param_layout = layout
         elif not self.param_layout.matches(params):
