@@ -274,3 +274,17 @@ def test_a_forgotten_members_return_refused_for_the_byte_budget_keeps_its_tombst
     assert len(t.expire(now=15.0)) > 100  # j1's tombstone (from t=10) stays until t=20
     assert t.merge([Member("j1", "127.0.0.1", 5000, "left", 3)], now=15.0) == []  # the forgotten one's gossip
     assert t.get("j1") is None
+
+
+def test_a_file_nodes_relayed_leave_is_taken_once_this_node_finds_it_down_so_the_tables_converge() -> None:
+    """A member that missed a file node's leave announcement kept it alive while the others held it ``left``:
+    the digests never matched (whole tables on every message) and the schedules differed for good. A relayed
+    ``left`` is now taken once this node itself suspects the file node (it stopped answering); while it still
+    answers, a relayed claim is not (a forged one cannot drop a live file node), and it refutes a taken one."""
+    t = table()
+    relayed_leave = Member("w1", "127.0.0.1", 4001, "left", 1)
+    assert t.merge([relayed_leave], now=0.0) == [] and t.get("w1").state == "alive"  # type: ignore[union-attr]
+    t.suspect("w1", now=1.0)
+    assert t.merge([relayed_leave], now=2.0) != [] and t.get("w1").state == "left"  # type: ignore[union-attr]
+    back = Member("w1", "127.0.0.1", 4001, "alive", 2)  # restarted: it outbids the claim
+    assert t.merge([back], now=3.0) != [] and t.get("w1") == back

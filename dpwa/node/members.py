@@ -203,10 +203,12 @@ class MemberTable:
     def merge(self, entries: Iterable[Member], now: float, sender: str | None = None) -> list[Member]:
         """Take every entry that supersedes what is known; returns the entries that changed the table.
 
-        A file node is ``left`` only on its own word: such an entry is taken from ``sender`` == that node (its
-        leave announcement, or this node itself), never relayed, and at most :data:`FILE_LEAVE_JUMP` versions
-        above the known one (without CURVE the sender's name is only its word: a forged leave at the largest
-        version could never be outbid; one within the jump the node refutes as any claim about itself)."""
+        A file node is ``left`` on its own word: such an entry is taken from ``sender`` == that node (its leave
+        announcement, or this node itself) -- relayed only while this node suspects it (so a member that missed
+        the announcement converges with the others once it finds the node gone) -- and at most
+        :data:`FILE_LEAVE_JUMP` versions above the known one (without CURVE the sender's name is only its word: a
+        forged leave at the largest version could never be outbid; one within the jump the node refutes as any
+        claim about itself)."""
         changed = []
         for entry in entries:
             if not _valid(entry):
@@ -216,9 +218,10 @@ class MemberTable:
             if fixed is not None and (entry.host, entry.port) != (fixed.host, fixed.port):
                 self.refused += 1  # a permanent member's address is the file's
                 continue
-            if fixed is not None and entry.state == "left" and sender != entry.name:
-                continue  # relayed: the node's own announcement reached every member it could
             known = self._entries.get(entry.name)
+            if fixed is not None and entry.state == "left" and sender != entry.name:
+                if known is None or known.state != "suspected":
+                    continue  # relayed, and this node still reaches it: its own announcement reached those it could
             if fixed is not None and entry.state == "left" and known is not None:
                 if entry.version > known.version + FILE_LEAVE_JUMP:
                     self.refused += 1
