@@ -288,3 +288,19 @@ def test_a_file_nodes_relayed_leave_is_taken_once_this_node_finds_it_down_so_the
     assert t.merge([relayed_leave], now=2.0) != [] and t.get("w1").state == "left"  # type: ignore[union-attr]
     back = Member("w1", "127.0.0.1", 4001, "alive", 2)  # restarted: it outbids the claim
     assert t.merge([back], now=3.0) != [] and t.get("w1") == back
+
+
+def test_a_node_takes_its_name_back_from_an_entry_at_another_address(caplog: pytest.LogCaptureFixture) -> None:
+    """Two processes joined as j (through two sponsors at once, or a j restarted elsewhere after it was
+    forgotten): gossip brings this node an entry of its own name at the other's address and a higher version.
+    It takes its name back at its own address with the next version, and says so. Before, it took the other
+    address into its own entry and even refuted suspicions with it."""
+    me = NodeSpec("j", "127.0.0.1", 5001)
+    j = Membership(me, FILE, 8, 10.0, lambda: None)
+    other = Member("j", "127.0.0.1", 5000, "alive", 1)
+    with caplog.at_level("WARNING", logger="dpwa.node.membership"):
+        j.observe(fetch_with("w1", MemberNews("x", (other,))))
+    assert j.get("j") == Member("j", "127.0.0.1", 5001, "alive", 2)
+    assert "another process joined under this name" in caplog.text
+    j.observe(fetch_with("w1", MemberNews("x", (Member("j", "127.0.0.1", 5001, "suspected", 2),))))
+    assert j.get("j") == Member("j", "127.0.0.1", 5001, "alive", 3)  # a refutation, at its own address

@@ -294,13 +294,15 @@ class MemberTable:
             return None
         return (self.merge([replace(known, state="suspected")], now) or [None])[0]
 
-    def assert_self(self, name: str, state: str, now: float) -> Member | None:
-        """This node is ``name`` and is ``state`` (alive, or left when it goes): when its entry says otherwise,
-        supersede it with the next version (a refutation, or the leave announcement). The new entry, or None."""
-        known = self._entries.get(name)
-        if known is None or known.state == state:
+    def assert_self(self, me: NodeSpec, state: str, now: float) -> Member | None:
+        """This node is ``me`` and is ``state`` (alive, or left when it goes): when its entry says otherwise --
+        another state, or another address (another process that took its name) -- supersede it with the next
+        version at its own address (a refutation, or the leave announcement). The new entry, or None."""
+        known = self._entries.get(me.name)
+        if known is None or (known.state, known.host, known.port) == (state, me.host, me.port):
             return None
-        return (self.merge([replace(known, state=state, version=known.version + 1)], now, sender=name) or [None])[0]
+        own = replace(known, host=me.host, port=me.port, state=state, version=known.version + 1)
+        return (self.merge([own], now, sender=me.name) or [None])[0]
 
     def expire(self, now: float) -> list[str]:
         """Forget joined members down (suspected or left) for ``forget_after_s``; returns their names. Their

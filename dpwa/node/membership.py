@@ -13,6 +13,7 @@ left) while it is alive, it supersedes that entry (a refutation); when it closes
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -23,6 +24,8 @@ from typing import Any
 from dpwa.config import NodeSpec
 from dpwa.node.members import JoinRefused, Member, MemberTable
 from dpwa.node.wire import MemberNews, WithNews
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MAX_EVENTS", "MemberEvent", "Membership"]
 
@@ -161,7 +164,14 @@ class Membership:
         now = self._now()
         changes = self._table.merge(entries, now, sender)
         state = "left" if self.leaving else "alive"
-        own = self._table.assert_self(self.me.name, state, now)
+        before = self._table.get(self.me.name)
+        own = self._table.assert_self(self.me, state, now)
+        if before is not None and (before.host, before.port) != (self.me.host, self.me.port):
+            log.warning(
+                "node %s: the table had it at %s:%d (version %d): another process joined under this name? its own "
+                "address %s:%d takes the name back",
+                self.me.name, before.host, before.port, before.version, self.me.host, self.me.port,
+            )  # fmt: skip
         current = self._table.get(self.me.name)
         claims = [e.version for e in entries if e.name == self.me.name and e.state != state]
         if own is None and current is not None and claims and max(claims) >= current.version:
@@ -236,7 +246,7 @@ class Membership:
         """This node goes: its entry becomes ``left`` at the next version (announced with every later answer)."""
         with self._lock:
             self.leaving = True
-            entry = self._table.assert_self(self.me.name, "left", self._now())
+            entry = self._table.assert_self(self.me, "left", self._now())
             if entry is not None:
                 self._event(self.me.name, "left", entry.version)
         return entry
