@@ -322,40 +322,23 @@ def test_close_is_fast_frees_the_port_and_reopens(two_ports):
     a.close()  # idempotent
 
 
-def test_a_ctrl_c_while_lingering_still_closes_the_node(two_ports) -> None:
-    """close(linger=...) interrupted while it serves its peers (KeyboardInterrupt out of the linger loop): the
-    node is closed anyway -- threads stopped, port free -- and the interrupt propagates. Before, the node stayed
-    up and the adapter, already marked closed, never closed it."""
+@pytest.mark.parametrize("where", ["linger", "leave"])
+def test_a_ctrl_c_while_closing_still_closes_the_node(two_ports, where: str) -> None:
+    """close(linger=...) interrupted while it serves its peers, or close() while it leaves (the hand-off and the
+    announcement, up to 2 x timeout_ms): KeyboardInterrupt out of that step, and the node is closed anyway --
+    threads stopped, port free -- and the interrupt propagates. Before, the node stayed up (for the leave: with
+    its finalizer already detached), and the adapter, already marked closed, never closed it."""
     ports, cfg = two_ports
     a = DpwaConnection("w1", cfg)
     a.update_send(make_params(), 1.0)
     a.update_wait(1.0)
 
-    def interrupted(linger: float, idle: float) -> float:
+    def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    a._node.linger = interrupted  # the user's Ctrl-C, as the linger loop would see it
+    setattr(a._node, where, interrupted)  # the user's Ctrl-C, as that step would see it
     with pytest.raises(KeyboardInterrupt):
         a.close(linger=5.0)
-    assert a.closed and port_is_free(ports[0])
-    assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-") and "w1" in t.name]
-
-
-def test_a_ctrl_c_while_leaving_still_closes_the_node(two_ports) -> None:
-    """The same for the leave that close() makes (the hand-off and the announcement, up to 2 x timeout_ms):
-    interrupted, the node still stops its threads and frees its port, and the interrupt propagates. Before, the
-    finalizer was already detached and the node stayed up, closed by nothing."""
-    ports, cfg = two_ports
-    a = DpwaConnection("w1", cfg)
-    a.update_send(make_params(), 1.0)
-    a.update_wait(1.0)
-
-    def interrupted(budget_s: float, final_mix: bool) -> None:
-        raise KeyboardInterrupt
-
-    a._node.leave = interrupted  # the user's Ctrl-C, as the leave would see it
-    with pytest.raises(KeyboardInterrupt):
-        a.close()
     assert a.closed and port_is_free(ports[0])
     assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-") and "w1" in t.name]
 

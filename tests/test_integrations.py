@@ -126,19 +126,25 @@ def test_lightning_exchanges_once_per_optimizer_step_under_gradient_accumulation
     assert [r["loss"] for r in records] == pytest.approx([*completing[1:], completing[-1]], rel=1e-6)
 
 
+def torchrun_example(tmp_path: Path, example: str, steps: int) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc-per-node 2 examples/<example>/train.py --steps N`, run directory
+    ``tmp_path/run``, no DPWA_ or SLURM_ variable of ours; the finished process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DPWA_", "SLURM_"))}
+    env["DPWA_RUN_DIR"] = str(tmp_path / "run")
+    env["TMPDIR"] = str(tmp_path)  # torchrun's agent leaves a torchelastic_* directory there, not in /tmp
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / example / "train.py"), "--steps", str(steps)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_lightning_under_torchrun_meets_through_the_rendezvous(tmp_path: Path) -> None:
     """The engines of docs/cluster.md work for the callback too: `torchrun --nproc-per-node 2` of the example,
     no name and no file: the workers meet in torchrun's store and mix (Lightning stays single-process)."""
     pytest.importorskip("lightning", reason="the dpwa[lightning] extra is not installed")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DPWA_", "SLURM_"))}
-    env["DPWA_RUN_DIR"] = str(tmp_path / "run")
-    env["TMPDIR"] = str(tmp_path)  # torchrun's agent leaves a torchelastic_* directory there, not in /tmp
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "lightning" / "train.py"), "--steps", "60"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = torchrun_example(tmp_path, "lightning", 60)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for name in ("127.0.0.1-0", "127.0.0.1-1"):
         report = next(r for r in read_metrics(tmp_path / "run" / f"{name}.metrics.jsonl") if r.get("event") == "report")
@@ -153,14 +159,7 @@ def test_hugging_face_under_torchrun_is_refused_before_training(tmp_path: Path) 
     Before, the run died at on_train_begin with "the training data are not split" (accelerate had re-wrapped
     the sampler), a message that sent the user the wrong way."""
     pytest.importorskip("transformers", reason="the dpwa[hf] extra is not installed")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DPWA_", "SLURM_"))}
-    env["DPWA_RUN_DIR"] = str(tmp_path / "run")
-    env["TMPDIR"] = str(tmp_path)  # torchrun's agent leaves a torchelastic_* directory there, not in /tmp
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "huggingface" / "train.py"), "--steps", "5"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = torchrun_example(tmp_path, "huggingface", 5)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-3000:]
     assert "is one of 2 torch.distributed processes" in output and "`dpwa run`" in output, output[-3000:]
