@@ -290,17 +290,62 @@ def test_a_file_nodes_relayed_leave_is_taken_once_this_node_finds_it_down_so_the
     assert t.merge([back], now=3.0) != [] and t.get("w1") == back
 
 
-def test_a_node_takes_its_name_back_from_an_entry_at_another_address(caplog: pytest.LogCaptureFixture) -> None:
-    """Two processes joined as j (through two sponsors at once, or a j restarted elsewhere after it was
-    forgotten): gossip brings this node an entry of its own name at the other's address and a higher version.
-    It takes its name back at its own address with the next version, and says so. Before, it took the other
-    address into its own entry and even refuted suspicions with it."""
+def test_a_node_takes_its_name_back_from_an_old_incarnation_elsewhere_and_never_fights_a_live_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its own name at another address: suspected or left there (an old incarnation), the node takes the name back
+    at its own address with the next version, and says so; before, it adopted the other address into its own
+    entry and refuted suspicions with it. Alive there (another live process took the name), it does not outbid
+    it -- two that did would raise their versions for ever, every table changing every round -- and says so once,
+    as an error."""
     me = NodeSpec("j", "127.0.0.1", 5001)
     j = Membership(me, FILE, 8, 10.0, lambda: None)
-    other = Member("j", "127.0.0.1", 5000, "alive", 1)
     with caplog.at_level("WARNING", logger="dpwa.node.membership"):
-        j.observe(fetch_with("w1", MemberNews("x", (other,))))
+        j.observe(fetch_with("w1", MemberNews("x", (Member("j", "127.0.0.1", 5000, "suspected", 1),))))
     assert j.get("j") == Member("j", "127.0.0.1", 5001, "alive", 2)
-    assert "another process joined under this name" in caplog.text
-    j.observe(fetch_with("w1", MemberNews("x", (Member("j", "127.0.0.1", 5001, "suspected", 2),))))
-    assert j.get("j") == Member("j", "127.0.0.1", 5001, "alive", 3)  # a refutation, at its own address
+    assert "an old incarnation elsewhere; taken back at 127.0.0.1:5001" in caplog.text
+    caplog.clear()
+    live = Member("j", "127.0.0.1", 5000, "alive", 3)
+    with caplog.at_level("WARNING", logger="dpwa.node.membership"):
+        for _ in range(3):
+            j.observe(fetch_with("w1", MemberNews("x", (live,))))
+    assert j.get("j") == live  # not outbid
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "another live process holds this name at 127.0.0.1:5000" in errors[0].getMessage()
+
+
+def test_two_live_processes_under_one_name_settle_instead_of_outbidding_each_other() -> None:
+    """Two processes both joined as j, at two addresses, gossiping through w1: the tables settle on one entry
+    within a few rounds (versions stop rising), where taking the name back on both sides never settled."""
+    a = Membership(NodeSpec("j", "127.0.0.1", 5001), FILE, 8, 10.0, lambda: None)
+    b = Membership(NodeSpec("j", "127.0.0.1", 5002), FILE, 8, 10.0, lambda: None)
+    w1 = Membership(FILE[0], FILE, 8, 10.0, lambda: None)
+    a.observe(fetch_with("w1", MemberNews("x", (Member("j", "127.0.0.1", 5001, "alive", 1),))))
+    versions = []
+    for _ in range(20):
+        for side in (a, b):
+            news = side.full_news()
+            w1.observe(fetch_with("j", MemberNews(news.digest, tuple(news.members or ()))))
+            back = w1.full_news()
+            side.observe(fetch_with("w1", MemberNews(back.digest, tuple(back.members or ()))))
+        versions.append(w1.get("j").version)  # type: ignore[union-attr]
+    assert versions[-1] == versions[5] and a.get("j") == b.get("j") == w1.get("j"), versions
+
+
+def test_a_forged_suspicion_cannot_open_the_way_to_a_leave_no_file_node_could_refute() -> None:
+    """A relayed leave of a file node is taken once it is suspected; a forged suspicion at 2^53 followed by a
+    forged leave at 2^53 would then have removed it for good (it cannot outbid 2^53). Any claim that a file node
+    is down is capped at FILE_LEAVE_JUMP above the known version, so each stays refutable."""
+    w2 = Membership(FILE[1], FILE, 8, 10.0, lambda: None)
+    for state in ("suspected", "left"):
+        w2.observe(fetch_with("mallory", MemberNews("x", (Member("w1", "127.0.0.1", 4001, state, MAX_VERSION),))))
+    assert w2.get("w1") == Member("w1", "127.0.0.1", 4001, "alive", 0)
+
+
+def test_a_joiner_takes_a_departed_file_nodes_leave_from_its_sponsors_answer_at_any_version() -> None:
+    """A joiner knows every file node at version 0; a file node that left at a version above FILE_LEAVE_JUMP
+    (after many refutations) is taken as left from the JOIN's answer, not kept alive while the others agree."""
+    j = Membership(NodeSpec("j", "127.0.0.1", 5000), (), 8, 10.0, lambda: None)
+    gone = Member("w1", "127.0.0.1", 4001, "left", FILE_LEAVE_JUMP + 50)
+    own = j.adopt(FILE, [gone, Member("w2", "127.0.0.1", 4002), Member("j", "127.0.0.1", 5000, "alive", 0)])
+    assert own.state == "alive" and j.get("w1") == gone and "w1" not in j.order()

@@ -52,8 +52,8 @@ STATES = ("alive", "suspected", "left")
 MAX_VERSION = 2**53
 """Versions above this (not exact in a JSON number) are refused."""
 FILE_LEAVE_JUMP = 1024
-"""How far above its known version a file node's own ``left`` may be taken (a leave is its version + 1; the slack
-covers refutations this node missed)."""
+"""How far above its known version a claim that a file node is down (suspected, left) may be taken: its own leave
+is its version + 1, the slack covers refutations this node missed, and the node can outbid any such claim."""
 MAX_WIRE_MEMBERS = 4096
 """A member list on the wire longer than this is malformed (the table's own bound is the capacity setting)."""
 MAX_MEMBER_NAME = 128
@@ -200,15 +200,18 @@ class MemberTable:
             self._digest = hashlib.blake2b(data, digest_size=8).hexdigest()
         return self._digest
 
-    def merge(self, entries: Iterable[Member], now: float, sender: str | None = None) -> list[Member]:
+    def merge(
+        self, entries: Iterable[Member], now: float, sender: str | None = None, *, sponsor: bool = False
+    ) -> list[Member]:
         """Take every entry that supersedes what is known; returns the entries that changed the table.
 
         A file node is ``left`` on its own word: such an entry is taken from ``sender`` == that node (its leave
         announcement, or this node itself) -- relayed only while this node suspects it (so a member that missed
-        the announcement converges with the others once it finds the node gone) -- and at most
-        :data:`FILE_LEAVE_JUMP` versions above the known one (without CURVE the sender's name is only its word: a
-        forged leave at the largest version could never be outbid; one within the jump the node refutes as any
-        claim about itself)."""
+        the announcement converges with the others once it finds the node gone). A claim that a file node is
+        down (suspected or left) is taken at most :data:`FILE_LEAVE_JUMP` versions above the known one: without
+        CURVE a sender's name is only its word, and a claim at the largest version could never be refuted; one
+        within the jump the node refutes as any claim about itself. ``sponsor``: the table of a JOIN's answer,
+        taken as it is (the joiner knows every file node at version 0)."""
         changed = []
         for entry in entries:
             if not _valid(entry):
@@ -219,10 +222,10 @@ class MemberTable:
                 self.refused += 1  # a permanent member's address is the file's
                 continue
             known = self._entries.get(entry.name)
-            if fixed is not None and entry.state == "left" and sender != entry.name:
+            if fixed is not None and entry.state == "left" and sender != entry.name and not sponsor:
                 if known is None or known.state != "suspected":
                     continue  # relayed, and this node still reaches it: its own announcement reached those it could
-            if fixed is not None and entry.state == "left" and known is not None:
+            if fixed is not None and entry.state != "alive" and known is not None and not sponsor:
                 if entry.version > known.version + FILE_LEAVE_JUMP:
                     self.refused += 1
                     continue
@@ -296,10 +299,14 @@ class MemberTable:
 
     def assert_self(self, me: NodeSpec, state: str, now: float) -> Member | None:
         """This node is ``me`` and is ``state`` (alive, or left when it goes): when its entry says otherwise --
-        another state, or another address (another process that took its name) -- supersede it with the next
-        version at its own address (a refutation, or the leave announcement). The new entry, or None."""
+        another state, or another address that is not alive (an old incarnation elsewhere) -- supersede it with the
+        next version at its own address (a refutation, or the leave announcement). The new entry, or None. An
+        entry alive at another address (another live process took the name) is left alone: two processes that
+        each took it back would outbid each other for ever."""
         known = self._entries.get(me.name)
         if known is None or (known.state, known.host, known.port) == (state, me.host, me.port):
+            return None
+        if (known.host, known.port) != (me.host, me.port) and known.state == "alive":
             return None
         own = replace(known, host=me.host, port=me.port, state=state, version=known.version + 1)
         return (self.merge([own], now, sender=me.name) or [None])[0]

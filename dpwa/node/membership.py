@@ -83,6 +83,8 @@ class Membership:
         self._peer_digest: dict[str, str] = {}
         self._events: deque[MemberEvent] = deque(maxlen=MAX_EVENTS)
         self.leaving = False
+        self._clashes: set[tuple[str, int]] = set()
+        """Other addresses this node's name was seen alive at (each said once)."""
         self._event(me.name, "started", 0)  # the first record: the members a node starts with
 
     # ------------------------------------------------------------ reading
@@ -167,11 +169,7 @@ class Membership:
         before = self._table.get(self.me.name)
         own = self._table.assert_self(self.me, state, now)
         if before is not None and (before.host, before.port) != (self.me.host, self.me.port):
-            log.warning(
-                "node %s: the table had it at %s:%d (version %d): another process joined under this name? its own "
-                "address %s:%d takes the name back",
-                self.me.name, before.host, before.port, before.version, self.me.host, self.me.port,
-            )  # fmt: skip
+            self._name_clash(before, own)
         current = self._table.get(self.me.name)
         claims = [e.version for e in entries if e.name == self.me.name and e.state != state]
         if own is None and current is not None and claims and max(claims) >= current.version:
@@ -184,6 +182,21 @@ class Membership:
         for m in changes:
             self._event(m.name, "refuted" if m is own and m.state == "alive" else m.state, m.version)
         return bool(changes)
+
+    def _name_clash(self, entry: Member, own: Member | None) -> None:
+        """The table holds this node's name at another address (caller holds the lock): say so, once per address."""
+        if own is not None:
+            log.warning(
+                "node %s: its entry named %s:%d (%s, version %d), an old incarnation elsewhere; taken back at %s:%d",
+                self.me.name, entry.host, entry.port, entry.state, entry.version, self.me.host, self.me.port,
+            )  # fmt: skip
+        elif (entry.host, entry.port) not in self._clashes:
+            self._clashes.add((entry.host, entry.port))
+            log.error(
+                "node %s: another live process holds this name at %s:%d (version %d); the members reach it, not this "
+                "node at %s:%d: stop one of the two",
+                self.me.name, entry.host, entry.port, entry.version, self.me.host, self.me.port,
+            )  # fmt: skip
 
     def _event(self, name: str, what: str, version: int) -> None:
         """Record a change (caller holds the lock)."""
@@ -230,7 +243,7 @@ class Membership:
         entry (the version it joined as). JoinRefused when the answer does not list this node alive."""
         with self._lock:
             table = MemberTable(permanent, self._table.capacity, self._table.forget_after_s)
-            table.merge(entries, self._now())
+            table.merge(entries, self._now(), sponsor=True)
             if mass is not None:
                 table.incarnations = max(table.incarnations, int(mass))
             own = table.get(self.me.name)
