@@ -108,6 +108,7 @@ class DpwaTrainerCallback(NodeCallback, TrainerCallback):
         optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> None:
+        _refuse_distributed(args)  # also for a callback added after the Trainer was built
         if model is None:
             raise ValueError("DpwaTrainerCallback: the Trainer gave no model to on_train_begin")
         loader = kwargs.get("train_dataloader")

@@ -216,9 +216,9 @@ def _joining_node(
         return name, settings, None
     try:
         host = joining_host(address, os.environ)  # the node listens there: its port is reserved there
+        reservation = reserve_ports(1, host)
     except (OSError, TypeError, ValueError) as err:  # TypeError, ValueError: a host no resolver takes
         raise ValueError(f"{JOIN_ENV}={join!r}: {err}") from None
-    reservation = reserve_ports(1, host)
     try:
         (node,) = joining_nodes(host, reservation.ports)
         if name is not None:

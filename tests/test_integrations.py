@@ -164,3 +164,17 @@ def test_hugging_face_under_torchrun_is_refused_before_training(tmp_path: Path) 
     assert done.returncode != 0, output[-3000:]
     assert "is one of 2 torch.distributed processes" in output and "`dpwa run`" in output, output[-3000:]
     assert not list((tmp_path / "run").glob("*.metrics.jsonl"))  # no node started
+
+
+def test_hugging_face_callback_added_after_the_trainer_was_built_is_refused_under_torchrun_too() -> None:
+    """``trainer.add_callback`` skips on_init_end; on_train_begin refuses a DDP rank as well (before anything)."""
+    pytest.importorskip("transformers", reason="the dpwa[hf] extra is not installed")
+    from types import SimpleNamespace
+
+    from dpwa.adapters.huggingface import DpwaTrainerCallback
+
+    callback = DpwaTrainerCallback(partition=None)
+    rank = SimpleNamespace(world_size=2)  # what TrainingArguments says under torchrun --nproc-per-node 2
+    with pytest.raises(ValueError, match="is one of 2 torch.distributed processes"):
+        callback.on_train_begin(rank, None, None, model=torch.nn.Linear(2, 1))  # type: ignore[arg-type]
+    assert callback.adapter is None

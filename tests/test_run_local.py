@@ -394,3 +394,17 @@ def test_a_port_taken_on_the_given_address_alone_is_not_reserved_there(private_l
         with pytest.raises(OSError, match="only 0 of 1"):
             reserve_ports(1, "127.0.0.2", port_range=(port, port))
         reserve_ports(1, "127.0.0.1", port_range=(port, port)).release()
+
+
+def test_an_unresolvable_host_stops_the_reservation_at_once(private_lock_dir: Path) -> None:
+    """Not 12,768 lock files and name lookups, one per candidate port, ending in "only 0 of 1 ports free"."""
+    with pytest.raises(OSError, match="cannot bind no.such.host.invalid"):
+        reserve_ports(1, "no.such.host.invalid")
+    assert list(private_lock_dir.iterdir()) == []
+
+
+def test_a_lock_directory_of_the_users_own_is_left_as_it_was(private_lock_dir: Path) -> None:
+    """DPWA_LOCK_DIR names a directory of the user's: it is not made world-writable as the shared default is."""
+    private_lock_dir.mkdir(mode=0o700)
+    reserve_ports(1).release()
+    assert private_lock_dir.stat().st_mode & 0o777 == 0o700

@@ -116,8 +116,9 @@ def test_every_task_computes_the_same_block_ordered_list_and_finds_itself() -> N
 
 def test_without_a_base_port_each_job_and_step_gets_a_block_of_its_own() -> None:
     """No ``base_port`` in the file: every task of a step derives the same one from SLURM_JOB_ID.SLURM_STEP_ID, a
-    block start in 20000-32767; other jobs and steps get other blocks (before: 45000 for all, so a second job on
-    a shared host could not bind). Over 2,000 jobs the blocks spread: no block holds more than 1 % of them."""
+    block start in 10000-19999; other jobs and steps get other blocks (before: 45000 for all, so a second job on
+    a shared host could not bind). Over 2,000 jobs the blocks spread: every one of the 156 is used, none by more than
+    2.5x its share (deterministic: a hash of the IDs). More than 64 tasks on a host need a base_port."""
     job = {"SLURM_JOB_ID": "81234", "SLURM_STEP_ID": "0"}
     lists = {slurm_nodes(step_env(procid, **job), use_scontrol=False)[0] for procid in range(4)}
     (nodes,) = lists  # every task, the same list
@@ -131,7 +132,12 @@ def test_without_a_base_port_each_job_and_step_gets_a_block_of_its_own() -> None
     assert derived_base_port({"SLURM_JOB_ID": "81235", "SLURM_STEP_ID": "0"}) != base  # the next job
     assert derived_base_port({"SLURM_JOB_ID": "81234", "SLURM_STEP_ID": "1"}) != base  # a second step of it
     counts = collections.Counter(derived_base_port({"SLURM_JOB_ID": str(j), "SLURM_STEP_ID": "0"}) for j in range(2000))
-    assert len(counts) > 150 and max(counts.values()) <= 20, counts.most_common(3)
+    blocks = (DERIVED_PORTS[1] - DERIVED_PORTS[0] + 1) // PORT_BLOCK
+    assert len(counts) == blocks == 156 and max(counts.values()) <= 2.5 * 2000 / blocks, counts.most_common(3)
+    crowded = step_env(0, hosts="n1", tasks=str(PORT_BLOCK + 1), **job)
+    with pytest.raises(SlurmError, match="more than 64 tasks on a host"):
+        slurm_nodes(crowded, use_scontrol=False)
+    assert len(slurm_nodes(crowded, 45000, use_scontrol=False)[0]) == PORT_BLOCK + 1  # with a base_port, fine
     assert slurm_nodes(step_env(0, **job), 45000, use_scontrol=False)[0][0].port == 45000  # a given one is kept
 
 

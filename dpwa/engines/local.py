@@ -134,16 +134,18 @@ def _unlock(fd: int, path: Path) -> None:
 
 
 def _bindable(port: int, host: str) -> bool:
-    """Whether ``host:port`` can be bound now; OSError when ``host`` is no address of this machine (every port
-    would fail alike)."""
+    """Whether ``host:port`` can be bound now (False: in use, or a privileged port); OSError when any port would
+    fail alike (``host`` is no address of this machine, or does not resolve)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no obstacle
         try:
             sock.bind((host, port))
         except OSError as err:
+            if err.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
             if err.errno == errno.EADDRNOTAVAIL:
                 raise OSError(err.errno, f"{host} is not an address of this machine") from None
-            return False
+            raise OSError(err.errno, f"cannot bind {host}: {err.strerror or err}") from None  # unresolvable, ...
     return True
 
 
@@ -156,8 +158,9 @@ def reserve_ports(
         raise ValueError(f"n must be at least 1, got {n}")
     directory = lock_dir()
     directory.mkdir(mode=0o777, exist_ok=True)
-    with contextlib.suppress(OSError):  # one directory for every user's launchers
-        os.chmod(directory, 0o1777)
+    if not os.environ.get(LOCK_DIR_ENV):  # the shared default: one directory for every user's launchers
+        with contextlib.suppress(OSError):
+            os.chmod(directory, 0o1777)
     lo, hi = port_range
     candidates = list(range(lo, hi + 1))
     (rng or random.Random()).shuffle(candidates)

@@ -36,9 +36,9 @@ __all__ = [
     "slurm_nodes",
 ]
 
-DERIVED_PORTS = (20000, 32767)
-"""Where :func:`derived_base_port` puts a step's ports: below Linux's ephemeral range (no outgoing connection
-is given one), as ``dpwa run -n``'s."""
+DERIVED_PORTS = (10000, 19999)
+"""Where :func:`derived_base_port` puts a step's ports: below ``dpwa run -n``'s range (20000-32767, whose ports it
+locks; a step's nodes take no lock) and so below Linux's ephemeral range (no outgoing connection is given one)."""
 PORT_BLOCK = 64
 """The ports of one step on one host: a derived base port starts a block of this many."""
 SCONTROL_TIMEOUT_S = 10.0
@@ -144,7 +144,7 @@ def derived_base_port(env: Mapping[str, str]) -> int:
     """The step's base port when the cluster file gives none: the start of one of the :data:`PORT_BLOCK`-port
     blocks of :data:`DERIVED_PORTS`, picked by a hash of ``SLURM_JOB_ID.SLURM_STEP_ID`` -- the same in every task
     of the step, and for two jobs (or two steps of one job) sharing a host a different block but for 1 chance in
-    199. A fixed base port gave every job on a host the same ports, and the second to start could not bind."""
+    156. A fixed base port gave every job on a host the same ports, and the second to start could not bind."""
     lo, hi = DERIVED_PORTS
     blocks = (hi - lo + 1) // PORT_BLOCK
     key = f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}".encode()
@@ -173,6 +173,11 @@ def slurm_nodes(
         if env.get(total_name) and env_int(env, total_name, SlurmError) != sum(counts):
             raise SlurmError(f"{total_name}={env[total_name]!r} but {tasks_name}={tasks_text!r} sums to {sum(counts)}")
     if base_port is None:
+        if max(counts) > PORT_BLOCK:
+            raise SlurmError(
+                f"{tasks_name}={tasks_text!r}: more than {PORT_BLOCK} tasks on a host, more than a derived block of "
+                "ports holds; set base_port in the cluster file"
+            )
         base_port = derived_base_port(env)
     if base_port + max(counts) - 1 > 65535:
         raise SlurmError(f"{tasks_name}={tasks_text!r}: base port {base_port} + {max(counts) - 1} tasks exceeds 65535")

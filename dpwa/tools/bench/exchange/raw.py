@@ -13,6 +13,7 @@ two copies, and none of libzmq's: libzmq receives into a message of its own, the
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -108,9 +109,10 @@ class RawClient:
 class TcpServer(threading.Thread):
     """(a3)'s server: a plain TCP listener on 127.0.0.1:``port`` answering every request byte with ``buffer``."""
 
-    def __init__(self, port: int, buffer: np.ndarray) -> None:
+    def __init__(self, port: int, buffer: np.ndarray, send_timeout_s: float = 60.0) -> None:
         super().__init__(name="bench-tcp", daemon=True)
         self._view = memoryview(buffer.reshape(-1).view(np.uint8))
+        self._send_timeout_s = send_timeout_s
         self._stop_flag = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", port))
         self._listener.settimeout(0.1)  # seconds: how often the accept loop looks at the stop flag
@@ -122,7 +124,7 @@ class TcpServer(threading.Thread):
                     conn, _ = self._listener.accept()
                 except TimeoutError:
                     continue
-                with conn:
+                with conn, contextlib.suppress(OSError):  # a client gone mid-send, or one that stopped reading
                     self._serve(conn)
         finally:
             self._listener.close()
@@ -137,7 +139,7 @@ class TcpServer(threading.Thread):
                 continue
             if not request:
                 return
-            conn.settimeout(None)
+            conn.settimeout(self._send_timeout_s)
             conn.sendall(self._view)
             conn.settimeout(0.1)
 
