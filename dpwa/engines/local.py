@@ -171,16 +171,11 @@ def reserve_ports(
             handle = _lock(port, directory)
             if handle is None:
                 continue
-            try:
-                bindable = _bindable(port, host)
-            except BaseException:
-                _unlock(*handle)
-                raise
-            if not bindable:
-                _unlock(*handle)
+            handles.append(handle)  # from here on released with the others if anything raises
+            if not _bindable(port, host):
+                _unlock(*handles.pop())
                 continue
             ports.append(port)
-            handles.append(handle)
             if len(ports) == n:
                 return PortReservation(ports, handles)
     except BaseException:

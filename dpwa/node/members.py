@@ -222,11 +222,11 @@ class MemberTable:
                 self.refused += 1  # a permanent member's address is the file's
                 continue
             known = self._entries.get(entry.name)
-            if fixed is not None and entry.state == "left" and sender != entry.name and not sponsor:
-                if known is None or known.state != "suspected":
-                    continue  # relayed, and this node still reaches it: its own announcement reached those it could
-            if fixed is not None and entry.state != "alive" and known is not None and not sponsor:
-                if entry.version > known.version + FILE_LEAVE_JUMP:
+            if fixed is not None and entry.state != "alive" and not sponsor:  # a claim that a file node is down
+                relayed_leave = entry.state == "left" and sender != entry.name
+                if relayed_leave and (known is None or known.state != "suspected"):
+                    continue  # this node still reaches it: its own announcement reached those it could
+                if known is not None and entry.version > known.version + FILE_LEAVE_JUMP:
                     self.refused += 1
                     continue
             tomb = self._tombstones.get(entry.name) if known is None else None
