@@ -389,18 +389,41 @@ def test_a_reply_naming_a_bad_segment_is_refused_counted_and_never_mixed(tmp_pat
         good.close()
 
 
+def own_segments(conn: DpwaConnection) -> dict[int, int]:
+    """fd -> inode of the segments ``conn``'s node made (its pool's), as long as each descriptor is open."""
+    pool = conn._node.pool
+    assert pool is not None
+    return {s.segment.fd: os.fstat(s.segment.fd).st_ino for s in pool._all if s.segment is not None}
+
+
 def test_a_clean_close_closes_every_segment(tmp_path: Path) -> None:
+    """close() closes the descriptor of every segment its node made before it returns; once the nodes are
+    dropped, no memory file of theirs stays open (a map holds a descriptor of its own) or mapped here.
+
+    The second half waits, 10 s at most, for the garbage collector: a node's objects hold reference cycles, and
+    CPython's gc.collect() returns at once, collecting nothing, while another thread's collection runs (one
+    that frees a map releases the GIL midway, so this thread may look in between): a single call proves nothing
+    in a process with other threads (a pytest-xdist worker has some)."""
     a, b = pair(tmp_path)
     xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
     pairs = [(a, xa), (b, xb)]
     in_threads(2, lambda i, p=pairs: steps(*p[i], 5), timeout=60)
+    own = own_segments(a) | own_segments(b)
+    assert len(own) >= 4
     inodes = set(memfds(os.getpid(), "w1").values()) | set(memfds(os.getpid(), "w2").values())
-    assert len(inodes) >= 4
+    assert set(own.values()) <= inodes
     a.close()
     b.close()
+    open_now = memfds(os.getpid(), "w1") | memfds(os.getpid(), "w2")
+    still = {fd: ino for fd, ino in own.items() if open_now.get(fd) == ino}
+    assert not still, f"close() left these segment descriptors open: {still}"
     del a, b, pairs
-    gc.collect()
-    assert not memfds(os.getpid(), "w1") and not memfds(os.getpid(), "w2")
+
+    def released() -> bool:
+        gc.collect()
+        return not memfds(os.getpid(), "w1") and not memfds(os.getpid(), "w2")
+
+    wait_until(released, 10, message="a closed node's memory file is still open")
     assert not inodes & mapped_inodes(os.getpid()), "a closed node's segment is still mapped"
 
 

@@ -403,6 +403,8 @@ class SnapshotPool:
         self._work.set()
         if self._converter is not None and self._converter is not threading.current_thread():
             self._converter.join(timeout)
+            if self._converter.is_alive():  # pragma: no cover - a stuck thread is a bug
+                log.error("the snapshot thread %s did not stop within %.1fs", self._converter.name, timeout)
         with self._lock:
             for snapshot in self._all:
                 if snapshot.segment is not None:
