@@ -7,8 +7,9 @@ Looked up in this order (the same order the PyTorch adapter resolves its node in
 3. torchrun or a Kubeflow PyTorchJob: rank ``RANK`` of ``WORLD_SIZE``, named ``<address>-<LOCAL_RANK>`` as the
    adapter's rendezvous names it (or the cluster file's node number ``RANK``) -- also inside a SLURM job or step
    (``srun torchrun ...``): torchrun is the innermost launcher, its variables are this process's;
-4. a SLURM step (``srun``): rank ``SLURM_PROCID`` of ``SLURM_NTASKS``, named ``<host>-<SLURM_LOCALID>`` as
-   :mod:`dpwa.engines.slurm` names the step's nodes (or the cluster file's node number ``SLURM_PROCID``).
+4. a task of a SLURM step (``srun``; not a batch script's own shell): rank ``SLURM_PROCID`` of ``SLURM_NTASKS``,
+   named ``<host>-<SLURM_LOCALID>`` as :mod:`dpwa.engines.slurm` names the step's nodes (or the cluster file's
+   node number ``SLURM_PROCID``).
 
 The rank of a node is its index in the cluster's node list, which is also the index the built-in demo and the
 benchmarks split the data by (:func:`dpwa.shard`). A node joining a running cluster (``DPWA_JOIN``) has a name
@@ -38,8 +39,8 @@ ENV_NODE = "DPWA_NODE"
 ENV_CONFIG = "DPWA_CONFIG"
 
 _OUTSIDE = (
-    "this process was not started by `dpwa run`, srun or torchrun (no DPWA_NODE/DPWA_CONFIG, SLURM_PROCID or "
-    "RANK/WORLD_SIZE), and no name= and config= were given"
+    "this process was not started by `dpwa run`, srun or torchrun (no DPWA_NODE/DPWA_CONFIG, SLURM_STEP_ID or "
+    "RANK/WORLD_SIZE; a batch script's own shell is no srun step), and no name= and config= were given"
 )
 
 

@@ -136,8 +136,8 @@ def test_validate_a_file_without_nodes_says_where_they_come_from(tmp_path: Path)
 def test_validate_under_srun_prints_the_steps_nodes_or_why_not(tmp_path: Path) -> None:
     path = tmp_path / "rules.yaml"
     path.write_text("base_port: 47000\n")
-    env = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2]",
-           "SLURM_STEP_TASKS_PER_NODE": "2,1"}  # fmt: skip
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+           "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2,1"}  # fmt: skip
     result = CliRunner().invoke(cli.main, ["validate", str(path)], env=env)
     assert result.exit_code == 0
     assert result.stdout.splitlines()[-1] == (

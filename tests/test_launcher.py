@@ -196,21 +196,37 @@ def test_select_nodes_picks_the_local_ones_and_names_hosts_when_none() -> None:
 
 def test_select_nodes_by_name_warns_for_a_remote_host_and_rejects_unknown_names() -> None:
     config = config_of("localhost", NOT_HERE)
-    nodes, warnings = select_nodes(config, ["b", "a", "b"], env={"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    nodes, warnings = select_nodes(config, ["b", "a", "b"], env=srun_task(0, 2))
     assert [n.name for n in nodes] == ["b", "a"]  # --node wins over SLURM; duplicates dropped
     assert len(warnings) == 1 and NOT_HERE in warnings[0]
     with pytest.raises(ValueError, match=r"no node named 'c'"):
         select_nodes(config, ["c"], env={})
 
 
+def srun_task(procid: int, ntasks: int, **more: str) -> dict[str, str]:
+    """What srun sets in task ``procid`` of a one-host step of ``ntasks`` (the variables placement reads)."""
+    task = {"SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid), "SLURM_NODEID": "0"}
+    return {**task, "SLURM_NTASKS": str(ntasks), **more}
+
+
 def test_select_nodes_under_slurm_takes_the_node_of_its_rank() -> None:
     config = config_of(NOT_HERE, "localhost")
-    nodes, _ = select_nodes(config, env={"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    nodes, _ = select_nodes(config, env=srun_task(0, 2))
     assert [n.name for n in nodes] == ["a"]
-    nodes, warnings = select_nodes(config, env={"SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    nodes, warnings = select_nodes(config, env=srun_task(1, 2))
     assert [n.name for n in nodes] == ["b"] and warnings == []
     with pytest.raises(ValueError, match=r"SLURM_NTASKS=3 but the file has 2 nodes.*srun --ntasks=2"):
-        select_nodes(config, env={"SLURM_PROCID": "0", "SLURM_NTASKS": "3"})
+        select_nodes(config, env=srun_task(0, 3))
+
+
+def test_select_nodes_in_a_batch_scripts_own_shell_takes_every_local_node() -> None:
+    """``sbatch -n 2`` sets SLURM_PROCID=0 and SLURM_NTASKS=2 in the script's own shell, but no SLURM_STEP_ID:
+    `dpwa run cluster.yaml` written there is no task of a step and starts every node of this machine. Before,
+    it started node number 0 alone, and its peers never came."""
+    config = config_of("localhost", "127.0.0.1")
+    batch = {k: v for k, v in srun_task(0, 2).items() if k != "SLURM_STEP_ID"}
+    nodes, warnings = select_nodes(config, env=batch)
+    assert [n.name for n in nodes] == ["a", "b"] and warnings == []
 
 
 def test_threads_split_the_cores_and_the_environment_names_the_node(tmp_path: Path) -> None:
@@ -440,8 +456,7 @@ def test_run_usage_errors(tmp_path: Path, node_script: Path, monkeypatch: pytest
     assert result.exit_code == 2 and "--steps is for the built-in demo" in result.stderr
     result = CliRunner().invoke(cli.main, ["run", str(path), str(tmp_path / "missing.py")])
     assert result.exit_code == 2 and result.stderr == f"error: {tmp_path / 'missing.py'}: no such file\n"
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
-    result = CliRunner().invoke(cli.main, ["run", str(path), str(node_script)], env=env)
+    result = CliRunner().invoke(cli.main, ["run", str(path), str(node_script)], env=srun_task(0, 4))
     assert result.exit_code == 2 and "SLURM_NTASKS=4 but the file has 1 node" in result.stderr
     result = CliRunner().invoke(cli.main, ["run", "--stop-on-failure", "--keep-going", str(path), str(node_script)])
     assert result.exit_code == 2 and "--stop-on-failure and --keep-going contradict each other" in result.stderr
@@ -519,8 +534,7 @@ def test_ports_the_launcher_reserves_or_an_engine_derives_are_not_checked(
     assert CliRunner().invoke(cli.main, ["run", "-n", "2", str(node_script)]).exit_code == 0
     settings = tmp_path / "rules.yaml"
     settings.write_text("base_port: 47000\n")
-    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-             "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "1"}  # fmt: skip
+    slurm = srun_task(0, 1, SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="1")
     result = CliRunner().invoke(cli.main, ["run", str(settings), str(node_script)], env=slurm)
     assert result.exit_code == 0, result.output
     assert started == [["w1", "w2"], ["localhost-0"]] and checked == []
@@ -785,10 +799,10 @@ def test_timeout_stops_the_run(tmp_path: Path, node_script: Path) -> None:
 
 def test_under_slurm_a_task_starts_the_node_of_its_rank(tmp_path: Path, node_script: Path) -> None:
     path = cluster(tmp_path / "c.yaml", free_ports(2), timeout_ms=100)
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "77"}
+    env = srun_task(1, 2, SLURM_JOB_ID="77")
     code, out, err = finish(launch(tmp_path, "-q", str(path), str(node_script), "--steps", "3", env=env), tmp_path)
     assert code == 0, err
-    run_dir = tmp_path / "runs" / "slurm-77"
+    run_dir = tmp_path / "runs" / "slurm-77.0"
     assert out.splitlines()[-1] == f"run dir: {run_dir}"
     assert list(json.loads((run_dir / "summary.json").read_text())["nodes"]) == ["w2"]
 
@@ -915,8 +929,8 @@ def test_default_run_directories_are_new_even_in_the_same_second(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each call makes a directory of its own with an exclusive mkdir: two launches in one second never share
-    one (the second's RunDir would remove the first's node files; before, both passed an exists() check). Under
-    SLURM, the step's shared name, not made."""
+    one (the second's RunDir would remove the first's node files; before, both passed an exists() check). In an
+    srun step, the step's shared name, not made."""
     import datetime
 
     from dpwa.launcher import rundir
@@ -933,3 +947,5 @@ def test_default_run_directories_are_new_even_in_the_same_second(
     assert default_run_dir(tmp_path / "runs", env={}, prefix="sim-").name == "sim-20261128-201500"
     slurm = default_run_dir(tmp_path / "runs", env={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "2"})
     assert slurm == tmp_path / "runs" / "slurm-7.2" and not slurm.exists()
+    batch = default_run_dir(tmp_path / "runs", env={"SLURM_JOB_ID": "7"})  # a batch script's own shell: no step
+    assert batch.name == "20261128-201500-4" and batch.is_dir()  # not a slurm-7 that two runs there would share

@@ -84,6 +84,14 @@ def test_malformed_tasks_per_node_are_refused(text: str) -> None:
         expand_tasks_per_node(text)
 
 
+BATCH_SHELL = {
+    "SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+    "SLURM_JOB_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "2",
+}  # fmt: skip
+"""What ``sbatch -n 2`` sets in the batch script's own shell (read from a real SLURM, tests/test_slurm_real.py):
+the task variables, each 0, but no SLURM_STEP_ID, which srun sets in every task of a step."""
+
+
 def step_env(procid: int, hosts: str = "127.0.0.[2-3]", tasks: str = "2(x2)", **more: str) -> dict[str, str]:
     """The variables srun sets for task ``procid`` of a block step of 2 hosts x 2 tasks."""
     counts = expand_tasks_per_node(tasks)
@@ -93,7 +101,7 @@ def step_env(procid: int, hosts: str = "127.0.0.[2-3]", tasks: str = "2(x2)", **
         nodeid += 1
     localid = left
     env = {
-        "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid),
+        "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid),
         "SLURM_STEP_NODELIST": hosts, "SLURM_STEP_TASKS_PER_NODE": tasks, "SLURM_STEP_NUM_TASKS": str(sum(counts)),
     }  # fmt: skip
     env.update(more)
@@ -112,6 +120,7 @@ def test_every_task_computes_the_same_block_ordered_list_and_finds_itself() -> N
         ("127.0.0.3-0", "127.0.0.3", 45000), ("127.0.0.3-1", "127.0.0.3", 45001),
     ]  # fmt: skip
     assert in_slurm_step(step_env(0)) and not in_slurm_step({"SLURM_PROCID": "0"})
+    assert not in_slurm_step(BATCH_SHELL)  # sbatch's own shell is no task of a step
 
 
 def test_without_a_base_port_each_job_and_step_gets_a_block_of_its_own() -> None:

@@ -164,3 +164,33 @@ def test_srun_python_train_py_with_the_adapter_alone(slurm: dict[str, str], tmp_
     assert sorted(r["name"] for r in got) == names and all(r["nodes"] == names for r in got)
     assert all(r["mixed"] > 10 for r in got), got
     assert time.monotonic() - started < 180
+
+
+def test_dpwa_run_in_a_batch_scripts_own_shell_starts_every_node_and_a_run_directory_each_time(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    """``sbatch -n 2`` a script that calls `dpwa run cluster.yaml` twice, without srun: its shell has
+    SLURM_PROCID=0 and SLURM_NTASKS=2 but no SLURM_STEP_ID (recorded here: tests/test_slurm.py's BATCH_SHELL is
+    this), so each run starts both nodes of the file and gets a run directory of its own. Before, each started
+    node 0 alone (its peer never came) and both wrote into runs/slurm-<job>."""
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT)
+    ports = free_ports(2)
+    nodes = "".join(f"  - {{name: w{i + 1}, host: 127.0.0.1, port: {p}}}\n" for i, p in enumerate(ports))
+    (tmp_path / "cluster.yaml").write_text(f"timeout_ms: 1000\nnodes:\n{nodes}")
+    run = f"{sys.executable} -m dpwa.cli run -q cluster.yaml node.py --steps 5 --barrier --sleep 0.01"
+    batch = tmp_path / "job.sh"
+    batch.write_text(f"#!/bin/bash\nset -e\nenv | grep ^SLURM_ > batch.env\n{run}\n{run}\n")
+    argv = [_which("sbatch"), "--wait", "-n", "2", "-o", str(tmp_path / "job.out"), str(batch)]
+    done = subprocess.run(argv, env=_task_env(slurm), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert done.returncode == 0, (done.stderr[-2000:], output[-3000:])
+    shell = dict(line.split("=", 1) for line in (tmp_path / "batch.env").read_text().splitlines())
+    assert shell["SLURM_PROCID"] == "0" and shell["SLURM_NTASKS"] == "2" and "SLURM_STEP_ID" not in shell
+    run_dirs = sorted(p for p in (tmp_path / "runs").iterdir() if p.is_dir())
+    assert len(run_dirs) == 2 and not any(p.name.startswith("slurm-") for p in run_dirs), run_dirs
+    for run_dir in run_dirs:
+        assert sorted(json.loads((run_dir / "summary.json").read_text())["nodes"]) == ["w1", "w2"]
+        for name in ("w1", "w2"):
+            steps = [r for r in read_metrics(run_dir / f"{name}.metrics.jsonl") if "event" not in r]
+            assert len(steps) == 5 and steps[-1]["mixes"] > 0, (run_dir, name, steps[-1:])

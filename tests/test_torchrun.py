@@ -181,7 +181,7 @@ def test_torchrun_inside_a_slurm_step_picks_the_cluster_files_node_by_rank(
 
     path = tmp_path / "c.yaml"
     path.write_text("nodes:\n" + "".join(f"  - {{name: n{i}, host: 127.0.0.1, port: {47100 + i}}}\n" for i in range(4)))
-    slurm = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    slurm = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
     for rank in ("1", "3"):
         env = {**slurm, "RANK": rank, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
         for name, value in env.items():

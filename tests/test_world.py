@@ -56,7 +56,7 @@ def test_a_name_and_a_cluster_file_given_win_over_the_environment(
 def test_a_slurm_step_gives_rank_size_and_the_engines_node_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the host list is expanded by dpwa itself
     for name, value in {
-        "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4",
+        "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4",
         "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_TASKS_PER_NODE": "2(x2)",
     }.items():  # fmt: skip
         monkeypatch.setenv(name, value)
@@ -176,8 +176,26 @@ def test_a_node_of_a_joining_run_has_no_rank_even_when_its_file_lists_it(
         dpwa.rank()
 
 
+STEP_TASK_1_OF_2 = {
+    "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+}  # fmt: skip
+
+
+def test_a_batch_scripts_own_shell_is_no_task_of_a_step(monkeypatch: pytest.MonkeyPatch, cluster: Path) -> None:
+    """``sbatch -n 2`` sets the task variables in the script's own shell (each 0) but no SLURM_STEP_ID: a process
+    started there without srun is told so, not made node 0 of the file (its peers would never come)."""
+    for name, value in {**STEP_TASK_1_OF_2, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "3"}.items():
+        monkeypatch.setenv(name, value)
+    assert dpwa.whereami(config=cluster).name == "n0"  # in a task of a step: node number SLURM_PROCID
+    monkeypatch.delenv("SLURM_STEP_ID")
+    with pytest.raises(dpwa.WorldError, match="does not say which node this is outside srun and torchrun"):
+        dpwa.whereami(config=cluster)
+    with pytest.raises(dpwa.WorldError, match="a batch script's own shell is no srun step"):
+        dpwa.whereami()
+
+
 def test_a_slurm_step_of_another_size_than_the_file_is_refused(monkeypatch: pytest.MonkeyPatch, cluster: Path) -> None:
-    for name, value in {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2"}.items():
+    for name, value in STEP_TASK_1_OF_2.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(dpwa.WorldError, match="the SLURM step has 2 tasks but .* has 3 nodes"):
         dpwa.whereami(config=cluster)
@@ -201,7 +219,7 @@ def test_torchrun_inside_a_slurm_job_is_the_engine_of_its_workers(monkeypatch: p
     """``srun torchrun --nproc-per-node=4 train.py`` (or torchrun in an sbatch script): each worker carries the
     SLURM task's variables and torchrun's; torchrun is the innermost launcher, so rank and size are its. Before,
     the SLURM step won: every worker of a host was rank 0 of 1 with the same name."""
-    slurm = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
+    slurm = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
              "SLURM_STEP_NODELIST": "gpu01", "SLURM_STEP_TASKS_PER_NODE": "1"}  # fmt: skip
     torch_env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     for name, value in {**slurm, **torch_env}.items():

@@ -114,7 +114,7 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
 @click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Run directory  [default: runs/<YYYYmmdd-HHMMSS>, under SLURM runs/slurm-<job>.<step>]",
+    help="Run directory  [default: runs/<YYYYmmdd-HHMMSS>, in an srun step runs/slurm-<job>.<step>]",
 )
 @click.option(
     "--timeout-s",
@@ -195,8 +195,9 @@ def run(
     that has a member at HOST:PORT instead of forming one.
 
     A node runs here when its host is this machine (localhost, 127.x, this host's names and addresses),
-    or when named with --node. Under SLURM (SLURM_PROCID and SLURM_NTASKS set, no --node) each task
-    starts node number SLURM_PROCID, so `srun dpwa run cluster.yaml train.py` starts one node per task;
+    or when named with --node. In an srun step (SLURM_STEP_ID and SLURM_PROCID set, no --node) each task
+    starts node number SLURM_PROCID, so `srun dpwa run cluster.yaml train.py` starts one node per task
+    (a batch script's own shell is no step: there `dpwa run` starts the nodes of this machine);
     a file without `nodes` takes them from the step (one per task, `<host>-<SLURM_LOCALID>` on
     base_port + SLURM_LOCALID). Before anything starts, the port of every node of the cluster file that
     runs here is bound for an instant: one in use by another process is one error line and exit status 2.

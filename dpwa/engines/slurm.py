@@ -50,8 +50,10 @@ class SlurmError(ValueError):
 
 
 def in_slurm_step(env: Mapping[str, str]) -> bool:
-    """True under ``srun`` (SLURM_PROCID, SLURM_LOCALID and SLURM_NODEID all set)."""
-    return all(env.get(name) is not None for name in _STEP_VARIABLES)
+    """True in a task of an ``srun`` step: SLURM_STEP_ID, SLURM_PROCID, SLURM_LOCALID and SLURM_NODEID all set.
+    A batch script's own shell (``sbatch``) has the last three too (each 0, SLURM_NTASKS with ``-n``), but no
+    SLURM_STEP_ID: it is one process, not task 0 of a step."""
+    return all(env.get(name) is not None for name in ("SLURM_STEP_ID", *_STEP_VARIABLES))
 
 
 def _split_top(text: str) -> list[str]:

@@ -1,8 +1,8 @@
 """Where nodes run: which nodes of a cluster file this launcher starts, and each node's environment.
 
-* :func:`select_nodes` picks the nodes this launcher starts: the ``--node`` names; else, under
-  SLURM (``SLURM_PROCID`` and ``SLURM_NTASKS`` set), node number ``SLURM_PROCID`` of the file;
-  else every node whose host is this machine (:class:`LocalHosts`). Problems are ConfigErrors.
+* :func:`select_nodes` picks the nodes this launcher starts: the ``--node`` names; else, in a task of
+  an ``srun`` step, node number ``SLURM_PROCID`` of the file; else (a batch script's own shell too)
+  every node whose host is this machine (:class:`LocalHosts`). Problems are ConfigErrors.
 * :func:`node_env` gives a node ``DPWA_NODE``, ``DPWA_CONFIG``, ``DPWA_RUN_DIR`` and sizes
   ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``DPWA_TORCH_THREADS``
   so the local nodes share the usable cores (:func:`threads_per_node`).
@@ -17,6 +17,7 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 
 from dpwa.config import ClusterConfig, NodeSpec
+from dpwa.engines.slurm import in_slurm_step
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ def select_nodes(
     """The nodes to start here, and warnings to show the user.
 
     ``names`` (``--node``, repeatable, duplicates ignored) wins; an unknown name is a ConfigError.
-    Else, when ``SLURM_PROCID`` and ``SLURM_NTASKS`` are both set, node number ``SLURM_PROCID``
-    (``SLURM_NTASKS`` must equal the number of nodes). Else every node whose host ``is_local``;
+    Else, in a task of an ``srun`` step (:func:`~dpwa.engines.slurm.in_slurm_step`; not a batch script's own
+    shell) with ``SLURM_NTASKS`` set, node number ``SLURM_PROCID`` (``SLURM_NTASKS`` must equal the number of
+    nodes). Else every node whose host ``is_local``;
     none is a ConfigError naming the hosts of the file. A chosen node whose host does not look
     local is started anyway, with a warning.
     """
@@ -123,7 +125,7 @@ def select_nodes(
     local = is_local if is_local is not None else LocalHosts()
     if names:
         chosen = [config.node(name) for name in dict.fromkeys(names)]
-    elif env.get("SLURM_PROCID") is not None and env.get("SLURM_NTASKS") is not None:
+    elif in_slurm_step(env) and env.get("SLURM_NTASKS") is not None:
         chosen = [_slurm_node(config, env["SLURM_PROCID"], env["SLURM_NTASKS"])]
     else:
         chosen = [node for node in config.nodes if local(node.host)]

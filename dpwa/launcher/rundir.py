@@ -71,13 +71,13 @@ def default_run_dir(
 ) -> Path:
     """``base/<prefix><YYYYmmdd-HHMMSS>``, created here and new: a taken timestamp gets ``-2``, ``-3``..., and the
     directory is made with an exclusive ``mkdir``, so two launches in the same second never share one. Under
-    SLURM, ``base/<prefix>slurm-<job>[.<step>]`` (not created), which every task of one job step shares (on a
-    shared file system)."""
+    ``srun`` step, ``base/<prefix>slurm-<job>.<step>`` (not created), which every task of the step shares (on a
+    shared file system). A batch script's own shell is no step (no SLURM_STEP_ID): each run there gets a new
+    directory, as outside SLURM."""
     env = os.environ if env is None else env
-    job = env.get("SLURM_JOB_ID")
-    if job:
-        step = env.get("SLURM_STEP_ID")
-        return Path(base) / (prefix + (f"slurm-{job}.{step}" if step else f"slurm-{job}"))
+    job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+    if job and step:
+        return Path(base) / f"{prefix}slurm-{job}.{step}"
     stamp = prefix + _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     Path(base).mkdir(parents=True, exist_ok=True)
     for n in range(1, 10_000):
