@@ -910,19 +910,25 @@ def test_run_the_sample_cluster_with_the_built_in_demo(tmp_path: Path) -> None:
 def test_n_inside_a_slurm_job_starts_every_node_it_reserved(
     tmp_path: Path, node_script: Path, monkeypatch: pytest.MonkeyPatch, ntasks: str
 ) -> None:
-    """``dpwa run -n 4`` in a SLURM job's shell (SLURM_PROCID and SLURM_NTASKS set, as in an sbatch script or
-    ``srun --pty bash``) starts its 4 nodes: SLURM_PROCID picks a node of a cluster file only. Before, it started
-    w1 alone (SLURM_NTASKS=4) or exited 2 (SLURM_NTASKS=1: "the file has 4 nodes")."""
-    monkeypatch.setenv("SLURM_PROCID", "0")
-    monkeypatch.setenv("SLURM_NTASKS", ntasks)
+    """``dpwa run -n 4`` in a task of a SLURM step (``srun --pty bash`` is one: SLURM_STEP_ID, SLURM_PROCID and
+    SLURM_NTASKS set) starts its 4 nodes: SLURM_PROCID picks a node of a cluster file only. Before, it started w1
+    alone (SLURM_NTASKS=4) or exited 2 (SLURM_NTASKS=1: "the file has 4 nodes"). Each such run gets a run
+    directory of its own: its nodes are this launcher's alone, so the step's shared runs/slurm-<job>.<step> would
+    have the second run remove the first's node files."""
+    for name, value in srun_task(0, int(ntasks), SLURM_JOB_ID="5").items():
+        monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
-    started: list[list[str]] = []
-    monkeypatch.setattr(
-        run_command, "_start", recording_start(lambda config, nodes, *a: [n.name for n in nodes], started)
+    started: list[tuple[list[str], Path]] = []
+    record = recording_start(
+        lambda config, nodes, command, directory, *a: ([n.name for n in nodes], directory.path), started
     )
-    result = CliRunner().invoke(cli.main, ["run", "-n", "4", str(node_script)])
-    assert result.exit_code == 0, result.output
-    assert started == [["w1", "w2", "w3", "w4"]]
+    monkeypatch.setattr(run_command, "_start", record)
+    for _ in range(2):
+        result = CliRunner().invoke(cli.main, ["run", "-n", "4", str(node_script)])
+        assert result.exit_code == 0, result.output
+    assert [names for names, _ in started] == [["w1", "w2", "w3", "w4"]] * 2
+    first, second = [path for _, path in started]
+    assert first != second and first.parent == tmp_path / "runs" and not first.name.startswith("slurm-"), started
 
 
 def test_default_run_directories_are_new_even_in_the_same_second(
@@ -945,7 +951,10 @@ def test_default_run_directories_are_new_even_in_the_same_second(
     assert [p.name for p in made] == ["20261128-201500", "20261128-201500-2", "20261128-201500-3"]
     assert all(p.is_dir() and not any(p.iterdir()) for p in made)
     assert default_run_dir(tmp_path / "runs", env={}, prefix="sim-").name == "sim-20261128-201500"
-    slurm = default_run_dir(tmp_path / "runs", env={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "2"})
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "2"}
+    slurm = default_run_dir(tmp_path / "runs", env=step, step_shared=True)
     assert slurm == tmp_path / "runs" / "slurm-7.2" and not slurm.exists()
-    batch = default_run_dir(tmp_path / "runs", env={"SLURM_JOB_ID": "7"})  # a batch script's own shell: no step
+    batch = default_run_dir(tmp_path / "runs", env={"SLURM_JOB_ID": "7"}, step_shared=True)  # sbatch's shell
     assert batch.name == "20261128-201500-4" and batch.is_dir()  # not a slurm-7 that two runs there would share
+    own = default_run_dir(tmp_path / "runs", env=step)  # a run whose nodes are its own alone (-n, a simulation)
+    assert own.name == "20261128-201500-5" and own.is_dir()

@@ -114,7 +114,7 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
 @click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Run directory  [default: runs/<YYYYmmdd-HHMMSS>, in an srun step runs/slurm-<job>.<step>]",
+    help="Run directory  [default: runs/<YYYYmmdd-HHMMSS>; a cluster file's in an srun step: runs/slurm-<job>.<step>]",
 )
 @click.option(
     "--timeout-s",
@@ -239,7 +239,8 @@ def run(
         _check_average(script, average)
         command = _command(script, script_args, steps, partition)
         nodes = _nodes_here(config, node_names, listed)
-        directory = RunDir(run_dir if run_dir is not None else default_run_dir())
+        shared = node_count is None  # a file's nodes: one launcher per task of a step; -n N's are this one's
+        directory = RunDir(run_dir if run_dir is not None else default_run_dir(step_shared=shared))
         evaluate = script is None and runs_every_node(config, nodes) and not no_baseline
         average = _average_here(config, nodes, average)
         per_node = threads if threads is not None else threads_per_node(len(nodes))

@@ -67,16 +67,21 @@ DATA_SUFFIX = ".data.json"
 
 
 def default_run_dir(
-    base: str | os.PathLike[str] = "runs", env: Mapping[str, str] | None = None, prefix: str = ""
+    base: str | os.PathLike[str] = "runs",
+    env: Mapping[str, str] | None = None,
+    prefix: str = "",
+    *,
+    step_shared: bool = False,
 ) -> Path:
     """``base/<prefix><YYYYmmdd-HHMMSS>``, created here and new: a taken timestamp gets ``-2``, ``-3``..., and the
-    directory is made with an exclusive ``mkdir``, so two launches in the same second never share one. Under
-    ``srun`` step, ``base/<prefix>slurm-<job>.<step>`` (not created), which every task of the step shares (on a
-    shared file system). A batch script's own shell is no step (no SLURM_STEP_ID): each run there gets a new
-    directory, as outside SLURM."""
+    directory is made with an exclusive ``mkdir``, so two launches in the same second never share one.
+    ``step_shared`` (the launchers of one cluster file, one per task) in an ``srun`` step:
+    ``base/<prefix>slurm-<job>.<step>`` (not created), which every task of the step shares (on a shared file
+    system). A batch script's own shell is no step (no SLURM_STEP_ID): each run there gets a new directory, as
+    outside SLURM, and so does a run whose nodes are its own alone (``dpwa run -n``, a simulation)."""
     env = os.environ if env is None else env
     job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
-    if job and step:
+    if step_shared and job and step:
         return Path(base) / f"{prefix}slurm-{job}.{step}"
     stamp = prefix + _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     Path(base).mkdir(parents=True, exist_ok=True)
