@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import free_ports, wait_until
 from test_launcher import NODE_SCRIPT
-from test_slurm import ENGINE_WORKER, free_base_port
+from test_slurm import BATCH_SHELL, ENGINE_WORKER, free_base_port
 
 from dpwa.config import load_config
 from dpwa.metrics import read_metrics
@@ -186,7 +186,8 @@ def test_dpwa_run_in_a_batch_scripts_own_shell_starts_every_node_and_a_run_direc
     output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert done.returncode == 0, (done.stderr[-2000:], output[-3000:])
     shell = dict(line.split("=", 1) for line in (tmp_path / "batch.env").read_text().splitlines())
-    assert shell["SLURM_PROCID"] == "0" and shell["SLURM_NTASKS"] == "2" and "SLURM_STEP_ID" not in shell
+    recorded = {name: shell.get(name) for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS")}
+    assert recorded == {name: BATCH_SHELL[name] for name in recorded} and "SLURM_STEP_ID" not in shell, shell
     run_dirs = sorted(p for p in (tmp_path / "runs").iterdir() if p.is_dir())
     assert len(run_dirs) == 2 and not any(p.name.startswith("slurm-") for p in run_dirs), run_dirs
     for run_dir in run_dirs:
