@@ -27,6 +27,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from conftest import free_ports, port_is_free, wait_until
+from test_slurm import step_env
 
 from dpwa.cli import app as cli
 from dpwa.cli import run as run_command
@@ -204,9 +205,9 @@ def test_select_nodes_by_name_warns_for_a_remote_host_and_rejects_unknown_names(
 
 
 def srun_task(procid: int, ntasks: int, **more: str) -> dict[str, str]:
-    """What srun sets in task ``procid`` of a one-host step of ``ntasks`` (the variables placement reads)."""
-    task = {"SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid), "SLURM_NODEID": "0"}
-    return {**task, "SLURM_NTASKS": str(ntasks), **more}
+    """What srun sets in task ``procid`` of a one-host step of ``ntasks`` on localhost (``step_env``), with
+    SLURM_NTASKS, which placement reads."""
+    return step_env(procid, "localhost", str(ntasks), SLURM_NTASKS=str(ntasks), **more)
 
 
 def test_select_nodes_under_slurm_takes_the_node_of_its_rank() -> None:
@@ -534,7 +535,7 @@ def test_ports_the_launcher_reserves_or_an_engine_derives_are_not_checked(
     assert CliRunner().invoke(cli.main, ["run", "-n", "2", str(node_script)]).exit_code == 0
     settings = tmp_path / "rules.yaml"
     settings.write_text("base_port: 47000\n")
-    slurm = srun_task(0, 1, SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="1")
+    slurm = srun_task(0, 1)
     result = CliRunner().invoke(cli.main, ["run", str(settings), str(node_script)], env=slurm)
     assert result.exit_code == 0, result.output
     assert started == [["w1", "w2"], ["localhost-0"]] and checked == []
