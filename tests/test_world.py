@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_slurm import step_env
 
 import dpwa
 from dpwa.adapters.sampler import DpwaSampler, node_sampler
@@ -176,15 +177,10 @@ def test_a_node_of_a_joining_run_has_no_rank_even_when_its_file_lists_it(
         dpwa.rank()
 
 
-STEP_TASK_1_OF_2 = {
-    "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
-}  # fmt: skip
-
-
 def test_a_batch_scripts_own_shell_is_no_task_of_a_step(monkeypatch: pytest.MonkeyPatch, cluster: Path) -> None:
     """``sbatch -n 2`` sets the task variables in the script's own shell (each 0) but no SLURM_STEP_ID: a process
     started there without srun is told so, not made node 0 of the file (its peers would never come)."""
-    for name, value in {**STEP_TASK_1_OF_2, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "3"}.items():
+    for name, value in step_env(0, "localhost", "3", SLURM_NTASKS="3").items():
         monkeypatch.setenv(name, value)
     assert dpwa.whereami(config=cluster).name == "n0"  # in a task of a step: node number SLURM_PROCID
     monkeypatch.delenv("SLURM_STEP_ID")
@@ -195,7 +191,7 @@ def test_a_batch_scripts_own_shell_is_no_task_of_a_step(monkeypatch: pytest.Monk
 
 
 def test_a_slurm_step_of_another_size_than_the_file_is_refused(monkeypatch: pytest.MonkeyPatch, cluster: Path) -> None:
-    for name, value in STEP_TASK_1_OF_2.items():
+    for name, value in step_env(1, "localhost", "2", SLURM_NTASKS="2").items():
         monkeypatch.setenv(name, value)
     with pytest.raises(dpwa.WorldError, match="the SLURM step has 2 tasks but .* has 3 nodes"):
         dpwa.whereami(config=cluster)
