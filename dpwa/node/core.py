@@ -490,12 +490,12 @@ class Node:
             self._stop()
 
     def _stop(self) -> None:
-        """close()'s second half: stop every thread, close the pool and the sockets."""
+        """close()'s second half: stop every thread, close the sockets, then free the pool and the peers' maps."""
         self.closed = True
         self.transport.stop()
         self.loans.close()
+        stopped = self.transport.close()  # False: a thread is stuck (a bug, logged there): its memory stays
         if self.pool is not None:
-            self.pool.close(timeout=self.timeouts.thread_join_s)
-        if not self.transport.close():  # pragma: no cover - a stuck thread is a bug (logged there)
-            return
-        log.info("node %s closed", self.name)
+            self.pool.close(timeout=self.timeouts.thread_join_s, release=stopped)
+        if stopped:
+            self.transfer.closed()

@@ -175,8 +175,8 @@ class PushReceiver:
         self._chunk = chunk
         self._check_identity = check_identity
         self._host_id = host_id
-        self._segments = SegmentReader()
-        """The senders' segments a push through shared memory names (RX thread)."""
+        self.segments = SegmentReader()
+        """The senders' segments a push through shared memory names (RX thread; closed with the node)."""
         self._gone: set[str] = set()
         """Senders no longer members whose segments the RX thread has still to unmap (:meth:`expire`)."""
         self._lock = threading.Condition()
@@ -252,7 +252,7 @@ class PushReceiver:
         try:
             if not slot.colocated:
                 raise WireError("shm-unasked", "not co-located with this node")
-            mapped = self._segments.open(header.node, header.shm, self._reader.wire.total_bytes, header.gen)
+            mapped = self.segments.open(header.node, header.shm, self._reader.wire.total_bytes, header.gen)
             copy_payload(mapped.payload, self._reader, slot.buffer, slot.views, self._bounds)
             mapped.confirm(header.gen)
         except WireError as exc:
@@ -480,7 +480,7 @@ class PushReceiver:
         with self._lock:
             gone, self._gone = self._gone, set()
         for sender in gone:
-            self._segments.forget(sender)
+            self.segments.forget(sender)
         with self._lock:
             for slot in self._slots:
                 if slot.state in _UNSETTLED and now >= slot.deadline:

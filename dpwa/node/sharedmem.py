@@ -98,7 +98,7 @@ class Segment:
         try:
             os.ftruncate(self.fd, HEADER_BYTES + payload_bytes)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # its size is final: no reader can be cut short
-            self._map = mmap.mmap(self.fd, HEADER_BYTES + payload_bytes)
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, HEADER_BYTES + payload_bytes)
         except BaseException:
             os.close(self.fd)
             raise
@@ -124,10 +124,23 @@ class Segment:
         return SharedRef(pid=os.getpid(), fd=self.fd, token=self.token.hex(), until=until)
 
     def close(self) -> None:
-        """Close the descriptor; the mapping goes once no array views it any more. Idempotent."""
+        """Close the descriptor (no reader can open the segment any more); the map stays. Idempotent."""
         if not self.closed:
             self.closed = True
             os.close(self.fd)
+
+    def unmap(self) -> None:
+        """Close the descriptor and drop this segment's own views and map (no thread writes it any more): the
+        kernel frees it at once unless an array held elsewhere still views it, then with that array. The payload is
+        empty after. Idempotent."""
+        self.close()
+        self.payload = self._gen = self._checked = np.empty(0, np.uint8)
+        mapped, self._map = self._map, None
+        if mapped is not None:
+            try:
+                mapped.close()
+            except BufferError:  # an array still views it (and holds the map): unmapped when that array goes
+                log.debug("a segment of %d bytes stays mapped until its last view goes", len(mapped))
 
 
 @dataclass

@@ -120,6 +120,13 @@ class Snapshot:
     attested: bool | None = False
     """Whether the pool's checker thread found every value finite (and said so in the segment); None: not yet."""
 
+    def release(self) -> None:
+        """Drop every view of the buffers (the pool closed): what is left of them goes with the views held
+        elsewhere (a send in flight, a rule that kept the values published)."""
+        self.buffer = np.empty(0, self.buffer.dtype)
+        self.views, self.frames, self.readonly, self.wire_views, self.trackers = [], [], [], None, []
+        self.ready = 0
+
     def busy(self) -> bool:
         """True while a lease is out or a send still references the buffer."""
         self.trackers = [t for t in self.trackers if not t.done]
@@ -396,18 +403,26 @@ class SnapshotPool:
             if tracker is not None and not tracker.done:
                 snapshot.trackers.append(tracker)
 
-    def close(self, timeout: float = 1.0) -> None:
-        """Stop the converter thread (if any) within ``timeout`` seconds and close the shared-memory segments (the
-        node's own mappings go with its last views). Idempotent."""
+    def close(self, timeout: float = 1.0, release: bool = True) -> None:
+        """Stop the converter thread (if any) within ``timeout`` seconds and close the segments' descriptors. With
+        ``release`` (no other thread uses the snapshots any more) and the converter stopped, also drop every
+        snapshot's buffers and unmap the segments: the memory goes at once unless a view is still held elsewhere
+        (a send in flight, values a rule kept), then with that view. Idempotent."""
         self._stop.set()
         self._work.set()
+        stopped = True
         if self._converter is not None and self._converter is not threading.current_thread():
             self._converter.join(timeout)
-            if self._converter.is_alive():  # pragma: no cover - a stuck thread is a bug
+            stopped = not self._converter.is_alive()
+            if not stopped:  # pragma: no cover - a stuck thread is a bug
                 log.error("the snapshot thread %s did not stop within %.1fs", self._converter.name, timeout)
         with self._lock:
             for snapshot in self._all:
-                if snapshot.segment is not None:
+                if release and stopped:
+                    snapshot.release()
+                if snapshot.segment is not None and release and stopped:
+                    snapshot.segment.unmap()
+                elif snapshot.segment is not None:
                     snapshot.segment.close()
 
     def lent(self) -> None:

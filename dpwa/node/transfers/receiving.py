@@ -47,6 +47,10 @@ class InboxTransfer(TransferPattern):
             host_id=host.host_id,
         )
 
+    def closed(self) -> None:
+        """The node's threads stopped: unmap the segments of peers whose pushes came through shared memory."""
+        self.inbox.segments.close()
+
     def held_snapshots(self) -> int:
         """One per inbox slot (an exchange's pair), and per push a round may still have unsettled."""
         host = self.host
