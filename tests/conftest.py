@@ -189,7 +189,7 @@ def pool_publishing_flat_out(pool: Any, size: int) -> Iterator[dict[str, int]]:
     finally:
         stop.set()
         writer.join(10)
-        pool.close()
+        pool.close(release=not writer.is_alive())
     assert not writer.is_alive(), "the writer hung"
 
 

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,6 +45,7 @@ from dpwa.node.serving import lends_to, serve
 from dpwa.node.sharedmem import HEADER_BYTES, Segment, SegmentReader, host_identity
 from dpwa.node.snapshots import SnapshotPool
 from dpwa.node.transfers.fetcher import loan_holds_until
+from dpwa.node.transport import Transport
 from dpwa.node.transport.shared import SharedReplies
 from dpwa.node.wire import Layout, SharedRef, WireError
 
@@ -446,6 +448,53 @@ def test_a_clean_close_unmaps_every_segment_without_the_garbage_collector(tmp_pa
             time.sleep(0.02)
         assert not any(left.values()), f"closed nodes still hold segments (inodes): {left}"
     assert a.closed and b.closed  # both still referenced: nothing above waited for them to be collected
+
+
+def test_a_node_closed_between_update_send_and_update_wait_unmaps_the_reply_it_was_lent(tmp_path: Path) -> None:
+    """w1 fetches w2's snapshot, lent in w2's segment, and closes before its update_wait (a Ctrl-C in the batch):
+    with the collector off, its map of w2's segment is gone once close() returns, though the reply was never
+    given back; then update_send on the closed node raises instead of writing into freed memory."""
+    config = write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation="constant", timeout_ms=30000)
+    x1, x2 = np.ones(1000, np.float32), np.zeros(1000, np.float32)
+    w1, w2 = (DpwaConnection(f"w{i + 1}", str(config), seed=i, params=[x]) for i, x in enumerate((x1, x2)))
+    try:
+        w2.update_send([x2], 1.0)  # published: w1's fetch finds a snapshot
+        assert all(w1.wait_for_peers(30).values())
+        w1.update_send([x1], 1.0)
+        fetcher = w1._node.transfer.fetcher
+        job = fetcher.pending
+        assert job is not None and job.done.wait(30)
+        assert [t.loan is not None for t in job.targets] == [True]  # a lent reply, not given back
+        # each of w2's segments is open twice in w2 (its descriptor, its map's); the one lent, a third time (w1's map)
+        assert sorted(Counter(memfds(os.getpid(), "w2").values()).values())[-2:] == [2, 3]
+        with collector_paused():
+            w1.close()
+            assert set(Counter(memfds(os.getpid(), "w2").values()).values()) == {2}, "w1 still maps w2's segment"
+        with pytest.raises(RuntimeError, match="closed"):
+            w1.update_send([x1], 1.0)
+    finally:
+        w1.close()
+        w2.close()
+
+
+def test_an_interrupt_while_the_threads_are_joined_still_closes_the_segments(tmp_path: Path) -> None:
+    """A Ctrl-C that lands in close() while the RX and TX threads are joined propagates, and the node's segment
+    descriptors are closed all the same (the pool is closed in a finally)."""
+
+    class InterruptedJoin(Transport):
+        def close(self) -> bool:
+            super().close()
+            raise KeyboardInterrupt
+
+    config = write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation="constant")
+    conn = DpwaConnection("w1", str(config), seed=1, transport=InterruptedJoin)
+    conn.update_send([np.ones(1000, np.float32)], 1.0)
+    own = own_segments(conn)
+    assert own
+    with pytest.raises(KeyboardInterrupt):
+        conn.close()
+    open_now = memfds(os.getpid(), "w1")
+    assert not {fd for fd, ino in own.items() if open_now.get(fd) == ino}
 
 
 @pytest.mark.timing  # counts of fetches in a run of real threads; 30 runs: no failure

@@ -223,7 +223,10 @@ class Node:
         self.wire_layout, self.layout = pool.wire, receiving
 
     def check_threads(self) -> None:
-        """RuntimeError when the RX or TX thread died of a bug (:func:`~dpwa.node.wiring.raise_if_dead`)."""
+        """RuntimeError when the node is closed, or its RX or TX thread died of a bug
+        (:func:`~dpwa.node.wiring.raise_if_dead`)."""
+        if self.closed:
+            raise RuntimeError(f"node {self.name} is closed")
         raise_if_dead(self.transport, self.name, self.timeouts.thread_join_s)
 
     def take_params(self, params: Sequence[np.ndarray]) -> None:
@@ -487,15 +490,22 @@ class Node:
                 except Exception:  # leaving is a courtesy: the node still closes
                     log.exception("node %s: leaving the cluster failed", self.name)
         finally:  # a Ctrl-C during the leave still stops the threads and frees the port, then propagates
-            self._stop()
+            _stop(self)
 
-    def _stop(self) -> None:
-        """close()'s second half: stop every thread, close the sockets, then free the pool and the peers' maps."""
-        self.closed = True
-        self.transport.stop()
-        self.loans.close()
-        stopped = self.transport.close()  # False: a thread is stuck (a bug, logged there): its memory stays
-        if self.pool is not None:
-            self.pool.close(timeout=self.timeouts.thread_join_s, release=stopped)
-        if stopped:
-            self.transfer.closed()
+
+def _stop(node: Node) -> None:
+    """:meth:`Node.close`'s second half: stop every thread, close the sockets, then free the pool's memory and the
+    maps of peers' segments -- only once no thread of the node runs any more (a stuck one, a bug, is logged there;
+    an interrupt during the joins still closes the pool's descriptors)."""
+    node.closed = True
+    node.transport.stop()
+    node.loans.close()
+    stopped = False
+    try:
+        stopped = node.transport.close()
+    finally:
+        if node.pool is not None:
+            node.pool.close(timeout=node.timeouts.thread_join_s, release=stopped)
+    if stopped:
+        node.transfer.closed()
+        log.info("node %s closed", node.name)

@@ -410,8 +410,8 @@ class SnapshotPool:
         (a send in flight, values a rule kept), then with that view. Idempotent."""
         self._stop.set()
         self._work.set()
-        stopped = True
-        if self._converter is not None and self._converter is not threading.current_thread():
+        stopped = self._converter is None
+        if self._converter is not None and self._converter is not threading.current_thread():  # (else it runs on)
             self._converter.join(timeout)
             stopped = not self._converter.is_alive()
             if not stopped:  # pragma: no cover - a stuck thread is a bug

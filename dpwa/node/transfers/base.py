@@ -197,8 +197,9 @@ class TransferPattern(ABC):
         """The node leaves cleanly: hand what the rule holds to a member, by ``deadline``; ``final_mix`` False
         puts the trainer's arrays back as they were before the hand-off's last folds."""
 
-    def closed(self) -> None:  # noqa: B027 - maps nothing
+    def closed(self) -> None:
         """The node's threads stopped: unmap what this pattern still maps of its peers' memory."""
+        self.fetcher.closed()
 
     # ------------------------------------------------------------ any thread
 

@@ -188,6 +188,15 @@ class Fetcher:
                 log.error("node %s: %s rewrote a lent snapshot while it was mixed", self.host.name, target.peer)
             self.host.transport.submit_release(target.peer, req)
 
+    def closed(self) -> None:
+        """The node's threads stopped: drop what a job not given back still views of its peers' segments (a close
+        between update_send and update_wait; the loans end at their deadlines, no RELEASE goes out any more)."""
+        jobs = [job for job in (self.pending, self._waited) if job is not None]
+        for target in [t for job in jobs for t in job.targets] + [t for t, _ in self._lent]:
+            if target.loan is not None:
+                target.loan, target.views = None, []
+        self._lent = []
+
     def fetched(self, target: FetchTarget) -> PeerSnapshot:
         """A fetched reply as a peer for the rule, marked ``repeat`` when it holds the very snapshot (same
         generation) this node fetched from that peer last time: the peer has published nothing since."""

@@ -48,7 +48,9 @@ class InboxTransfer(TransferPattern):
         )
 
     def closed(self) -> None:
-        """The node's threads stopped: unmap the segments of peers whose pushes came through shared memory."""
+        """The node's threads stopped: unmap what the fetcher still maps, and the segments of peers whose pushes came
+        through shared memory."""
+        super().closed()
         self.inbox.segments.close()
 
     def held_snapshots(self) -> int:
