@@ -250,3 +250,62 @@ def test_retired_verdicts_are_bounded() -> None:
     assert verdicts.get("s9") == (9, True) and verdicts.get("s0") == (0, True)
     assert verdicts.follow(["s0", "s7"], held=[]) == ["s9"]
     assert verdicts.get("s7") == (7, True) and verdicts.retired("s7") is None and verdicts.retired("s9") == (9, True)
+
+
+def test_a_push_from_a_member_that_went_is_refused_as_a_departure_not_as_a_stranger() -> None:
+    """w2 leaves while its push is in flight: the push is refused (bad-request) but counted ``pushes_from_departed``,
+    not as a validation rejection (``identity``); a name never a member still is, and so is a member that went
+    whose connection authenticated as another node (CURVE). w2 back: its pushes are taken again."""
+    rejects: Counter[str] = Counter()
+    events: Counter[str] = Counter()
+
+    def inbox_of(check_identity: bool) -> PushReceiver:
+        inbox = PushReceiver(
+            "w1",
+            ["w1", "w2", "w3"],
+            lambda: (LAYOUT, LAYOUT),
+            2,
+            30.0,
+            lambda key, n: events.update({key: n}),
+            lambda reason: rejects.update([reason]),
+            lambda snapshot: None,
+            check_identity=check_identity,
+        )
+        inbox.allocate(LAYOUT)
+        return inbox
+
+    def stranger(name: str) -> wire.Push:
+        message = wire.decode_message(wire.encode_push(name, 1, clock=1.0, loss=1.0, extras={}, layout=LAYOUT))
+        assert isinstance(message, wire.Push)
+        return message
+
+    inbox = inbox_of(check_identity=False)
+    inbox.set_senders(["w1", "w3"])  # w2 left (or was forgotten); it never pushed here
+    answer = wire.decode_message(inbox.begin(b"id", header(9), None))
+    assert isinstance(answer, wire.Error) and answer.code == wire.ErrorCode.BAD_REQUEST
+    settle = wire.decode_message(wire.encode_settle("w2", 9, "commit"))
+    assert isinstance(settle, wire.Settle)
+    assert wire.decode_message(inbox.settle(b"id", settle, None)).kind is wire.Kind.ERROR
+    assert events["pushes_from_departed"] == 2 and not rejects
+    assert inbox.begin(b"id", stranger("w9"), None) is not None  # never a member
+    assert rejects == Counter({"identity": 1}) and events["pushes_from_departed"] == 2
+    inbox.set_senders(["w1", "w2", "w3"])  # w2 back
+    assert inbox.begin(b"id", header(10), None) is None  # reserved: taken
+    inbox.set_senders(["w1", "w3"])
+    inbox.set_senders(["w1"])  # w3 went too; w2 is still remembered as gone
+    assert inbox.begin(b"id", stranger("w3"), None) is not None and events["pushes_from_departed"] == 3
+
+    curve = inbox_of(check_identity=True)
+    curve.set_senders(["w1", "w3"])
+    assert curve.begin(b"id", header(9), "w3") is not None  # w3's key speaking as w2, which went
+    assert rejects == Counter({"identity": 2}) and events["pushes_from_departed"] == 3
+    assert curve.begin(b"id", header(9), "w2") is not None
+    assert events["pushes_from_departed"] == 4
+
+
+def test_the_members_that_went_are_bounded() -> None:
+    verdicts = Verdicts([f"s{i}" for i in range(10)], keep_retired=3)
+    verdicts.follow(["s0"], held=[])
+    assert [verdicts.went(f"s{i}") for i in range(10)] == [False] + [False] * 6 + [True] * 3
+    verdicts.follow(["s0", "s8"], held=[])
+    assert verdicts.went("s9") and not verdicts.went("s8") and not verdicts.went("s0")

@@ -1,9 +1,9 @@
 """The receiving end of PUSH: an inbox of preallocated slots the RX thread fills and the trainer drains.
 
-A push arrives whole (header and its one chunk in one message) or streamed (a header, then one
-tagged message per chunk; ``dpwa.node.wire``). The RX thread hands each to :class:`PushReceiver`,
-which validates it exactly like a fetched reply (known sender, CURVE identity, layout, sizes,
-frame order, finite values) and copies it into a free slot. A slot's life::
+A push arrives whole (header and its one chunk in one message) or streamed (a header, then one tagged message per
+chunk; ``dpwa.node.wire``). The RX thread hands each to :class:`PushReceiver`, which validates it exactly like a
+fetched reply (known sender, CURVE identity, layout, sizes, frame order, finite values) and copies it into a free
+slot. A slot's life::
 
     free -> receiving -> full                            (a push: ACK sent; mixed at update_wait)
     free -> receiving -> held -> served -> committed     (an exchange's push: kept until the
@@ -16,23 +16,21 @@ and one the table does not list is a bug: it raises.)
 
 Rules of the inbox:
 
-* at most ``slots`` pushes are held, and at most ``per_sender`` from one sender (one more is
-  refused ``busy``, so the sender keeps its mass); push-sum's ``update_wait`` mixes every push
-  that is here, oldest first (a late push is folded with the next round's), an exchange rule's one
-  per sender, its oldest, so a push that lands while its sender's previous one is unmixed waits one
-  step instead of being refused (a jitter buffer for two clocks that drift);
+* at most ``slots`` pushes are held, and at most ``per_sender`` from one sender (one more is refused ``busy``, so
+  the sender keeps its mass); push-sum's ``update_wait`` mixes every push that is here, oldest first (a late push
+  is folded with the next round's), an exchange rule's one per sender, its oldest, so a push that lands while its
+  sender's previous one is unmixed waits one step instead of being refused (a jitter buffer for two clocks that
+  drift);
 * an exchange keeps the snapshot served to it (a lease) until it is mixed; a node with one snapshot buffer
   that rewrites it first (:meth:`PushReceiver.unpair`) leaves the slot holding ``push - served`` instead;
-* per sender, the round a push names (``extras["round"]``, the sender's step) is remembered once
-  the push has its verdict, taken or refused: :meth:`PushReceiver.wait_rounds` is SGP's wait for
-  the in-neighbours of a round;
-* per sender, sequence numbers only grow: a push or a SETTLE names sequence number ``q``, and
-  once ``q`` has a verdict (accepted, or refused) it never changes. A SETTLE ``query`` closes a
-  push still arriving (its remaining chunks are dropped) so that the sender's reading of the
-  verdict is final: a push is delivered exactly when the receiver said ACK for it;
-* nothing here allocates per message: payload frames are received straight into a slot (or
-  widened from ZeroMQ's buffer), and every message that belongs to no slot is discarded and
-  counted;
+* per sender, the round a push names (``extras["round"]``, the sender's step) is remembered once the push has its
+  verdict, taken or refused: :meth:`PushReceiver.wait_rounds` is SGP's wait for the in-neighbours of a round;
+* per sender, sequence numbers only grow: a push or a SETTLE names sequence number ``q``, and once ``q`` has a
+  verdict (accepted, or refused) it never changes. A SETTLE ``query`` closes a push still arriving (its remaining
+  chunks are dropped) so that the sender's reading of the verdict is final: a push is delivered exactly when the
+  receiver said ACK for it;
+* nothing here allocates per message: payload frames are received straight into a slot (or widened from ZeroMQ's
+  buffer), and every message that belongs to no slot is discarded and counted;
 * only the trainer's thread reads a slot's arrays into the parameters (:meth:`PushReceiver.drain`).
 """
 
@@ -109,9 +107,8 @@ def _move(slot: InboxSlot, new: SlotState) -> None:
 
 def _shared_refusal(reason: str) -> ErrorCode:
     """The code refusing a push through shared memory for ``reason``: ``busy`` when the segment changed before it
-    was read (a passing race: an exchange's pusher that gave up on it), ``shared-memory`` when this node will
-    not or cannot read the sender's segments (the sender pushes over the socket from then on), else
-    ``bad-request`` (a value)."""
+    was read (a passing race: an exchange's pusher that gave up on it), ``shared-memory`` when this node will not
+    or cannot read the sender's segments (the sender pushes over the socket from then on), else ``bad-request``."""
     if reason in ("shm-gen", "shm-torn"):
         return ErrorCode.BUSY
     return ErrorCode.SHARED_MEMORY if reason.startswith("shm-") else ErrorCode.BAD_REQUEST
@@ -136,12 +133,11 @@ def _early(slot: InboxSlot, upto: int | None, window: int) -> bool:
 class PushReceiver:
     """Validates pushes into an inbox of ``slots`` preallocated buffers; see the module doc-string.
 
-    ``names``: the cluster's nodes (the only senders taken); ``layouts()``: ``(wire, local)`` or
-    None before the first publish; ``on_event(counter, n)``: stats; ``on_reject(reason)``: a push
-    refused by validation; ``release(snapshot)``: give back the lease of a served snapshot.
-    ``timeout_s``: how long a push may take to arrive whole; ``per_sender``: pushes one sender may have here.
-    ``host_id``: this node's co-location identity ("": it takes no push through shared memory).
-    """
+    ``names``: the cluster's nodes (the only senders taken); ``layouts()``: ``(wire, local)`` or None before the
+    first publish; ``on_event(counter, n)``: stats; ``on_reject(reason)``: a push refused by validation;
+    ``release(snapshot)``: give back the lease of a served snapshot. ``timeout_s``: how long a push may take to
+    arrive whole; ``per_sender``: pushes one sender may have here. ``host_id``: this node's co-location identity
+    ("": it takes no push through shared memory)."""
 
     def __init__(
         self,
@@ -186,7 +182,7 @@ class PushReceiver:
         """False once allocated with no slot (an active AD-PSGD node): every push is refused ``unsupported``."""
         self._reader: PayloadReader | None = None
         self._bounds: list[tuple[int, int]] = []
-        self._verdicts = Verdicts()
+        self._verdicts = Verdicts(self._senders)
         """Per sender: its latest sequence number seen and the verdict on it; retired ones (:mod:`verdicts`)."""
         self._rounds: dict[str, int] = {}
         """sender -> the round (``extras["round"]``) of its latest push that has a verdict here."""
@@ -509,11 +505,14 @@ class PushReceiver:
             self._lock.notify_all()
 
     def _stranger(self, sender: str, user: str | None) -> bool:
-        """True (counted under ``identity``) when ``sender`` is no peer of the cluster, or, with CURVE, not the
-        name the connection authenticated as (``user``)."""
-        if sender in self._senders and (not self._check_identity or user == sender):
-            return False
-        self._on_reject("identity")
+        """True when ``sender`` is no member, or, with CURVE, not the name the connection authenticated as (``user``):
+        counted under ``identity``, or ``pushes_from_departed`` for a member that went (its push crossed its leave)."""
+        named = not self._check_identity or user == sender
+        with self._lock:
+            if named and sender in self._senders:
+                return False
+            went = named and self._verdicts.went(sender)
+        self._on_event("pushes_from_departed", 1) if went else self._on_reject("identity")
         return True
 
     def _free(self, slot: InboxSlot, *, accepted: bool) -> None:

@@ -50,6 +50,7 @@ COUNTERS = (
     "pushes_expired",  # pushes that did not arrive whole within timeout_ms: slot freed
     "pushes_rejected",  # pushes refused by validation (by reason in push_rejected_by_reason)
     "pushes_unsupported",  # pushes or settles sent to this node although its rule takes none
+    "pushes_from_departed",  # pushes or settles from a member that went (sent before it left): refused, not invalid
     "answers_dropped",  # ACK / ERROR answers the requester's queue had no room for
     "exchanges_committed",  # AD-PSGD exchanges confirmed by the fetcher: mixed at the next update_wait
     "exchanges_aborted",  # exchanges the fetcher withdrew (its reply was lost or rejected)

@@ -5,7 +5,9 @@ number at or below the latest is answered with the verdict of record. The record
 any more are *retired*, not dropped (the latest :data:`RETIRED_VERDICTS` of them): a SETTLE query that comes
 after a partition long enough to forget its sender still gets the verdict given (a push taken whose ACK was lost
 is still ACKed, so its sender does not take back the mass the receiver already has), and a sender that comes
-back finds its record again.
+back finds its record again. The names of the latest :data:`RETIRED_VERDICTS` members that went are kept too
+(:meth:`Verdicts.went`), whether they pushed or not: a push that crossed its sender's leave is a departure, not a
+stranger's message.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ NO_VERDICT: Verdict = (-1, None)
 class Verdicts:
     """The members' records and the retired ones; not thread-safe (the inbox holds its lock around every call)."""
 
-    def __init__(self, keep_retired: int = RETIRED_VERDICTS) -> None:
+    def __init__(self, members: Collection[str] = (), keep_retired: int = RETIRED_VERDICTS) -> None:
         self._current: dict[str, Verdict] = {}
         self._retired: collections.OrderedDict[str, Verdict] = collections.OrderedDict()
         self._keep = keep_retired
+        self._members = frozenset(members)
+        self._went: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Members that went and have not come back, the latest ``keep_retired`` of them."""
 
     def get(self, sender: str) -> Verdict:
         """``sender``'s record (:data:`NO_VERDICT` for one never seen, or retired)."""
@@ -44,10 +49,23 @@ class Verdicts:
         """The retired record of ``sender`` (None: none kept)."""
         return self._retired.get(sender)
 
+    def went(self, sender: str) -> bool:
+        """Whether ``sender`` was a member and went (one of the latest ``keep_retired``), and is not back."""
+        return sender in self._went
+
     def follow(self, members: Collection[str], held: Collection[str]) -> list[str]:
         """The members are ``members``: retire the records of every other sender with nothing ``held`` in the
-        inbox (keeping the latest :data:`RETIRED_VERDICTS`), restore those of members that came back. Returns the
-        senders retired."""
+        inbox (keeping the latest :data:`RETIRED_VERDICTS`), restore those of members that came back; remember
+        which members went. Returns the senders retired."""
+        now = frozenset(members)
+        for name in sorted(self._members - now):  # in name order: which are kept never depends on a hash
+            self._went[name] = None
+            self._went.move_to_end(name)
+        for name in now & self._went.keys():
+            del self._went[name]
+        while len(self._went) > self._keep:
+            self._went.popitem(last=False)
+        self._members = now
         gone = [n for n in self._current if n not in members and n not in held]
         for sender in gone:
             self._retired[sender] = self._current.pop(sender)
