@@ -199,8 +199,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     version, exactly the arrays it lists, each with its CRC-32.  FileNotFoundError is a CheckpointError too.
     """
     path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as npz:
+    try:  # the file opened here, closed here: np.load leaves its own open when the zip is torn
+        with open(path, "rb") as handle, np.load(handle, allow_pickle=False) as npz:
             loaded = {name: npz[name] for name in npz.files}
     except FileNotFoundError as err:
         raise CheckpointError(f"{path}: no such checkpoint") from err

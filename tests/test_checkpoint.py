@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import free_ports, processes, write_cluster
+from conftest import collector_paused, free_ports, processes, write_cluster
 from torch import nn
 
 from dpwa import DpwaConnection
@@ -82,6 +82,27 @@ def test_what_cannot_be_written_is_refused_before_anything_changes(tmp_path: Pat
         write_checkpoint(path, {"a": np.ones(3)}, {"loss": float("nan")})  # JSON has no NaN
     assert read_checkpoint(path).meta["step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w1.ckpt.npz"]
+
+
+def test_a_refused_checkpoint_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """A torn file (a zip cut short), an empty one and a damaged array are refused with the file closed, even while
+    the caller still holds the error (a log, a retry loop): np.load left its own descriptor of a torn zip open in
+    the traceback's frames, closed only when the error went (with a ResourceWarning)."""
+    path = tmp_path / "w1.ckpt.npz"
+    write_checkpoint(path, {"x": np.arange(4096.0)}, {"step": 1})
+    good = path.read_bytes()
+    damaged = bytearray(good)
+    damaged[good.index(np.arange(4096.0).tobytes()[:64]) + 1000] ^= 0xFF
+
+    def open_here() -> list[str]:
+        return [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == str(path)]
+
+    with collector_paused():
+        for content in (good[: len(good) // 2], b"", bytes(damaged)):
+            path.write_bytes(content)
+            with pytest.raises(CheckpointError) as refused:
+                read_checkpoint(path)
+            assert not open_here(), (len(content), refused.value)
 
 
 def test_damaged_torn_and_foreign_files_are_refused_and_the_previous_one_is_used(tmp_path: Path) -> None:
