@@ -242,17 +242,27 @@ def exchange_pair(
         b.update_wait(1.0)
 
 
+def reap(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
+    """Kill ``proc`` if it still runs, wait for it (``timeout`` s), and close the pipes this side holds to it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=timeout)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
 @contextlib.contextmanager
 def processes() -> Iterator[dict[str, subprocess.Popen[Any]]]:
-    """A dict to put started processes in; every one still running when the block ends is killed."""
+    """A dict to put started processes in; every one still running when the block ends is killed, and every
+    pipe to them closed."""
     procs: dict[str, subprocess.Popen[Any]] = {}
     try:
         yield procs
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+            reap(proc)
 
 
 def wait_all(procs: dict[str, subprocess.Popen[Any]], logs: Path, timeout: float = 60) -> None:
@@ -289,14 +299,23 @@ class NodeProcess:
 
     @staticmethod
     def _pump(stream: Any, out: queue.Queue[str | None]) -> None:
-        for line in stream:
-            out.put(line)
+        """Queue each line of ``stream``, then None; the stream is closed at its end (the process exited)."""
+        with stream:
+            for line in stream:
+                out.put(line)
         out.put(None)
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._stderr.append(line)
+        with self.proc.stderr:
+            for line in self.proc.stderr:
+                self._stderr.append(line)
+
+    def _close_stdin(self) -> None:
+        """After the process exited: its stdin pipe is ours to close (what was unsent goes nowhere)."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
     def read(self, timeout: float) -> dict[str, Any]:
         try:
@@ -325,11 +344,13 @@ class NodeProcess:
                 self.call("quit", timeout=timeout)
             finally:
                 self.proc.wait(timeout=timeout)
+        self._close_stdin()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+        self._close_stdin()
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ import numpy as np
 import pytest
 import yaml
 import zmq
-from conftest import WORKER, collector_paused, free_ports, rss_mib, wait_until, write_cluster
+from conftest import WORKER, collector_paused, free_ports, reap, rss_mib, wait_until, write_cluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
@@ -1362,8 +1362,7 @@ def lone_worker(tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[str], zm
         worker_call(proc, "run 3")
         yield port, proc, ctx
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
         ctx.term()
 
 
@@ -1414,8 +1413,7 @@ def test_reply_frame_above_a_chunk_is_dropped_by_zeromq_with_bounded_memory(tmp_
         fake.respond = good
         assert worker_call(proc, "run 1")["factors"] == [0.5]
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
         fake.close()
 
 
@@ -1505,8 +1503,7 @@ def test_many_frame_reply_does_not_grow_memory(tmp_path: Path) -> None:
         assert s["fetches_rejected"] >= 1 and proc.poll() is None
         assert grown < 64, f"peak RSS grew by {grown:.0f} MiB for one rejected reply"
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
         fake.close()
 
 

@@ -360,6 +360,7 @@ def test_a_sigkilled_member_is_suspected_then_forgotten_and_probing_stops() -> N
         if victim.poll() is None:
             victim.kill()
             victim.wait(timeout=10)
+        victim.stdout.close()  # type: ignore[union-attr]
         trainers.halt()
         close_all(conns)
 
@@ -441,6 +442,7 @@ def test_pushsum_a_killed_member_is_suspected_from_its_pushes_and_a_later_leave_
         if victim.poll() is None:
             victim.kill()
             victim.wait(timeout=10)
+        victim.stdout.close()  # type: ignore[union-attr]
         trainers.halt()
         if leaver is not None:
             leaver.close()

@@ -86,6 +86,7 @@ def test_a_port_locked_by_another_process_or_in_use_is_skipped() -> None:
         listener.close()
         holder.kill()
         holder.wait(timeout=10)
+        holder.stdout.close()  # type: ignore[union-attr]
 
 
 @pytest.fixture
