@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -499,13 +500,15 @@ class AdapterProcess:
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
+        with self.proc.stdout:  # closed at its end (the process exited)
+            for line in self.proc.stdout:
+                self._lines.put(line)
         self._lines.put(None)
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
-        self._stderr.extend(self.proc.stderr)
+        with self.proc.stderr:
+            self._stderr.extend(self.proc.stderr)
 
     def read(self, timeout: float = 120) -> dict[str, Any]:
         try:
@@ -526,6 +529,9 @@ class AdapterProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
 
 def distance(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:

@@ -453,7 +453,8 @@ def test_a_clean_close_unmaps_every_segment_without_the_garbage_collector(tmp_pa
 def test_a_node_closed_between_update_send_and_update_wait_unmaps_the_reply_it_was_lent(tmp_path: Path) -> None:
     """w1 fetches w2's snapshot, lent in w2's segment, and closes before its update_wait (a Ctrl-C in the batch):
     with the collector off, its map of w2's segment is gone once close() returns, though the reply was never
-    given back; then update_send on the closed node raises instead of writing into freed memory."""
+    given back; then update_send, update_wait and bootstrap on the closed node raise instead of writing into freed
+    memory."""
     config = write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation="constant", timeout_ms=30000)
     x1, x2 = np.ones(1000, np.float32), np.zeros(1000, np.float32)
     w1, w2 = (DpwaConnection(f"w{i + 1}", str(config), seed=i, params=[x]) for i, x in enumerate((x1, x2)))
@@ -470,8 +471,9 @@ def test_a_node_closed_between_update_send_and_update_wait_unmaps_the_reply_it_w
         with collector_paused():
             w1.close()
             assert set(Counter(memfds(os.getpid(), "w2").values()).values()) == {2}, "w1 still maps w2's segment"
-        with pytest.raises(RuntimeError, match="closed"):
-            w1.update_send([x1], 1.0)
+        for call in (lambda: w1.update_send([x1], 1.0), lambda: w1.update_wait(1.0), lambda: w1.bootstrap([x1], 1)):
+            with pytest.raises(RuntimeError, match="closed"):
+                call()
     finally:
         w1.close()
         w2.close()

@@ -384,6 +384,7 @@ class Node:
         within ``timeout_s`` if its clock is ahead (factor 1); its name, or None (see :mod:`dpwa.node.recovery`)."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.check_threads()
         if self.transfer.in_flight():
             raise RuntimeError("bootstrap() while a fetch is in flight: call it before the first update_send")
         self.take_params(params)
