@@ -304,8 +304,8 @@ def test_a_push_from_a_member_that_went_is_refused_as_a_departure_not_as_a_stran
 
 
 def test_the_members_that_went_are_bounded() -> None:
-    verdicts = Verdicts([f"s{i}" for i in range(10)], keep_retired=3)
-    verdicts.follow(["s0"], held=[])
+    verdicts = Verdicts(keep_retired=3)
+    verdicts.follow(["s0"], held=[], went=[f"s{i}" for i in range(9, 0, -1)])
     assert [verdicts.went(f"s{i}") for i in range(10)] == [False] + [False] * 6 + [True] * 3
     verdicts.follow(["s0", "s8"], held=[])
     assert verdicts.went("s9") and not verdicts.went("s8") and not verdicts.went("s0")

@@ -407,7 +407,11 @@ def test_a_clean_close_unmaps_every_segment_without_the_garbage_collector(tmp_pa
     one exception: the snapshot last published by a rule that reads it (push-sum) stays with the rule, so with the
     node. The wait (10 s at most) is for a reply sent without copying, which ZeroMQ's release thread lets go of
     once the context ended."""
-    before = set(memfds(os.getpid(), "w1").values()) | set(memfds(os.getpid(), "w2").values())
+
+    def inodes() -> set[int]:  # of every memory file of w1's and w2's open in this process
+        return set(memfds(os.getpid(), "w1").values()) | set(memfds(os.getpid(), "w2").values())
+
+    before = inodes()
     config = write_cluster(tmp_path / "c.yaml", free_ports(2), interpolation=rule, timeout_ms=30000)
     xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
     a, b = (DpwaConnection(f"w{i + 1}", str(config), seed=i, params=[x]) for i, x in enumerate((xa, xb)))
@@ -424,7 +428,7 @@ def test_a_clean_close_unmaps_every_segment_without_the_garbage_collector(tmp_pa
     assert a.stats().get(read, 0) >= 1 and b.stats().get(read, 0) >= 1  # each mapped the other's segments
     own = own_segments(a) | own_segments(b)
     assert len(own) >= 4
-    made = (set(memfds(os.getpid(), "w1").values()) | set(memfds(os.getpid(), "w2").values())) - before
+    made = inodes() - before
     assert set(own.values()) <= made
 
     pools = [c._node.pool for c in (a, b) if c._node.rule.reads_published()]
@@ -433,8 +437,7 @@ def test_a_clean_close_unmaps_every_segment_without_the_garbage_collector(tmp_pa
     kept: set[int] = set()  # the segments the rules hold: each pool's current one once closed (a leave publishes)
 
     def held() -> dict[str, set[int]]:
-        open_now = set(memfds(os.getpid(), "w1").values()) | set(memfds(os.getpid(), "w2").values())
-        return {"open": open_now & made - kept, "mapped": mapped_inodes(os.getpid()) & made - kept}
+        return {"open": inodes() & made - kept, "mapped": mapped_inodes(os.getpid()) & made - kept}
 
     with collector_paused():
         a.close()

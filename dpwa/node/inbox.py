@@ -182,7 +182,7 @@ class PushReceiver:
         """False once allocated with no slot (an active AD-PSGD node): every push is refused ``unsupported``."""
         self._reader: PayloadReader | None = None
         self._bounds: list[tuple[int, int]] = []
-        self._verdicts = Verdicts(self._senders)
+        self._verdicts = Verdicts()
         """Per sender: its latest sequence number seen and the verdict on it; retired ones (:mod:`verdicts`)."""
         self._rounds: dict[str, int] = {}
         """sender -> the round (``extras["round"]``) of its latest push that has a verdict here."""
@@ -197,11 +197,11 @@ class PushReceiver:
         answer to their SETTLE queries, and theirs again if they come back."""
         with self._lock:
             senders = frozenset(n for n in names if n != self.name)
-            self._gone |= self._senders - senders
-            self._gone -= senders
+            went = self._senders - senders
+            self._gone = (self._gone | went) - senders
             self._senders = senders
             held = {s.sender for s in self._slots if s.state != SlotState.FREE}
-            for sender in self._verdicts.follow(self._senders, held):
+            for sender in self._verdicts.follow(senders, held, went):
                 self._rounds.pop(sender, None)
 
     def allocate(self, local: Layout, slots: int | None = None) -> None:

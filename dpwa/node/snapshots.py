@@ -416,11 +416,12 @@ class SnapshotPool:
             stopped = not self._converter.is_alive()
             if not stopped:  # pragma: no cover - a stuck thread is a bug
                 log.error("the snapshot thread %s did not stop within %.1fs", self._converter.name, timeout)
+        free = release and stopped
         with self._lock:
             for snapshot in self._all:
-                if release and stopped:
+                if free:
                     snapshot.release()
-                if snapshot.segment is not None and release and stopped:
+                if snapshot.segment is not None and free:
                     snapshot.segment.unmap()
                 elif snapshot.segment is not None:
                     snapshot.segment.close()

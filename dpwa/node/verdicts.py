@@ -29,11 +29,10 @@ NO_VERDICT: Verdict = (-1, None)
 class Verdicts:
     """The members' records and the retired ones; not thread-safe (the inbox holds its lock around every call)."""
 
-    def __init__(self, members: Collection[str] = (), keep_retired: int = RETIRED_VERDICTS) -> None:
+    def __init__(self, keep_retired: int = RETIRED_VERDICTS) -> None:
         self._current: dict[str, Verdict] = {}
         self._retired: collections.OrderedDict[str, Verdict] = collections.OrderedDict()
         self._keep = keep_retired
-        self._members = frozenset(members)
         self._went: collections.OrderedDict[str, None] = collections.OrderedDict()
         """Members that went and have not come back, the latest ``keep_retired`` of them."""
 
@@ -53,19 +52,17 @@ class Verdicts:
         """Whether ``sender`` was a member and went (one of the latest ``keep_retired``), and is not back."""
         return sender in self._went
 
-    def follow(self, members: Collection[str], held: Collection[str]) -> list[str]:
-        """The members are ``members``: retire the records of every other sender with nothing ``held`` in the
-        inbox (keeping the latest :data:`RETIRED_VERDICTS`), restore those of members that came back; remember
-        which members went. Returns the senders retired."""
-        now = frozenset(members)
-        for name in sorted(self._members - now):  # in name order: which are kept never depends on a hash
+    def follow(self, members: Collection[str], held: Collection[str], went: Collection[str] = ()) -> list[str]:
+        """The members are ``members``, and ``went`` the former members not among them any more: retire the records
+        of every other sender with nothing ``held`` in the inbox (keeping the latest :data:`RETIRED_VERDICTS`),
+        restore those of members that came back; remember which members went. Returns the senders retired."""
+        for name in sorted(went):  # in name order: which are kept never depends on a hash
             self._went[name] = None
             self._went.move_to_end(name)
-        for name in now & self._went.keys():
+        for name in [n for n in self._went if n in members]:
             del self._went[name]
         while len(self._went) > self._keep:
             self._went.popitem(last=False)
-        self._members = now
         gone = [n for n in self._current if n not in members and n not in held]
         for sender in gone:
             self._retired[sender] = self._current.pop(sender)
