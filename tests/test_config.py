@@ -140,6 +140,44 @@ def test_numbers_are_normalized_int_to_float_but_ports_stay_int() -> None:
     assert type(config.nodes[0].port) is int
 
 
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [("04500", 4500), ("+4500", 4500), ("0x1194", 4500), ("0o10624", 4500), ("4500", 4500)],
+)
+def test_integers_are_read_as_yaml_1_2_reads_them(written: str, read: int) -> None:
+    """YAML 1.1 (PyYAML's resolver) reads ``04500`` as the octal 2368 and ``0o10624`` as a string."""
+    config = parse_config(f"nodes: [{{name: w1, host: localhost, port: {written}}}]\ncheckpoint_every: {written}\n")
+    assert config.nodes[0].port == read and config.checkpoint_every == read
+
+
+@pytest.mark.parametrize(("written", "read"), [("1e3", 1000.0), ("1.5E+3", 1500.0), (".5", 0.5), ("2.", 2.0)])
+def test_floats_are_read_as_yaml_1_2_reads_them(written: str, read: float) -> None:
+    """YAML 1.1 reads ``1e3`` (an exponent without a dot) as a string."""
+    assert parse_config(two_nodes(f"timeout_ms: {written}\n")).timeout_ms == read
+
+
+def test_booleans_keep_yaml_1_1_spellings_and_strings_stay_strings() -> None:
+    config = parse_config(two_nodes("transport: {shared_memory: off}\nsecurity: {curve: no}\n"))
+    assert config.transport.shared_memory == "off" and config.security.curve is False
+    named = parse_config("nodes: [{name: 1e3x, host: 0x.example, port: 45000}]\n").nodes[0]
+    assert (named.name, named.host) == ("1e3x", "0x.example")
+
+
+def test_one_inbox_slot_takes_one_push_per_sender_unless_told_otherwise() -> None:
+    """``inbox_per_sender`` left out is 2, or ``inbox_slots`` when that is smaller; given, it is checked."""
+    assert parse_config(two_nodes("inbox_slots: 1\n")).per_sender_limit == 1
+    assert parse_config(two_nodes("")).per_sender_limit == 2
+    assert parse_config(two_nodes("inbox_slots: 8\ninbox_per_sender: 5\n")).per_sender_limit == 5
+    with pytest.raises(ConfigError, match=r"inbox_per_sender: must be at most inbox_slots \(1\), got 2"):
+        parse_config(two_nodes("inbox_slots: 1\ninbox_per_sender: 2\n"))
+
+
+def test_an_error_repeats_at_most_a_clipped_value() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(two_nodes(f"interpolation: {'x' * 2_000_000}\n"))
+    assert len(str(info.value)) < 1000 and "(2000000 characters)" in str(info.value)
+
+
 def test_a_file_without_nodes_holds_the_settings_and_takes_its_nodes_later() -> None:
     path = GOOD / "no_nodes_from_the_engine.yaml"
     config = load_config(path)
@@ -270,9 +308,10 @@ def test_directory_and_non_utf8_files_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read cluster file"):
         load_config(tmp_path)
     binary = tmp_path / "latin1.yaml"
-    binary.write_bytes(b"nodes: \xff\n")
-    with pytest.raises(ConfigError, match="not UTF-8"):
+    binary.write_bytes(b"# a comment\n\nnodes: \xff\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text: invalid start byte \(byte 20\)") as info:
         load_config(binary)
+    assert info.value.line == 3
 
 
 def test_config_error_format_and_pickling() -> None:
@@ -312,6 +351,19 @@ def test_duplicate_addresses_treat_localhost_and_127_0_0_1_as_one_host() -> None
     ClusterConfig(nodes=(NodeSpec("a", "localhost", 1), NodeSpec("b", "127.0.0.2", 1)))
     with pytest.raises(ConfigError, match="duplicate address"):
         ClusterConfig(nodes=(NodeSpec("a", "127.0.0.1", 1), NodeSpec("b", "LOCALHOST", 1)))
+    with pytest.raises(ConfigError, match="duplicate address"):
+        ClusterConfig(nodes=(NodeSpec("a", "example.com", 1), NodeSpec("b", "Example.COM.", 1)))
+
+
+@pytest.mark.parametrize("host", ["*", "a/b", "...", "-x", "x-", "a..b", "x" * 64, ".".join(["x" * 60] * 5), "1.2.3"])
+def test_a_host_that_is_no_host_name_is_refused(host: str) -> None:
+    with pytest.raises(ConfigError, match="host: (must be an IPv4 address or a host name|not an IPv4 address)"):
+        NodeSpec("w1", host, 1)
+
+
+@pytest.mark.parametrize("host", ["localhost", "node-7.cluster.local", "my_host", "example.com.", "10.0.0.1", "x" * 63])
+def test_host_names_and_addresses_are_taken(host: str) -> None:
+    assert NodeSpec("w1", host, 1).host == host
 
 
 def test_every_rule_default_is_within_its_own_range() -> None:

@@ -1,4 +1,5 @@
-"""Cluster configuration: the dataclasses (:mod:`dpwa.config.cluster`) and the cluster-file reader
+"""Cluster configuration: the dataclasses (:mod:`dpwa.config.cluster`, the `join` address in :mod:`dpwa.config.join`,
+YAML 1.2 numbers in :mod:`dpwa.config.yaml12`) and the cluster-file reader
 (:mod:`dpwa.config.reading`).
 
 ``load_config(path)`` reads and validates a cluster file; every problem is a :class:`ConfigError` naming the file,
@@ -9,19 +10,17 @@ from __future__ import annotations
 
 from dpwa.config.cluster import (
     BOOTSTRAP_MODES,
-    MAX_JOINED,
     MEMORY,
     MEMORY_MODES,
     PEER_SCHEDULES,
     SHARED_MEMORY_MODES,
     ClusterConfig,
     ConfigError,
-    JoinAddress,
     NodeSpec,
     SecurityConfig,
     TransportConfig,
-    parse_join,
 )
+from dpwa.config.join import MAX_JOINED, JoinAddress, parse_join
 from dpwa.config.reading import load_config, parse_config, resolve_config
 
 __all__ = [

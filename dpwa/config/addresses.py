@@ -1,8 +1,9 @@
 """Which nodes of a cluster file would bind the same address: pure, no sockets.
 
-Two nodes clash when they name one host and port: the same host, or two spellings of the loopback host
-(``localhost``, ``127.0.0.1``). The wildcard ``0.0.0.0`` binds every address of its host, so on a port it clashes
-with any loopback spelling and any ``127.x.y.z`` (the addresses known here to be that host's).
+Two nodes clash when they name one host and port: the same host (case and a fully qualified name's final dot do
+not count), or two spellings of the loopback host (``localhost``, ``127.0.0.1``). The wildcard ``0.0.0.0`` binds
+every address of its host, so on a port it clashes with any loopback spelling and any ``127.x.y.z`` (the
+addresses known here to be that host's).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def address_clashes(nodes: Sequence[Addressed]) -> Iterator[tuple[int, str]]:
     seen: dict[tuple[str, int], int] = {}
     local: dict[int, list[int]] = {}  # port -> the nodes on a local host there
     for i, node in enumerate(nodes):
-        host = node.host.lower()
+        host = node.host.lower().rstrip(".")  # ``example.com.`` is ``example.com``, fully qualified
         address = ("localhost" if host in _LOOPBACK else host, node.port)
         local_host = _is_local(host)
         if address in seen:

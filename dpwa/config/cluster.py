@@ -37,6 +37,7 @@ import yaml
 
 from dpwa.config.addresses import address_clashes
 from dpwa.config.errors import MEMORY, ConfigError, error_in_memory
+from dpwa.config.join import MAX_JOINED, JoinAddress, JoinSpec, parse_join
 from dpwa.rules import RULES, OuterSettings, momentum_hazard
 from dpwa.rules.schedules import SCHEDULES
 from dpwa.security.keyfiles import KeyFileError, public_path, read_key_file, secret_path
@@ -60,17 +61,14 @@ from dpwa.utils.settings import (
 __all__ = [
     "MEMORY",
     "BOOTSTRAP_MODES",
-    "MAX_JOINED",
     "PEER_SCHEDULES",
     "ClusterConfig",
     "ConfigError",
-    "JoinAddress",
     "NodeSpec",
     "SHARED_MEMORY_MODES",
     "MEMORY_MODES",
     "SecurityConfig",
     "TransportConfig",
-    "parse_join",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,49 +89,11 @@ class FileReader(Reader, Protocol):
     def build(self, cls: type, given: dict[str, object], path: str) -> object: ...
 
 
-# --------------------------------------------------------------------------- the join address
-
-
-MAX_JOINED = 1024
-"""The largest ``max_members``: the whole table must fit a message header (64 KiB)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinAddress:
-    """A ``join`` setting parsed: the member to ask (``name`` given only where CURVE needs its key)."""
-
-    host: str
-    port: int
-    name: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.name + '@' if self.name else ''}{self.host}:{self.port}"
-
-
-def parse_join(value: str) -> JoinAddress:
-    """``[NAME@]HOST:PORT`` -> :class:`JoinAddress`; ValueError saying what is wrong."""
-    name, _, address = value.rpartition("@") if "@" in value else ("", "", value)
-    host, sep, port = address.rpartition(":")
-    well_formed = bool(sep and host) and host.isascii() and host.isprintable() and port.isascii() and port.isdigit()
-    if not well_formed or any(c.isspace() for c in value) or not 1 <= int(port) <= 65535:
-        raise ValueError(f"must be [NAME@]HOST:PORT (ASCII) with a port in [1, 65535], got {value!r}")
-    if "@" in value and not name:
-        raise ValueError(f"an empty NAME before '@' in {value!r}")
-    return JoinAddress(host, int(port), name)
-
-
-@dataclasses.dataclass(frozen=True)
-class _JoinAddress(Spec):
-    """ "" (no join) or ``[NAME@]HOST:PORT``."""
-
-    def check(self, value: object) -> Iterator[tuple[str, str]]:
-        if not isinstance(value, str):
-            yield "", f"must be [NAME@]HOST:PORT, got {show_value(value)}"
-        elif value:
-            try:
-                parse_join(value)
-            except ValueError as err:
-                yield "", str(err)
+MAX_WAIT_S = 86400.0
+"""The longest a setting may make a node wait (a day): a timeout beyond it is a typo, and one beyond what
+``threading`` can wait would fail only at the wait."""
+DEFAULT_PER_SENDER = 2
+"""How many unmixed pushes one sender may hold in a receiver's inbox unless ``inbox_per_sender`` says."""
 
 
 # --------------------------------------------------------------------------- value objects
@@ -343,7 +303,7 @@ class ClusterConfig:
     #: Empty (the key left out): the nodes come from an engine (dpwa.engines) and :meth:`with_nodes`.
     nodes: tuple[NodeSpec, ...] = setting((), spec=_Nodes(), omit_default=True)
     fetch_probability: float = setting(1.0, lo=0, hi=1)
-    timeout_ms: float = setting(2500.0, lo=0, lo_open=True)
+    timeout_ms: float = setting(2500.0, lo=0, lo_open=True, hi=1000 * MAX_WAIT_S)
     interpolation: str = choice("constant", RULES)
     divergence_threshold: float = setting(0.0, lo=0)
     peers: str = choice("auto", PEER_SCHEDULES)
@@ -368,23 +328,24 @@ class ClusterConfig:
     #: ``peer``: before its first step a node copies a peer's model (dpwa/node/recovery.py); ``none``: it does not.
     bootstrap: str = choice("none", BOOTSTRAP_MODES, omit_default=True)
     #: How long a bootstrapping node looks for a peer before it trains from its own state.
-    bootstrap_timeout_s: float = setting(10.0, lo=0, lo_open=True, omit_default=True)
+    bootstrap_timeout_s: float = setting(10.0, lo=0, lo_open=True, hi=MAX_WAIT_S, omit_default=True)
     #: "Far behind": a first reply whose clock is more than this ahead is copied outright (0 = never).
     bootstrap_gap: float = setting(100.0, lo=0, omit_default=True)
     #: Push rules (pushsum, adpsgd): how many pushes a node's inbox holds unmixed (one model-sized buffer each).
     inbox_slots: int = setting(4, lo=1, hi=64, integer=True, omit_default=True)
-    #: Push rules: how many of those one sender may fill; update_wait mixes one per sender, its oldest.
-    inbox_per_sender: int = setting(2, lo=1, hi=64, integer=True, omit_default=True)
+    #: Push rules: how many of those one sender may fill; update_wait mixes one per sender, its oldest. 0: the
+    #: default, 2 or ``inbox_slots`` if that is smaller (:attr:`per_sender_limit`).
+    inbox_per_sender: int = setting(0, lo=0, hi=64, integer=True, omit_default=True)
     #: Engines that choose the ports (SLURM): a node listens on base_port + its index among its host's tasks;
     #: None: derived from the job and step (:func:`dpwa.engines.slurm.derived_base_port`).
     base_port: int | None = setting(None, spec=_OptionalPort(), omit_default=True)
     #: ``[NAME@]HOST:PORT`` of any member of a running cluster: this file's nodes join it (docs/membership.md);
     #: ``nodes`` then lists only the joining nodes' own addresses (or is left out: the engine gives them).
-    join: str = setting("", spec=_JoinAddress(), omit_default=True)
+    join: str = setting("", spec=JoinSpec(), omit_default=True)
     #: How long a joining node keeps asking the member at ``join`` before it gives up (an error).
-    join_timeout_s: float = setting(30.0, lo=0, lo_open=True, omit_default=True)
+    join_timeout_s: float = setting(30.0, lo=0, lo_open=True, hi=MAX_WAIT_S, omit_default=True)
     #: A joined member down (suspected or left) this long is forgotten; the file's nodes never are.
-    forget_after_s: float = setting(60.0, lo=0, lo_open=True, omit_default=True)
+    forget_after_s: float = setting(60.0, lo=0, lo_open=True, hi=MAX_WAIT_S, omit_default=True)
     #: At most this many joined members in a node's table (a flood of forged entries costs no more).
     max_members: int = setting(256, lo=0, hi=MAX_JOINED, integer=True, omit_default=True)
     rule_settings: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
@@ -526,6 +487,11 @@ class ClusterConfig:
     def error(self, key: str, reason: str) -> ConfigError:
         """A ConfigError for ``key`` at its line in ``source`` (else at its closest enclosing key's)."""
         return ConfigError(reason, self.source, line_of(self.marks, key), key)
+
+    @property
+    def per_sender_limit(self) -> int:
+        """How many of the inbox's slots one sender may fill: ``inbox_per_sender``, or 2 (at most ``inbox_slots``)."""
+        return self.inbox_per_sender or min(DEFAULT_PER_SENDER, self.inbox_slots)
 
     @property
     def join_address(self) -> JoinAddress | None:

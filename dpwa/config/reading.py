@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 import yaml
-from yaml.constructor import SafeConstructor
 
+from dpwa.config import yaml12
 from dpwa.config.cluster import MEMORY, ClusterConfig, ConfigError, NodeSpec, field_spec, line_of, top_level_fields
 from dpwa.rules import RULES
 from dpwa.utils.settings import SettingError, show_value, suggest
@@ -34,7 +34,8 @@ def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
     except OSError as err:
         raise ConfigError(f"cannot read cluster file: {err.strerror or err}", source) from err
     except UnicodeDecodeError as err:
-        raise ConfigError(f"not UTF-8 text: {err.reason}", source) from err
+        line = err.object[: err.start].count(b"\n") + 1
+        raise ConfigError(f"not UTF-8 text: {err.reason} (byte {err.start})", source, line) from err
     return parse_config(text, source)
 
 
@@ -85,7 +86,7 @@ class ClusterFileReader:
     def __init__(self, source: str) -> None:
         self.source = source
         self.marks: dict[str, int] = {}
-        self._constructor = SafeConstructor()
+        self._constructor = yaml12.Constructor()
 
     def error(self, key: str | None, reason: str, node: yaml.Node | None = None) -> ConfigError:
         line = node.start_mark.line + 1 if node is not None else line_of(self.marks, key or "")
@@ -94,7 +95,7 @@ class ClusterFileReader:
     def compose(self, text: str) -> yaml.Node:
         """The document's root node; YAML syntax errors, empty files and scalars are ConfigErrors."""
         try:
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            root = yaml.compose(text, Loader=yaml12.Loader)
         except yaml.MarkedYAMLError as err:
             raise self._yaml_error(err) from err
         except yaml.YAMLError as err:  # ReaderError: a character YAML does not allow
@@ -104,7 +105,6 @@ class ClusterFileReader:
         if root is None or (isinstance(root, yaml.ScalarNode) and root.tag == "tag:yaml.org,2002:null"):
             raise ConfigError(f"file is empty; expected {_SHAPES}", self.source, 1)
         self.marks[""] = root.start_mark.line + 1
-        _no_base_60(root)
         return root
 
     def _yaml_error(self, err: yaml.MarkedYAMLError) -> ConfigError:
@@ -222,28 +222,6 @@ class ClusterFileReader:
 # --------------------------------------------------------------------------- helpers
 
 _SHAPES = "a mapping (nodes: ..., fetch_probability: ...) or a list of one-key maps (- nodes: ...)"
-
-
-_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
-
-
-def _no_base_60(root: yaml.Node) -> None:
-    """Read plain scalars with a ``:`` as strings, as YAML 1.2 does: YAML 1.1 made ``port: 12:30`` the base-60
-    number 750. Then ``12:30`` reaches the check as written and is refused there. Iterative, each node once (an
-    alias shares its anchor's node): any depth, no blow-up."""
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, yaml.ScalarNode):
-            if node.tag in _NUMBER_TAGS and node.style is None and ":" in node.value:
-                node.tag = "tag:yaml.org,2002:str"
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            stack.extend(part for pair in node.value for part in pair)
 
 
 def _required(cls: type) -> list[str]:

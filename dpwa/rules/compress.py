@@ -15,6 +15,7 @@ it and :class:`CompressorSpec` lets the settings check it. Pure functions, numpy
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -27,6 +28,8 @@ __all__ = ["KINDS", "Compressor", "CompressorSpec", "index_dtype", "parse_compre
 
 KINDS = ("topk", "randk", "int8")
 """The compressor kinds: ``topk`` and ``randk`` take a fraction (``topk:0.01``), ``int8`` none."""
+_FRACTION = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+"""A fraction as written after ``topk:``: a decimal number, no sign, spaces or ``_``."""
 
 
 @dataclass(frozen=True)
@@ -55,14 +58,11 @@ def parse_compressor(text: str) -> Compressor:
     """``"topk:F"`` / ``"randk:F"`` (``0 < F <= 1``) or ``"int8"``; ValueError naming what is allowed."""
     if not isinstance(text, str):
         raise ValueError(f"must be topk:FRACTION, randk:FRACTION or int8, got {show_value(text)}")
-    kind, _, arg = text.partition(":")
-    if kind == "int8" and not arg:
+    kind, sep, arg = text.partition(":")
+    if text == "int8":
         return Compressor("int8")
-    if kind in ("topk", "randk") and arg:
-        try:
-            fraction = float(arg)
-        except ValueError:
-            fraction = math.nan
+    if kind in ("topk", "randk") and sep:
+        fraction = float(arg) if _FRACTION.fullmatch(arg) else math.nan  # as written: no spaces, no ``_``
         if 0.0 < fraction <= 1.0:
             return Compressor(kind, fraction)
         raise ValueError(f"the fraction of {kind} must be a number in (0, 1], got {arg!r}")

@@ -113,7 +113,7 @@ class LeaderSettings(Settings):
     ``local_every`` steps."""
 
     strength: float = setting(0.1, lo=0, hi=1, lo_open=True)
-    window: int = setting(10, lo=1, integer=True)
+    window: int = setting(10, lo=1, hi=1_000_000, integer=True)
     every: int = setting(1, lo=1, integer=True)
     group_size: int = setting(0, lo=0, integer=True)
     local_strength: float = setting(0.1, lo=0, hi=1, lo_open=True)

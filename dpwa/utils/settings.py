@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 __all__ = [
+    "CLIP_CHARS",
     "Choice",
     "Flag",
     "HostName",
@@ -39,6 +41,7 @@ __all__ = [
     "Settings",
     "Spec",
     "choice",
+    "clipped",
     "omits_default",
     "setting",
     "show_value",
@@ -108,7 +111,7 @@ class Number(Spec):
     def allowed(self) -> str:
         """E.g. ``"a number in [0, 1]"``, ``"a number > 0"``, ``"an integer in [1, 65535]"``."""
         noun = "an integer" if self.integer else "a number"
-        lo, hi = (None if b is None else f"{b:g}" for b in (self.lo, self.hi))
+        lo, hi = (None if b is None else _bound(b) for b in (self.lo, self.hi))
         if lo is not None and hi is not None:
             return f"{noun} in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
         if lo is not None:
@@ -137,6 +140,11 @@ class Number(Spec):
         return value if self.integer else float(value)  # type: ignore[arg-type]
 
 
+def _bound(b: float) -> str:
+    """A range's bound as written: ``86400000`` (not ``8.64e+07``), ``0.5``, ``1e-12``."""
+    return str(int(b)) if float(b).is_integer() and abs(b) < 1e16 else f"{b:g}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice(Spec):
     """One of a set of strings. ``options`` is read at every check, so it may be a live mapping (a registry
@@ -149,19 +157,42 @@ class Choice(Spec):
         if not isinstance(value, str):
             yield "", f"must be one of: {', '.join(names)}, got {show_value(value)}"
         elif value not in names:
-            yield "", f"unknown value {value!r}{suggest(value, names)}"
+            yield "", f"unknown value {clipped(value)}{suggest(value, names)}"
 
 
 @dataclasses.dataclass(frozen=True)
 class HostName(Spec):
-    """A node's host: an IPv4 address or a host name (ASCII, no spaces). Nodes bind and connect over IPv4 (the host
-    is resolved as IPv4), and ``host:port`` is how addresses are written, so an IPv6 literal is refused here."""
+    """A node's host: an IPv4 address (four decimal octets) or a host name: dot-separated labels of letters, digits,
+    ``-`` and ``_`` (1-63 characters, no ``-`` at either end), at most 253 characters, a final dot allowed. Nodes
+    bind and connect over IPv4 (the host is resolved as IPv4), and ``host:port`` is how addresses are written, so an
+    IPv6 literal is refused here."""
 
     def check(self, value: object) -> Iterator[tuple[str, str]]:
         if not isinstance(value, str) or not value or not value.isascii() or not value.isprintable() or " " in value:
             yield "", f"must be an IPv4 address or a host name (ASCII, no spaces), got {show_value(value)}"
+        elif "://" in value:
+            yield "", f"must be a host name or an IPv4 address, not a URL, got {clipped(value)}"
         elif ":" in value:
-            yield "", f"IPv6 is not supported: give an IPv4 address or a host name, got {value!r}"
+            yield "", f"IPv6 is not supported: give an IPv4 address or a host name, got {clipped(value)}"
+        elif _IPV4_LIKE.fullmatch(value):
+            try:
+                ipaddress.IPv4Address(value)
+            except ValueError:
+                yield "", f"not an IPv4 address (four numbers 0-255, no leading zeros), got {clipped(value)}"
+        elif len(value.removesuffix(".")) > 253 or not all(
+            _HOST_LABEL.fullmatch(label) for label in value.removesuffix(".").split(".")
+        ):
+            yield (
+                "",
+                (
+                    "must be an IPv4 address or a host name (labels of letters, digits, '-' and '_' joined by dots, "
+                    f"1-63 characters each, no '-' at either end, at most 253 in all), got {clipped(value)}"
+                ),
+            )
+
+
+_IPV4_LIKE = re.compile(r"[0-9.]+")
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -289,7 +320,7 @@ def show_value(value: object) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return f"{value!r} (a string{_NUMBER_HINT if _looks_numeric(value) else ''})"
+        return f"{clipped(value)} (a string{_NUMBER_HINT if _looks_numeric(value) else ''})"
     if isinstance(value, (list, tuple)):
         return "a list"
     if isinstance(value, Mapping):
@@ -297,11 +328,23 @@ def show_value(value: object) -> str:
     return f"a {type(value).__name__} value"
 
 
-_NUMBER_HINT = "; write numbers unquoted, exponents with a dot: 1.0e3"
+_NUMBER_HINT = "; write numbers unquoted"
+CLIP_CHARS = 80
+"""The most characters of a value an error message repeats."""
+
+
+def clipped(text: str) -> str:
+    """``repr(text)``, its middle left out beyond :data:`CLIP_CHARS` characters (a 2 MB value makes no message)."""
+    if len(text) <= CLIP_CHARS:
+        return repr(text)
+    half = CLIP_CHARS // 2
+    return f"{text[:half]!r}...{text[-half:]!r} ({len(text)} characters)"
 
 
 def _looks_numeric(text: str) -> bool:
-    """True for text such as ``"0.5"`` or ``1e3`` (which YAML 1.1 reads as a string)."""
+    """True for text such as ``"0.5"`` that is a number unquoted (not ``1_000``, which YAML 1.2 reads as text)."""
+    if "_" in text:
+        return False
     try:
         float(text)
     except ValueError:

@@ -43,7 +43,7 @@ class InboxTransfer(TransferPattern):
             host.stats.reject_push,
             host.release_snapshot,
             check_identity=config.security.curve,
-            per_sender=config.inbox_per_sender,
+            per_sender=config.per_sender_limit,
             host_id=host.host_id,
         )
 

@@ -241,7 +241,7 @@ def _cluster(
         timeout_s=cfg.timeout_ms / 1000.0,
         fetch_probability=cfg.fetch_probability,
         inbox_slots=cfg.inbox_slots,
-        inbox_per_sender=cfg.inbox_per_sender,
+        inbox_per_sender=cfg.per_sender_limit,
         wire_itemsize=WIRE_ITEMSIZE.get(cfg.wire_dtype, 0),
     )
     return EventSimulation(
