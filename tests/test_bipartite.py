@@ -361,6 +361,11 @@ def test_a_joiners_roster_is_the_answers_file_order_and_a_malformed_one_is_refus
     for wrong in (("b", "a", "b"), ("b", "zed"), ("b", "a", "j4")):
         with pytest.raises(JoinRefused, match="repeats a name, names one missing"):
             file_roster(answer(*wrong), "j4", address)
+    port_zero = wire.Members(
+        node="b", req=1, news=wire.MemberNews("0" * 16, (*table, Member("z", "127.0.0.1", 0))), permanent=("b", "z")
+    )  # shaped right (the table's checks are the membership's), no node: a ConfigError before
+    with pytest.raises(JoinRefused, match="invalid cluster-file node: .*port"):
+        file_roster(port_zero, "j4", address)
 
 
 @pytest.mark.integration

@@ -21,7 +21,7 @@ from dpwa.node.members import (
     entry_bytes,
     newer,
 )
-from dpwa.node.membership import Membership
+from dpwa.node.membership import MAX_CLASHES_LOGGED, Membership
 from dpwa.node.wire import Fetch, MemberNews, Members, State, encode_members
 
 FILE = [NodeSpec("w1", "127.0.0.1", 4001), NodeSpec("w2", "127.0.0.1", 4002)]
@@ -312,6 +312,12 @@ def test_a_node_takes_its_name_back_from_an_old_incarnation_elsewhere_and_never_
     assert j.get("j") == live  # not outbid
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "another live process holds this name at 127.0.0.1:5000" in errors[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dpwa.node.membership"):  # a flood of claims, each at a new address
+        for version in range(4, 4 + 10 * MAX_CLASHES_LOGGED):
+            j.observe(fetch_with("w1", MemberNews("x", (Member("j", "127.0.0.1", 10000 + version, "alive", version),))))
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == MAX_CLASHES_LOGGED - 1 and len(j._clashes) == MAX_CLASHES_LOGGED  # bounded, as its log
 
 
 def test_two_live_processes_under_one_name_settle_instead_of_outbidding_each_other() -> None:

@@ -309,3 +309,25 @@ def test_the_members_that_went_are_bounded() -> None:
     assert [verdicts.went(f"s{i}") for i in range(10)] == [False] + [False] * 6 + [True] * 3
     verdicts.follow(["s0", "s8"], held=[])
     assert verdicts.went("s9") and not verdicts.went("s8") and not verdicts.went("s0")
+
+
+def test_a_push_before_the_first_publish_is_refused_not_ready_and_counted() -> None:
+    """No layout yet (the node has published nothing): the push is refused ``not-ready`` (its sender keeps its mass),
+    counted ``pushes_not_ready``, and its round is settled."""
+    events: Counter[str] = Counter()
+    inbox = PushReceiver(
+        "w1",
+        ["w1", "w2"],
+        lambda: None,
+        2,
+        30.0,
+        lambda key, n: events.update({key: n}),
+        lambda reason: events.update([f"rejected:{reason}"]),
+        lambda snapshot: None,
+    )
+    answer = inbox.begin(b"id", header(1), None)
+    assert answer is not None
+    refusal = wire.decode_message(answer)
+    assert isinstance(refusal, wire.Error) and refusal.code == wire.ErrorCode.NOT_READY
+    assert events == Counter({"pushes_not_ready": 1})
+    assert inbox.wait_rounds({"w2": ROUND}, 0.0) == []  # settled: nothing left to wait for

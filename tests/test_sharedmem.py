@@ -38,12 +38,13 @@ from conftest import (
 from test_hostile import FakePeers
 
 from dpwa import DpwaConnection
-from dpwa.node import sharedmem, wire
+from dpwa.node import serving, sharedmem, wire
 from dpwa.node.inbox import PushReceiver
 from dpwa.node.loans import Loans
 from dpwa.node.serving import lends_to, serve
 from dpwa.node.sharedmem import HEADER_BYTES, Segment, SegmentReader, host_identity
 from dpwa.node.snapshots import SnapshotPool
+from dpwa.node.stats import NodeStats
 from dpwa.node.transfers.fetcher import loan_holds_until
 from dpwa.node.transport import Transport
 from dpwa.node.transport.shared import SharedReplies
@@ -193,6 +194,13 @@ def test_a_segment_cannot_change_size_under_its_readers_and_an_unsealed_file_is_
         with pytest.raises(WireError) as refused:
             SegmentReader().open("p", forged, 4096, 3)
         assert refused.value.reason == "shm-seals"
+        with tempfile.TemporaryFile(dir=Path(__file__).parent) as on_disk:  # a file system without seals (EINVAL)
+            on_disk.write(os.pread(segment.fd, HEADER_BYTES + 4096, 0))
+            on_disk.flush()
+            named = SharedRef(pid=os.getpid(), fd=on_disk.fileno(), token=segment.token.hex(), until=1e9)
+            with pytest.raises(WireError) as no_seals:
+                SegmentReader().open("p", named, 4096, 3)
+            assert no_seals.value.reason == "shm-seals"
     finally:
         os.close(unsealed)
         segment.close()
@@ -752,3 +760,18 @@ def test_an_exchange_through_shared_memory_mixes_both_ends_bit_for_bit_as_the_so
             b.close()
         results[mode] = xa + xb
     assert all(x.tobytes() == y.tobytes() for x, y in zip(results["auto"], results["off"]))
+
+
+def test_a_release_of_no_loan_held_changes_nothing_and_is_counted() -> None:
+    """A RELEASE that comes after its loan expired (or names a request never lent) gives nothing back twice: counted
+    ``releases_unmatched``; the loan it names, when held, is ended once (``shm_released``)."""
+    released: list[object] = []
+    stats = NodeStats()
+    loans = Loans(released.append, stats.add)
+    node = SimpleNamespace(security=None, stats=stats, loans=loans)
+    snapshot = object()
+    assert loans.lend("w2", 7, snapshot, time.monotonic() + 60.0)  # type: ignore[arg-type]
+    for req in (7, 7, 8):
+        serving.give_back(node, wire.Release(node="w2", req=req), None)  # type: ignore[arg-type]
+    counts = stats.snapshot()
+    assert released == [snapshot] and counts["shm_released"] == 1 and counts["releases_unmatched"] == 2

@@ -11,6 +11,7 @@ import pytest
 from dpwa.node import wire
 from dpwa.node.members import Member
 from dpwa.node.wire import ErrorCode, Kind, Layout, WireError
+from dpwa.node.wire.fields import extras_sum
 
 
 def arrays(*specs):
@@ -179,6 +180,8 @@ GOOD_STATE = {
         (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "token": "ab" * 15}}), "header"),
         (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "until": "1"}}), "header"),
         (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "until": 1e400}}), "header"),  # JSON Infinity
+        (_raw(2, {**GOOD_STATE, "gen": 2, "shm": {**SHM, "until": 10**400}}), "non-finite"),  # float() overflows
+        (_raw(2, {**GOOD_STATE, "clock": -(10**400)}), "non-finite"),
         (_raw(2, {**GOOD_STATE, "shm": SHM}), "header"),  # a shared-memory reply names its generation
         (_raw(2, {**GOOD_STATE, "gen": 2, "stream": True, "shm": SHM}), "header"),  # and is never streamed
         (_raw(1, {"node": "w1", "req": 1, "fp": "x", "host": 5}), "header"),
@@ -190,6 +193,12 @@ def test_decode_rejects(frame, reason):
     with pytest.raises(WireError) as err:
         wire.decode_message(frame)
     assert err.value.reason == reason
+
+
+def test_a_sum_over_peers_extras_skips_numbers_beyond_float_range():
+    """A push's ``w_given`` of 400 digits counts as nothing in the inbox's pending mass (``stats()`` reads it)."""
+    extras = [{"w": 0.5}, {"w": 10**400}, {"w": -(10**400)}, {"w": True}, {"w": "1"}, {"w": 2}]
+    assert extras_sum(extras, "w") == 2.5
 
 
 def test_state_check_against_rejections():

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Protocol
 
-from dpwa.config import JoinAddress, NodeSpec
+from dpwa.config import ConfigError, JoinAddress, NodeSpec
 from dpwa.node import wire
 from dpwa.node.members import JoinRefused, Member
 from dpwa.node.membership import Membership
@@ -130,7 +130,8 @@ def join_answer(node: Contacting, frames: list[bytes], reqs: Container[int], add
 
 def file_roster(answer: wire.Members, me: str, address: JoinAddress) -> list[NodeSpec]:
     """The cluster file's nodes a JOIN's ``answer`` lists, in file order (schedules and AD-PSGD's roles place the
-    nodes by it); JoinRefused when that list names a node twice, a node the table lacks, or the joiner ``me``."""
+    nodes by it); JoinRefused when that list names a node twice, a node the table lacks, the joiner ``me``, or an
+    entry that is no valid node."""
     listed = {m.name: m for m in answer.members or ()}
     wrong = [name for name in answer.permanent if name not in listed or name == me]
     if wrong or len(set(answer.permanent)) != len(answer.permanent):
@@ -138,7 +139,11 @@ def file_roster(answer: wire.Members, me: str, address: JoinAddress) -> list[Nod
             f"node {me}: the member at {address} answered with a list of the cluster file's nodes that repeats a "
             f"name, names one missing from its table or names the joiner ({', '.join(answer.permanent)[:300]})"
         )
-    return [listed[name].spec() for name in answer.permanent]
+    try:
+        return [listed[name].spec() for name in answer.permanent]
+    except ConfigError as err:  # an entry shaped right that is no node (its name or address refused)
+        invalid = f"node {me}: the member at {address} answered with an invalid cluster-file node: {err}"
+        raise JoinRefused(invalid) from None
 
 
 def leave(node: Contacting, timeout_s: float, final_mix: bool = False) -> None:

@@ -292,6 +292,7 @@ class PushReceiver:
             )
         ready = self._ready()
         if ready is None:  # refused before this node's first publish: the sender keeps its mass, the round is over
+            self._on_event("pushes_not_ready", 1)
             with self._lock:
                 self._settle_round(sender, header)
             return _Reserved(None, wire.encode_error(self.name, header.req, ErrorCode.NOT_READY, "no layout yet"))

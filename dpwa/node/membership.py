@@ -27,8 +27,10 @@ from dpwa.node.wire import MemberNews, WithNews
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_EVENTS", "MemberEvent", "Membership"]
+__all__ = ["MAX_CLASHES_LOGGED", "MAX_EVENTS", "MemberEvent", "Membership"]
 
+MAX_CLASHES_LOGGED = 16
+"""The most addresses at which another process holds this node's name that are logged (each once)."""
 MAX_EVENTS = 4096
 """Membership events kept for the metrics file until read (the oldest go first)."""
 
@@ -190,8 +192,8 @@ class Membership:
                 "node %s: its entry named %s:%d (%s, version %d), an old incarnation elsewhere; taken back at %s:%d",
                 self.me.name, entry.host, entry.port, entry.state, entry.version, self.me.host, self.me.port,
             )  # fmt: skip
-        elif (entry.host, entry.port) not in self._clashes:
-            self._clashes.add((entry.host, entry.port))
+        elif (entry.host, entry.port) not in self._clashes and len(self._clashes) < MAX_CLASHES_LOGGED:
+            self._clashes.add((entry.host, entry.port))  # bounded: each forged claim may name a new address
             log.error(
                 "node %s: another live process holds this name at %s:%d (version %d); the members reach it, not this "
                 "node at %s:%d: stop one of the two",

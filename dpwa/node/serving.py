@@ -178,12 +178,12 @@ def _lent_reply(
 
 def give_back(node: Served, release: wire.Release, user: str | None) -> None:
     """A RELEASE: end the loan of ``release.node``'s request (counted ``shm_released``); with CURVE on, only the
-    authenticated requester itself may (else counted ``releases_rejected``)."""
+    authenticated requester itself may (else counted ``releases_rejected``); one of no loan held (it expired first)
+    is counted ``releases_unmatched``."""
     if node.security is not None and user != release.node:
         node.stats.add("releases_rejected")
         return
-    if node.loans.give_back(release.node, release.req):
-        node.stats.add("shm_released")
+    node.stats.add("shm_released" if node.loans.give_back(release.node, release.req) else "releases_unmatched")
 
 
 def _state_reply(

@@ -208,7 +208,11 @@ class SegmentReader:
             if not stat.S_ISREG(info.st_mode):
                 raise WireError("shm-token", f"{path} is not a memory file")
             size = info.st_size
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError as exc:  # EINVAL: a file on a disk, not a memory file (it has no seals)
+                raise WireError("shm-seals", f"{path} has no seals ({exc.strerror})") from None
+            if seals & SEALS != SEALS:
                 raise WireError("shm-seals", f"{path} may still change size (not sealed)")
             if size != HEADER_BYTES + payload_bytes:
                 raise WireError("shm-size", f"segment of {size} bytes, expected {HEADER_BYTES + payload_bytes}")

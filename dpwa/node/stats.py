@@ -9,7 +9,7 @@ from typing import Any
 
 from dpwa.metrics import DECLINED_CODES
 
-__all__ = ["COUNTERS", "NodeStats", "OnceLog"]
+__all__ = ["COUNTERS", "ONCE_LOG_KEYS", "NodeStats", "OnceLog"]
 
 COUNTERS = (
     "fetches_started",  # fetch requests sent to a peer
@@ -28,6 +28,7 @@ COUNTERS = (
     "fetches_held",  # FETCHes the RX thread held back while the node rewrote its one snapshot (transport.memory low)
     "serve_dropped",  # replies dropped because a requester's queue was full
     "requests_rejected",  # malformed requests received by the RX thread
+    "requests_failed",  # requests whose handling raised (a bug, logged with its traceback): unanswered
     "auth_denied",  # connections to the RX thread refused by CURVE authentication (security.curve)
     "snapshots_skipped",  # update_send found every snapshot buffer busy and kept the previous one
     "bytes_in",
@@ -50,6 +51,7 @@ COUNTERS = (
     "pushes_expired",  # pushes that did not arrive whole within timeout_ms: slot freed
     "pushes_rejected",  # pushes refused by validation (by reason in push_rejected_by_reason)
     "pushes_unsupported",  # pushes or settles sent to this node although its rule takes none
+    "pushes_not_ready",  # pushes refused before this node's first publish (no layout yet): the sender keeps its mass
     "pushes_from_departed",  # pushes or settles from a member that went (sent before it left): refused, not invalid
     "answers_dropped",  # ACK / ERROR answers the requester's queue had no room for
     "exchanges_committed",  # AD-PSGD exchanges confirmed by the fetcher: mixed at the next update_wait
@@ -61,6 +63,7 @@ COUNTERS = (
     "shm_released",  # of those: given back by the requester's RELEASE
     "shm_loans_expired",  # of those: given back at the loan's deadline (no RELEASE came)
     "releases_rejected",  # RELEASEs from a peer that did not authenticate as the node it names (CURVE)
+    "releases_unmatched",  # RELEASEs of no loan held (it expired first, or was never made): nothing to give back
     "shm_fetched",  # of fetches_ok: replies read from the peer's segment
     "shm_fallbacks",  # peers whose segment could not be opened: fetched over the socket from then on
     "shm_loans_lapsed",  # lent replies not mixed: their loan was ending (or over) by update_wait
@@ -165,19 +168,27 @@ class NodeStats:
         return out
 
 
-class OnceLog:
-    """Log a message the first time a key is seen (e.g. (peer, reason)), at debug level after that."""
+ONCE_LOG_KEYS = 4096
+"""The most keys a :class:`OnceLog` remembers."""
 
-    def __init__(self, logger: logging.Logger) -> None:
+
+class OnceLog:
+    """Log a message the first time a key is seen (e.g. (peer, reason)), at debug level after that. At most
+    ``limit`` keys are remembered (a key may name what a stranger sent): once full, a new key logs at DEBUG, so a
+    flood of new names costs neither memory nor a flood of warnings."""
+
+    def __init__(self, logger: logging.Logger, limit: int = ONCE_LOG_KEYS) -> None:
         self._logger = logger
         self._seen: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
+        self._limit = limit
 
     def warning(self, key: tuple[Any, ...], msg: str, *args: Any, level: int = logging.WARNING) -> None:
-        """Log at ``level`` the first time ``key`` is seen, at DEBUG afterwards."""
+        """Log at ``level`` the first time ``key`` is seen, at DEBUG afterwards (and once the keys are full)."""
         with self._lock:
-            first = key not in self._seen
-            self._seen.add(key)
+            first = key not in self._seen and len(self._seen) < self._limit
+            if first:
+                self._seen.add(key)
         self._logger.log(level if first else logging.DEBUG, msg, *args)
 
     def forget(self, first: Any) -> None:

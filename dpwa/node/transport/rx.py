@@ -162,6 +162,7 @@ class RxServer(SocketThread):
                 answer = self._port.answer_membership(header, user_id(head))
             except Exception:  # pragma: no cover - a bug in the membership code must not kill the server
                 log.exception("membership message from %s failed", header.node)
+                self._port.count("requests_failed", 1)
                 answer = None
             self._answer(sock, identity, answer)
             return
@@ -183,6 +184,7 @@ class RxServer(SocketThread):
             reply = self._port.serve(header, user)
         except Exception:  # pragma: no cover - a bug in a rule's on_serve must not kill the server
             log.exception("serving %s failed", header.node)
+            self._port.count("requests_failed", 1)
             return
         frames: list[zmq.Frame] = []
         went = False

@@ -23,6 +23,7 @@ __all__ = [
     "WireError",
     "envelope",
     "extras_sum",
+    "finite_float",
     "finite_clock_loss",
     "host_field",
     "member_news",
@@ -83,9 +84,10 @@ def shared_ref(value: Any) -> SharedRef | None:
         raise WireError("header", "field 'shm' names no process or descriptor")
     if len(token) != 32 or any(c not in "0123456789abcdef" for c in token):
         raise WireError("header", "field 'shm' has no 32-hex-digit token")
-    if not math.isfinite(until):
+    deadline = finite_float(until)
+    if deadline is None:
         raise WireError("non-finite", "field 'shm' has a non-finite deadline")
-    return SharedRef(pid=pid, fd=fd, token=token, until=float(until))
+    return SharedRef(pid=pid, fd=fd, token=token, until=deadline)
 
 
 def host_field(body: dict[str, Any]) -> str:
@@ -122,14 +124,21 @@ def optional_flag(body: dict[str, Any], key: str) -> bool:
     return value
 
 
+def finite_float(value: int | float) -> float | None:
+    """``float(value)`` when that is finite; None for inf, nan and a JSON integer beyond float range (``10**400``,
+    whose ``float`` raises OverflowError): how a number a header carries becomes a float."""
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def finite_clock_loss(body: dict[str, Any]) -> tuple[float, float]:
     """``clock`` and ``loss``: two numbers, both finite (reason ``non-finite`` otherwise)."""
-    try:
-        clock = float(required(body, "clock", (int, float)))
-        loss = float(required(body, "loss", (int, float)))
-    except OverflowError:  # a JSON integer beyond float range (10**400): as non-finite as it gets
-        raise WireError("non-finite", "clock or loss is not finite") from None
-    if not (math.isfinite(clock) and math.isfinite(loss)):
+    clock = finite_float(required(body, "clock", (int, float)))
+    loss = finite_float(required(body, "loss", (int, float)))
+    if clock is None or loss is None:
         raise WireError("non-finite", "clock or loss is not finite")
     return clock, loss
 
@@ -138,11 +147,8 @@ def positive_mass(value: Any) -> float | None:
     """An optional positive finite number (a MEMBERS ``mass``); anything else is as if absent."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    try:
-        mass = float(value)
-    except OverflowError:
-        return None
-    return mass if math.isfinite(mass) and mass > 0 else None
+    mass = finite_float(value)
+    return mass if mass is not None and mass > 0 else None
 
 
 def member_news(body: dict[str, Any]) -> MemberNews | None:
@@ -193,10 +199,11 @@ def settled_pair(value: Any) -> tuple[int, bool | None] | None:
 
 
 def extras_sum(extras: Iterable[Mapping[str, Any]], key: str) -> float:
-    """The sum of ``e[key]`` over ``extras`` where it is a number (an int or float, not a bool); others count 0."""
+    """The sum of ``e[key]`` over ``extras`` where it is a finite number (an int or float, not a bool); others
+    count 0."""
     total = 0.0
     for e in extras:
         value = e.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            total += float(value)
+            total += finite_float(value) or 0.0
     return total

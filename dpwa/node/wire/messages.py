@@ -574,4 +574,10 @@ def decode_message(frame: bytes | memoryview) -> Message:
         kind = Kind(kind_value)
     except ValueError:
         raise WireError("header", f"unknown message kind {kind_value}") from None
-    return MESSAGE_CLASSES[kind].decode(_parse(data[_PREFIX.size :]))
+    body = _parse(data[_PREFIX.size :])
+    try:
+        return MESSAGE_CLASSES[kind].decode(body)
+    except WireError:
+        raise
+    except (ArithmeticError, LookupError, TypeError, ValueError) as err:  # a check its decoder lacks: still a drop
+        raise WireError("header", f"malformed {kind.name} header ({type(err).__name__})") from None
