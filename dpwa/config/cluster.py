@@ -92,6 +92,12 @@ class FileReader(Reader, Protocol):
 MAX_WAIT_S = 86400.0
 """The longest a setting may make a node wait (a day): a timeout beyond it is a typo, and one beyond what
 ``threading`` can wait would fail only at the wait."""
+_NOT_UNDER_OUTER = {
+    "choco": "CHOCO's messages are increments that every neighbour must receive",
+    "gt": "the tracker is mixed by offers made at every publish, and offers nobody collects drain it between the "
+    "exchanges: the local steps would be lost",
+}
+"""The rules the outer optimizer cannot wrap, and why."""
 DEFAULT_PER_SENDER = 2
 """How many unmixed pushes one sender may hold in a receiver's inbox unless ``inbox_per_sender`` says."""
 
@@ -379,12 +385,12 @@ class ClusterConfig:
             )
         if getattr(self.settings, "bipartite", False):
             self._check_bipartite()
-        if self.outer and self.interpolation == "choco":
+        if self.outer and self.interpolation in _NOT_UNDER_OUTER:
             raise self.error(
                 "outer",
-                "does not fit interpolation 'choco' (docs/rules.md): CHOCO's messages are increments that every "
-                "neighbour must receive, and under the outer optimizer a node publishes at every step while its "
-                "neighbours fetch only every `every`-th; leave outer out",
+                f"does not fit interpolation {self.interpolation!r} (docs/rules.md): "
+                f"{_NOT_UNDER_OUTER[self.interpolation]}; under the outer optimizer a node publishes at every step "
+                "while its neighbours fetch only every `every`-th; leave outer out",
             )
         graph = getattr(self.settings, "graph", None)
         hazard = momentum_hazard(self.interpolation, self.schedule, graph) if self.outer and self.outer.momentum else ""

@@ -2,20 +2,26 @@
 
 The ``groups`` schedule fetches this node's group (rotating groups of
 ``group_size``; everybody on every ``sync_every``-th step); this rule averages
-what arrived.  With ``k`` fresh peers ``x_j``, this node's model ``x`` and the
-model it published at ``update_send`` ``x_pub``:
+what arrived.  WAGMA's group step is ``x_i <- (sum_{j in G} x_j + x_i) / (S + 1)``
+over the models after the local step, the group G holding the node itself: its
+own model counts twice, and in lock-step the group's mean moves by the whole
+mean step (as all-reduce SGD's does).  Here the peers' ``x_j`` are the snapshots
+they published at their ``update_send`` (before their step), and so is this
+node's ``x_pub``; the trainer took its step since (``x = x_pub + u``).  With ``k``
+fresh peers, the average of the published models plus the whole local step:
 
-    group step:  x <- (sum_j x_j + x_pub + x) / (k + 2)
-    sync step:   x <- (sum_j x_j + x) / (k + 1)
+    group step:  x <- (sum_j x_j + 2 x_pub) / (k + 2) + (x - x_pub)  =  x + sum_j (x_j - x_pub) / (k + 2)
+    sync step:   x <- (sum_j x_j + x_pub) / (k + 1) + (x - x_pub)    =  x + sum_j (x_j - x_pub) / (k + 1)
 
-The group step is WAGMA's ``(sum_{j in G} x_j + x_i) / (S + 1)``: the group G
-holds this node's own published model, and its fresh model counts once more
-(``k = S - 1`` when every member answered in time).  On a sync step, with no
-training between send and wait, every node ends up holding the same average
-(bit-identical: every node sums the same models in rank order).  The clock is
-averaged with the same weights.  A peer whose clock lags this node's by more
-than ``max_staleness`` (or is not a finite number) is left out and counted.
-No fresh peer: nothing changes.
+as D-PSGD's step averages the step-k models and keeps the node's whole step
+(``k = S - 1`` when every member answered in time).  Averaging the fresh ``x``
+in instead, ``(sum_j x_j + x_pub + x) / (k + 2)``, keeps only ``1/(S+1)`` of each
+local step (``1/N`` on a sync step): every step shrunk fivefold at ``S = 4``.
+A sync step, with no training between send and wait, leaves every node at the
+average of all published models (to rounding: each adds the differences to its
+own ``x_pub``).  The clock moves with the same weights.  A peer whose clock
+lags this node's by more than ``max_staleness`` (or is not a finite number) is
+left out and counted.  No fresh peer: nothing changes.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
-from dpwa.rules.mixing import weighted_sum_
+from dpwa.rules.mixing import add_differences_
 from dpwa.utils.settings import Settings, setting
 
 __all__ = ["GroupRule", "GroupSettings", "is_sync_step"]
@@ -44,8 +50,8 @@ def is_sync_step(index: int, sync_every: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class GroupSettings(Settings):
-    """WAGMA group averaging: ``x <- (sum of group + x) / (S + 1)`` over rotating groups of ``group_size``;
-    a full average every ``sync_every`` steps (0 = never); peers more than ``max_staleness`` steps
+    """WAGMA group averaging: ``x <- (sum of group + x_pub) / (S + 1) + (x - x_pub)`` over rotating groups of
+    ``group_size``; a full average every ``sync_every`` steps (0 = never); peers more than ``max_staleness`` steps
     behind are left out."""
 
     group_size: int = setting(4, lo=2, integer=True)
@@ -54,18 +60,16 @@ class GroupSettings(Settings):
 
 
 class GroupRule(Rule):
-    """Average the fresh group: ``(sum_j x_j + x_pub + x)/(k+2)``; on sync steps ``(sum_j x_j + x)/(k+1)``.
+    """Average the fresh group's published models: ``x + sum_j (x_j - x_pub)/(k+2)``; on sync steps ``/(k+1)``.
 
     Step index: the number of :meth:`on_publish` calls (one per ``update_send``)
     before the current one -- what the schedule's ``Round.index`` counts.
 
-    ``divergence_threshold`` ``t``: when ``loss < t`` every term other than the
-    fresh ``x`` (peers and, on group steps, ``x_pub``) has its weight scaled by
-    ``g = loss / t`` and ``x`` takes the rest, i.e. the displacement
-    ``x_new - x`` is scaled by ``g`` -- the same "move less toward the others"
-    as the pairwise rules' ``f <- f*loss/t``.  Note that nodes below ``t`` then
-    no longer reach the exact common average on sync steps; that is the point
-    of the threshold.
+    ``divergence_threshold`` ``t``: when ``loss < t`` the displacement
+    ``x_new - x`` is scaled by ``g = loss / t`` -- the same "move less toward
+    the others" as the pairwise rules' ``f <- f*loss/t``.  Note that nodes below
+    ``t`` then no longer reach the common average on sync steps; that is the
+    point of the threshold.
 
     Counters (rule attributes, reported in every outcome's metrics; nothing
     travels to peers): ``stale_left_out`` -- peers left out as stale.  State
@@ -142,27 +146,14 @@ class GroupRule(Rule):
         g = self.diverge(1.0, own.loss)  # 1.0 unless damped
         if k == 0 or g == 0.0:
             return MixOutcome(0.0, (), metrics)
-        # Terms in rank order (own x, and x_pub next to it, at this node's rank): the same sum on every node.
-        me = self._rank.get(own.name, len(self._rank))
+        counted = 1 if sync else 2  # x_pub: once on a sync step; on a group step once more, for the fresh model
+        d = float(k + counted)
+        sent = self._published
+        if sent is None:  # before any update_send, x is x_pub (a copy: the kernel reads it while it writes x)
+            sent = [a.copy() for a in arrays]
+        sent_clock = self._published_clock if self._published is not None else own.clock
         ordered = sorted(fresh, key=lambda p: self._rank.get(p.state.name, len(self._rank)))
-        before = [p for p in ordered if self._rank.get(p.state.name, len(self._rank)) < me]
-        after = ordered[len(before) :]
-        own_terms: list[Sequence[np.ndarray]] = []
-        own_clocks: list[float] = []
-        if not sync:  # x_pub is one of the group; before any update_send it is x itself
-            own_terms.append(self._published if self._published is not None else arrays)
-            own_clocks.append(self._published_clock if self._published is not None else own.clock)
-        others = len(own_terms) + k  # terms other than the fresh x
-        d = float(others + 1)
-        terms = [p.arrays for p in before] + own_terms + [arrays] + [p.arrays for p in after]
-        clocks = [p.state.clock for p in before] + own_clocks + [own.clock] + [p.state.clock for p in after]
-        x_at = len(before) + len(own_terms)
-        if g == 1.0:  # the exact formula: plain sum, one division
-            weights = [1.0] * len(terms)
-        else:  # damped: others' weights scaled by g, x takes the rest
-            weights = [g] * len(terms)
-            weights[x_at] = d - g * others
-        weighted_sum_(arrays, terms, weights, d)
-        own.clock = math.fsum(w * c for w, c in zip(weights, clocks)) / d
+        add_differences_(arrays, [p.arrays for p in ordered], sent, g / d)  # one pass over x
+        own.clock += g * math.fsum(p.state.clock - sent_clock for p in ordered) / d
         factor = g * k / d
         return MixOutcome(factor, tuple(p.state.name for p in ordered), metrics)

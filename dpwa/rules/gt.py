@@ -25,7 +25,9 @@ Without losses in lock-step this is DIGing exactly (``z - d w z + sum_j w z_j = 
 message is collected by the next one, so ``sum_i z_i`` plus what is still in flight is always ``sum_i u_i``.
 The parameters move along the tracker (``x <- W x + z``; the optimizer's step is taken back out of ``x`` and
 fed into the tracker): which variable the local step updates in the papers. With momentum or Adam the
-tracker tracks the optimizer's update rather than the gradient. A neighbour that did not answer, or lags by
+tracker tracks the optimizer's update rather than the gradient; a fixed point then has ``sum_i u_i = 0``: the
+minimizer of the average for SGD and heavy-ball momentum (one scalar preconditioner on every node), not for Adam
+(``sum_i P_i g_i = 0``, each node's own preconditioner ``P_i``). A neighbour that did not answer, or lags by
 more than ``max_staleness``, is left out of the ``x`` average and its weight stays with this node.
 """
 
