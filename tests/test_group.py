@@ -1,4 +1,4 @@
-"""Group averaging, WAGMA-style, and the weighted_sum_ kernel it uses."""
+"""Group averaging, WAGMA-style."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from conftest import traced
 
 from dpwa.rules import RULES, NodeState, PeerSnapshot, make_rule
 from dpwa.rules.group import GroupRule, GroupSettings, is_sync_step
-from dpwa.rules.mixing import BLOCK, weighted_sum_
+from dpwa.rules.mixing import BLOCK
 from dpwa.rules.schedules import GroupsSchedule
 from dpwa.tools.simulation import Simulation
-from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
 NAMES = ("a", "b", "c", "d")
 
@@ -299,62 +298,3 @@ def test_stale_node_is_left_out_in_a_cluster():
         np.testing.assert_allclose(sim[name].flat(), (sum(others) + 2 * start[name]) / 4, rtol=1e-13)
     # w1 itself sees everybody ahead, which is never stale
     assert out["w1"].metrics["stale_left_out"] == 0.0 and out["w1"].peers == ("w2", "w3", "w4")
-
-
-# ------------------------------------------------------------------ the weighted_sum_ kernel
-
-
-def test_weighted_sum_hand_computed_with_x_as_a_term():
-    x = [np.array([1.0, 2.0]), np.array([[4.0]])]
-    a = [np.array([3.0, 0.0]), np.array([[0.0]])]
-    b = [np.array([0.0, 4.0]), np.array([[2.0]])]
-    weighted_sum_(x, [a, x, b], [1.0, 2.0, 0.5], 4.0)  # (a + 2x + b/2) / 4
-    np.testing.assert_array_equal(x[0], [1.25, 1.5])
-    np.testing.assert_array_equal(x[1], [[2.25]])
-    np.testing.assert_array_equal(a[0], [3.0, 0.0])  # terms are only read
-
-
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_weighted_sum_multi_block_matches_reference(dtype):
-    rng = np.random.default_rng(8)
-    n = 2 * BLOCK + 77
-    x0, t1, t2 = (rng.standard_normal(n).astype(dtype) for _ in range(3))
-    x = x0.copy()
-    weighted_sum_([x], [[t1], [x], [t2]], [0.5, 1.0, 3.0], 3.0)
-    ref = (0.5 * t1.astype(np.float64) + x0 + 3.0 * t2) / 3.0
-    rtol = {np.float16: 1e-3, np.float32: 1e-6, np.float64: 1e-15}[dtype]
-    np.testing.assert_allclose(x.astype(np.float64), ref, rtol=rtol, atol=rtol * 4)
-
-
-def test_weighted_sum_bfloat16_accumulates_in_float32_and_rounds_once():
-    rng = np.random.default_rng(9)
-    vals = [rng.standard_normal(1000).astype(np.float32) for _ in range(5)]
-    bf = lambda v: from_float32(v, np.empty(v.shape, BFLOAT16))
-    f32 = lambda u: to_float32(u, np.empty(u.shape, np.float32))
-    terms = [[bf(v)] for v in vals]
-    x = [bf(vals[0])]
-    weighted_sum_(x, [x] + terms[1:], [1.0] * 5, 5.0)
-    assert x[0].dtype == BFLOAT16
-    exact = sum(f32(t[0]).astype(np.float64) for t in terms) / 5
-    once = f32(bf(exact.astype(np.float32)))
-    np.testing.assert_allclose(f32(x[0]), once, rtol=1e-2, atol=1e-2)
-    assert np.mean(f32(x[0]) == once) > 0.95  # one rounding: almost always the nearest bfloat16
-
-
-def test_weighted_sum_validates_before_writing():
-    x = [np.ones(3)]
-    for terms, weights, divisor, exc in [
-        ([], [], 1.0, ValueError),
-        ([[np.ones(3)]], [1.0, 1.0], 1.0, ValueError),
-        ([[np.ones(3)]], [-1.0], 1.0, ValueError),
-        ([[np.ones(3)]], [math.nan], 1.0, ValueError),
-        ([[np.ones(3)]], [1.0], 0.0, ValueError),
-        ([[np.ones(3)]], [1.0], math.inf, ValueError),
-        ([[np.zeros(3)], [np.ones(4)]], [1.0, 1.0], 1.0, ValueError),
-        ([[np.zeros(3, np.float32)]], [1.0], 1.0, ValueError),
-        ([[x[0][:]]], [1.0], 1.0, ValueError),  # overlaps x without being x
-        ([[[0.0, 0.0, 0.0]]], [1.0], 1.0, TypeError),
-    ]:
-        with pytest.raises(exc):
-            weighted_sum_(x, terms, weights, divisor)
-        np.testing.assert_array_equal(x[0], np.ones(3))

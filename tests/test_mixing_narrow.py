@@ -21,7 +21,6 @@ from dpwa.rules.mixing import (
     interpolate_elementwise_,
     relative_distance,
     scale_motion_,
-    weighted_sum_,
     widen,
 )
 from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
@@ -65,19 +64,6 @@ def test_interpolate_with_a_narrower_peer_gives_the_bits_of_the_peer_widened_fir
 
 
 @pytest.mark.parametrize("wire", WIRES)
-@pytest.mark.parametrize("with_x", [True, False])
-def test_weighted_sum_with_narrower_terms_gives_the_bits_of_the_terms_widened_first(wire: str, with_x: bool) -> None:
-    rng = np.random.default_rng(2)
-    (p1, w1), (p2, w2) = narrow_and_wide(rng, MULTI_BLOCK, wire), narrow_and_wide(rng, MULTI_BLOCK, wire)
-    x = [rng.standard_normal(MULTI_BLOCK).astype(np.float32)]
-    expected = [x[0].copy()]
-    weights = [0.25, 0.5, 0.25] if with_x else [1.0, 3.0]
-    weighted_sum_(expected, [[w1], [w2], expected][: len(weights)], weights, sum(weights))
-    weighted_sum_(x, [[p1], [p2], x][: len(weights)], weights, sum(weights))
-    same_bits(x[0], expected[0])
-
-
-@pytest.mark.parametrize("wire", WIRES)
 def test_relative_distance_to_a_narrower_peer_is_the_distance_to_the_peer_widened(wire: str) -> None:
     rng = np.random.default_rng(3)
     narrow, widened = narrow_and_wide(rng, MULTI_BLOCK, wire)
@@ -91,9 +77,8 @@ def test_relative_distance_to_a_narrower_peer_is_the_distance_to_the_peer_widene
     [
         lambda x, p: interpolate_(x, p, 0.3),
         lambda x, p: interpolate_(x, p, 0.5),
-        lambda x, p: weighted_sum_(x, [p, x], [1.0, 1.0], 2.0),
     ],
-    ids=["interpolate", "mean", "weighted-sum"],
+    ids=["interpolate", "mean"],
 )
 def test_a_narrower_peer_costs_no_more_than_block_scratch(
     wire: str, kernel: Callable[[list[np.ndarray], list[np.ndarray]], None]

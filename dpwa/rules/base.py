@@ -222,8 +222,8 @@ class Rule(ABC):
 
     def mixes_narrower_peers(self) -> bool:
         """Whether :meth:`mix` reads its peers' arrays only through kernels that take a narrower peer (a float16
-        or bfloat16 array beside float32 parameters, widened block by block as it is read: ``interpolate_``,
-        ``weighted_sum_``; :mod:`dpwa.rules.mixing`), so that a node keeping its snapshot in a 16-bit wire dtype
+        or bfloat16 array beside float32 parameters, widened block by block as it is read: ``interpolate_``;
+        :mod:`dpwa.rules.mixing`), so that a node keeping its snapshot in a 16-bit wire dtype
         alone may receive in it too. Default False: peers come in the parameters' dtypes."""
         return False
 

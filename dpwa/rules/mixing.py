@@ -15,7 +15,7 @@ special-cased).  For other ``f``, ``x == peer`` may move by up to one ulp.
 float16 and bfloat16 (:data:`dpwa.utils.bfloat16.BFLOAT16` arrays: raw bits in
 uint16) are computed in float32 (block-sized scratch) and rounded once.
 
-A *narrower peer*: :func:`interpolate_`, :func:`weighted_sum_` and :func:`relative_distance` also take a peer
+A *narrower peer*: :func:`interpolate_` and :func:`relative_distance` also take a peer
 array held in float16 or bfloat16 beside a float32 ``x`` (a receive buffer kept in the wire's dtype); each block
 of it is widened (exactly) into scratch as it is read, so the result is the bits of widening the peer first.
 """
@@ -49,7 +49,6 @@ __all__ = [
     "relative_distance",
     "scale_motion_",
     "scale_motion_and_interpolate_",
-    "weighted_sum_",
     "widen",
 ]
 
@@ -477,79 +476,6 @@ def mix_clock(clock: float, peer_clock: float, f: float) -> float:
     if f == 1.0:
         return peer_clock
     return f * peer_clock + (1.0 - f) * clock
-
-
-def _same_arrays(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
-    """True when ``a`` and ``b`` hold the very same array objects in the same order."""
-    return a is b or (len(a) == len(b) and all(p is q for p, q in zip(a, b)))
-
-
-def weighted_sum_(
-    x: Sequence[np.ndarray], terms: Sequence[Sequence[np.ndarray]], weights: Sequence[float], divisor: float = 1.0
-) -> None:
-    """In place, array by array: ``x <- (sum_i weights[i] * terms[i]) / divisor`` (group averaging).
-
-    A term may be ``x`` itself (the same arrays, in the same order): each block
-    of ``x`` is read before it is written.  Terms are added in the order given, so callers
-    that sum the same arrays in the same order get bit-identical results;
-    weights of 1.0 skip the multiplication (a plain sum then one correctly
-    rounded division).  float16/bfloat16 are accumulated in float32 and rounded
-    once.  A term other than ``x`` may be narrower (see the module doc-string).
-    Terms are only read; at most two block-sized scratch buffers are
-    used.  All arrays are validated before any is written.  Raises ValueError
-    for no terms, a weights/terms length mismatch, a negative or non-finite
-    weight, a divisor that is not finite and > 0, or mismatched layouts
-    (TypeError for non-arrays).
-    """
-    if not terms:
-        raise ValueError("weighted_sum_ needs at least one term")
-    if len(weights) != len(terms):
-        raise ValueError(f"{len(terms)} terms but {len(weights)} weights")
-    ws = [float(w) for w in weights]
-    for w in ws:
-        if not (math.isfinite(w) and w >= 0.0):
-            raise ValueError(f"weights must be finite and >= 0, got {w!r}")
-    d = float(divisor)
-    if not (math.isfinite(d) and d > 0.0):
-        raise ValueError(f"divisor must be finite and > 0, got {divisor!r}")
-    for i, t in enumerate(terms):
-        if not _same_arrays(t, x):
-            check_pairs(x, t, what=f"term {i}", narrower_peer=True)
-    scratch = Scratch()
-    for ai, a in enumerate(x):
-        if a.size == 0:
-            continue
-        xv = _flat(a)
-        tv = [_flat(t[ai]) for t in terms]
-        c = compute_dtype(a.dtype)
-        wc = [c.type(w) for w in ws]
-        dc = c.type(d)
-        half = is_half(a.dtype)
-        widened = [half or narrower(a.dtype, v.dtype) for v in tv]  # per term, once per array
-        for start in range(0, xv.size, BLOCK):
-            stop = min(start + BLOCK, xv.size)
-            n = stop - start
-            acc, tmp = scratch.get(c, n, 0), scratch.get(c, n, 1)
-            for i, (v, w) in enumerate(zip(tv, ws)):
-                src = v[start:stop]
-                if widened[i]:  # widen exactly to float32 first
-                    src = widen(src, tmp)
-                if i == 0:
-                    if w == 1.0:
-                        np.copyto(acc, src)
-                    else:
-                        np.multiply(src, wc[i], out=acc)
-                elif w == 1.0:
-                    np.add(acc, src, out=acc)
-                else:
-                    np.multiply(src, wc[i], out=tmp)
-                    np.add(acc, tmp, out=acc)
-            if d != 1.0:
-                np.divide(acc, dc, out=acc)
-            if half:
-                narrow(acc, xv[start:stop], tmp)
-            else:
-                np.copyto(xv[start:stop], acc)
 
 
 def relative_distance(x: Sequence[np.ndarray], peer: Sequence[np.ndarray]) -> float:
