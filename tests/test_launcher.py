@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from dpwa.cli import app as cli
 from dpwa.cli import run as run_command
 from dpwa.cli.run import _split_at_script, _with_option
 from dpwa.config import ClusterConfig, parse_config
+from dpwa.launcher import placement
 from dpwa.launcher.job import _watch
 from dpwa.launcher.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
 from dpwa.launcher.progress import NodeView, Progress, summary_table
@@ -186,6 +188,28 @@ def test_local_hosts_are_loopback_and_this_machines_names() -> None:
         assert local(host), host
     assert not local(NOT_HERE)
     assert not local("no-such-host.invalid")
+
+
+def test_many_hosts_are_looked_up_at_once_and_decided_as_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster file of hosts that do not resolve made ``dpwa validate`` and ``dpwa run`` wait for each lookup in
+    turn (6 s for 30 here). ``learn`` runs them at once: each fake lookup waits until 4 are in flight together (a
+    barrier with a 10 s timeout, which lookups one at a time would break), and the verdicts are those of the
+    lookups made one by one."""
+    in_flight = threading.Barrier(4, timeout=10.0)
+    looked_up: list[str] = []
+
+    def slow_lookup(host: str) -> set[str]:
+        looked_up.append(host)
+        in_flight.wait()
+        return {"127.0.0.1"} if host.startswith("here") else set()
+
+    local = LocalHosts()  # its own names looked up first, for real
+    monkeypatch.setattr(placement, "_addresses", slow_lookup)
+    hosts = ["here-1", "Far-1", "here-2", "far-2", "far-1", "[far-2]"]
+    local.learn(hosts, workers=8)
+    assert sorted(looked_up) == ["far-1", "far-2", "here-1", "here-2"]  # once per host, case and brackets aside
+    monkeypatch.setattr(placement, "_addresses", lambda host: pytest.fail(f"{host} looked up again"))
+    assert [local(h) for h in hosts] == [True, False, True, False, False, False]
 
 
 def test_select_nodes_picks_the_local_ones_and_names_hosts_when_none() -> None:

@@ -100,7 +100,9 @@ def validate(cluster: str) -> None:
         config = load_config(cluster)
     except ConfigError as err:
         fail(err)
-    busy = busy_ports(config.nodes, is_local=LocalHosts()) if config.nodes else []
+    is_local = LocalHosts()
+    is_local.learn(node.host for node in config.nodes)
+    busy = busy_ports(config.nodes, is_local=is_local) if config.nodes else []
     if busy:
         fail(busy_ports_message(config, busy))
     click.echo(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), nl=False)

@@ -362,6 +362,8 @@ def _nodes_here(config: ClusterConfig, node_names: tuple[str, ...], listed: bool
     node of a ``listed`` file only: ``-n``'s nodes are all this launcher's, also inside a SLURM job (an engine's
     come named)."""
     is_local = LocalHosts()
+    if not node_names:
+        is_local.learn(node.host for node in config.nodes)
     try:
         nodes, warnings = select_nodes(config, node_names, env=None if listed else {}, is_local=is_local)
     except ConfigError as err:

@@ -14,7 +14,8 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from dpwa.config import ClusterConfig, NodeSpec
 from dpwa.engines.slurm import in_slurm_step
@@ -26,6 +27,7 @@ __all__ = [
     "ENV_NODE",
     "ENV_RUN_DIR",
     "ENV_TORCH_THREADS",
+    "LOOKUP_WORKERS",
     "THREAD_VARIABLES",
     "LocalHosts",
     "node_env",
@@ -42,10 +44,16 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
-_LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
-
 
 # --------------------------------------------------------------------------- which nodes run here
+
+LOOKUP_WORKERS = 16
+"""The most host-name lookups :meth:`LocalHosts.learn` runs at once."""
+
+
+def _key(host: str) -> str:
+    """How a host is looked up and cached: ``[::1]`` and `` Example.COM `` as ``::1`` and ``example.com``."""
+    return host.strip().strip("[]").lower()
 
 
 def _addresses(host: str) -> set[str]:
@@ -86,11 +94,22 @@ class LocalHosts:
         self._cache: dict[str, bool] = {}
 
     def __call__(self, host: str) -> bool:
-        key = host.strip().strip("[]").lower()
+        key = _key(host)
         if key not in self._cache:
             self._cache[key] = self._is_local(key)
             log.debug("host %r is %slocal", host, "" if self._cache[key] else "not ")
         return self._cache[key]
+
+    def learn(self, hosts: Iterable[str], workers: int = LOOKUP_WORKERS) -> None:
+        """Decide every host of ``hosts`` not decided yet, up to ``workers`` name lookups at once: a file of
+        many hosts that do not resolve waits for the slowest lookup, not for their sum (each lookup keeps the
+        resolver's own timeout)."""
+        keys = [key for key in dict.fromkeys(_key(h) for h in hosts) if key not in self._cache]
+        if len(keys) < 2:
+            return
+        with ThreadPoolExecutor(max_workers=min(workers, len(keys)), thread_name_prefix="dpwa-lookup") as pool:
+            for key, local in zip(keys, pool.map(self._is_local, keys)):
+                self._cache[key] = local
 
     def _is_local(self, host: str) -> bool:
         if host in self.names:
