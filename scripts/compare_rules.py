@@ -38,12 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from dpwa.config import load_config  # noqa: E402
+from dpwa.config import load_config, yaml12  # noqa: E402
 from dpwa.metrics import read_metrics  # noqa: E402
 from dpwa.utils.partition import parse_partition  # noqa: E402
 
@@ -133,7 +132,7 @@ def write_cluster(base: dict[str, Any], label: str, path: Path) -> None:
     doc.setdefault("interpolation", "constant")
     doc.update(VARIANTS[label][1])
     header = f"# written by scripts/compare_rules.py: {label} -- {VARIANTS[label][0]}\n"
-    path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
+    path.write_text(header + yaml12.dump(doc, sort_keys=False))
     load_config(path)  # a ConfigError here is a bug in VARIANTS
 
 
@@ -480,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"wrote {out / 'comparison.md'}, {out / 'comparison.png'}")
         return 0
     config = load_config(args.cluster)
-    base = yaml.safe_load(args.cluster.read_text(encoding="utf-8"))
+    base = yaml12.load(args.cluster.read_text(encoding="utf-8"))
     if not isinstance(base, dict):
         raise SystemExit(f"{args.cluster}: use a cluster file in the mapping format")
     nodes = [n.name for n in config.nodes]

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+from dpwa.config import yaml12
 
 ROOT = Path(__file__).resolve().parents[1]
 NODES = ("w1", "w2")
@@ -52,7 +52,7 @@ def one_run(work: Path, settings: dict[str, Any], demo_args: list[str]) -> dict[
     """Both nodes, then the evaluation; the run's figures (its directory is ``work``)."""
     nodes = [{"name": n, "host": "127.0.0.1", "port": p} for n, p in zip(NODES, free_ports(len(NODES)))]
     cluster = work / "cluster.yaml"
-    cluster.write_text(yaml.safe_dump({**settings, "nodes": nodes}, sort_keys=False))
+    cluster.write_text(yaml12.dump({**settings, "nodes": nodes}, sort_keys=False))
     procs = []
     started = time.monotonic()
     for name in NODES:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, help="cluster settings (no nodes), e.g. a rule and its settings")
     parser.add_argument("--out", type=Path, help="write every run's figures here (JSON)")
     args = parser.parse_args(argv)
-    settings = yaml.safe_load(args.config.read_text()) if args.config else {}
+    settings = yaml12.load(args.config.read_text()) if args.config else {}
     settings = {k: v for k, v in (settings or {}).items() if k != "nodes"}
     demo_args = ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr)]
     demo_args += ["--momentum", str(args.momentum)]

@@ -19,8 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
+from dpwa.config import yaml12
 from dpwa.tools.bench.procs import free_ports
 from dpwa.tools.sim import worker
 from dpwa.tools.sim.validation import Comparison, compare
@@ -30,7 +29,7 @@ def real_run(n: int, steps: int, seed: int, where: Path) -> Comparison:
     """One real run of ``n`` nodes and its comparison."""
     nodes = [{"name": f"w{i + 1}", "host": "127.0.0.1", "port": p} for i, p in enumerate(free_ports(n))]
     config = where / "cluster.yaml"
-    config.write_text(yaml.safe_dump({"nodes": nodes, "interpolation": "constant", "timeout_ms": 100}))
+    config.write_text(yaml12.dump({"nodes": nodes, "interpolation": "constant", "timeout_ms": 100}))
     run_dir = where / "run"
     command = [
         sys.executable,

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import yaml
 from parts import pytest_addoption, pytest_collection_modifyitems  # noqa: F401 (hooks: pytest finds them here)
+
+from dpwa.config import yaml12
 
 if TYPE_CHECKING:
     import numpy as np
@@ -99,7 +100,7 @@ def write_cluster(path: Path, ports: list[int], **settings: Any) -> Path:
     """A mapping-format cluster file with nodes w1..wN on 127.0.0.1."""
     doc = {"nodes": [{"name": f"w{i + 1}", "host": "127.0.0.1", "port": p} for i, p in enumerate(ports)]}
     doc.update(settings)
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.write_text(yaml12.dump(doc, sort_keys=False))
     return path
 
 

@@ -13,7 +13,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config, parse_config, resolve_config
+from dpwa.config import ClusterConfig, ConfigError, NodeSpec, load_config, parse_config, resolve_config, yaml12
+from dpwa.launcher.rundir import RunDir
 from dpwa.rules import RULES
 from dpwa.rules.base import REPEATS
 from dpwa.rules.pairwise import ClockRule, ClockSettings, ConstantSettings, LossSettings
@@ -154,6 +155,20 @@ def test_integers_are_read_as_yaml_1_2_reads_them(written: str, read: int) -> No
 def test_floats_are_read_as_yaml_1_2_reads_them(written: str, read: float) -> None:
     """YAML 1.1 reads ``1e3`` (an exponent without a dot) as a string."""
     assert parse_config(two_nodes(f"timeout_ms: {written}\n")).timeout_ms == read
+
+
+def test_a_written_config_reads_back_equal_whatever_its_names_look_like(tmp_path: Path) -> None:
+    """Every cluster file dpwa writes (a run's resolved cluster.yaml, which its nodes load) goes through
+    ``yaml12.dump``: names YAML 1.2 would read as numbers are quoted. ``yaml.safe_dump`` quotes by YAML 1.1 and
+    wrote ``08`` and ``1e5`` bare, which read back as the numbers 8 and 100000.0."""
+    names = ["08", "1e5", "0o17", "1.0e5", "123e4", "0x1F"]
+    nodes = tuple(NodeSpec(name, host, 45000 + i) for i, (name, host) in enumerate(zip(names, ["1e5", "0x10"] * 3)))
+    config = ClusterConfig(nodes=nodes, timeout_ms=1e-3, divergence_threshold=1e16)
+    written = RunDir(tmp_path / "run")
+    written.path.mkdir(parents=True)
+    assert load_config(written.write_config(config)) == config  # what a run's nodes load
+    text = yaml12.dump(config.to_dict(), sort_keys=False)
+    assert parse_config(yaml12.dump(yaml12.load(text), sort_keys=False)) == config
 
 
 def test_booleans_keep_yaml_1_1_spellings_and_strings_stay_strings() -> None:

@@ -10,6 +10,7 @@ Nodes in two network namespaces are tested in tests/test_netns.py (they fetch ov
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -201,6 +202,10 @@ def test_a_segment_cannot_change_size_under_its_readers_and_an_unsealed_file_is_
             with pytest.raises(WireError) as no_seals:
                 SegmentReader().open("p", named, 4096, 3)
             assert no_seals.value.reason == "shm-seals"
+            try:  # a disk file has no seals at all (EINVAL), a file on tmpfs has F_SEAL_SEAL only: both refused
+                fcntl.fcntl(on_disk.fileno(), fcntl.F_GET_SEALS)
+            except OSError:
+                assert "has no seals" in str(no_seals.value)
     finally:
         os.close(unsealed)
         segment.close()

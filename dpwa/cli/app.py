@@ -12,11 +12,10 @@ import os
 from typing import Any
 
 import click
-import yaml
 
 from dpwa.cli.common import fail
 from dpwa.cli.lazy import LazyGroup
-from dpwa.config import ClusterConfig, ConfigError, load_config
+from dpwa.config import ClusterConfig, ConfigError, load_config, yaml12
 
 __all__ = ["COMMANDS", "LOG_LEVELS", "main", "summary", "validate"]
 
@@ -105,7 +104,7 @@ def validate(cluster: str) -> None:
     busy = busy_ports(config.nodes, is_local=is_local) if config.nodes else []
     if busy:
         fail(busy_ports_message(config, busy))
-    click.echo(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), nl=False)
+    click.echo(yaml12.dump(config.to_dict(), sort_keys=False, default_flow_style=None), nl=False)
     click.echo(f"# {config.source}: {summary(config)}")
     if not config.nodes:
         click.echo(f"# nodes: none in the file; they come from the engine: {_engine_source(config, cluster)}")

@@ -9,17 +9,20 @@ this module's :class:`Loader` and :class:`Constructor` apply, reads:
 * everything else (``46_101``, ``12:30``, ``0b101``) as a string, which a number's check then refuses.
 
 Booleans keep YAML 1.1's spellings (``yes``/``no``/``on``/``off`` besides ``true``/``false``): a file may say
-``shared_memory: off``. An integer of more than :data:`MAX_DIGITS` digits is refused as such.
+``shared_memory: off``. An integer of more than :data:`MAX_DIGITS` digits is refused as such. :func:`dump` writes
+with the same resolvers, so a string that YAML 1.2 would read as a number (a node named ``08`` or ``1e5``) is
+quoted, and every file dpwa writes reads back as it was (:func:`load`).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import yaml
 from yaml.constructor import ConstructorError, SafeConstructor
 
-__all__ = ["MAX_DIGITS", "Constructor", "Loader"]
+__all__ = ["MAX_DIGITS", "Constructor", "Dumper", "Loader", "dump", "load"]
 
 MAX_DIGITS = 100
 """The most digits an integer in a cluster file may have (no setting needs more than 20)."""
@@ -44,18 +47,40 @@ Loader.add_implicit_resolver(_INT, _INT_PATTERN, list("-+0123456789"))  # an int
 Loader.add_implicit_resolver(_FLOAT, _FLOAT_PATTERN, list("-+0123456789."))
 
 
+def _construct_int(constructor: SafeConstructor, node: yaml.ScalarNode) -> int:
+    """``node``'s integer, read by YAML 1.2: decimal whatever its leading zeros, ``0o``/``0x``; a ConstructorError
+    for more than :data:`MAX_DIGITS` digits, or for an explicit ``!!int`` on text 1.2 reads otherwise."""
+    text = str(constructor.construct_scalar(node))
+    if not _INT_PATTERN.match(text):  # an explicit ``!!int`` on text YAML 1.2 would not read as one (``46_101``)
+        raise ConstructorError(None, None, f"not an integer as YAML 1.2 writes one: {text[:40]!r}", node.start_mark)
+    digits = text.lstrip("+-")
+    if len(digits) > MAX_DIGITS:
+        raise ConstructorError(None, None, f"an integer of {len(digits)} digits is too long", node.start_mark)
+    if digits.startswith(("0o", "0x")):
+        return int(text, 0)  # only 1.2's explicit prefixes reach here unsigned (the resolver's pattern)
+    return int(text, 10)  # Python's int() reads leading zeros as decimal, as YAML 1.2 does
+
+
 class Constructor(SafeConstructor):
-    """The safe constructor reading integers by YAML 1.2: decimal whatever their leading zeros, ``0o``/``0x``."""
-
-    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
-        """``node``'s integer; a ConstructorError for more than :data:`MAX_DIGITS` digits."""
-        text = str(self.construct_scalar(node))
-        digits = text.lstrip("+-")
-        if len(digits) > MAX_DIGITS:
-            raise ConstructorError(None, None, f"an integer of {len(digits)} digits is too long", node.start_mark)
-        if digits.startswith(("0o", "0x")):
-            return int(text, 0)  # only 1.2's explicit prefixes reach here unsigned (the resolver's pattern)
-        return int(text, 10)  # Python's int() reads leading zeros as decimal, as YAML 1.2 does
+    """The safe constructor reading integers by YAML 1.2 (:func:`_construct_int`)."""
 
 
-Constructor.add_constructor(_INT, Constructor.construct_yaml_int)
+Constructor.add_constructor(_INT, _construct_int)
+Loader.add_constructor(_INT, _construct_int)
+
+
+class Dumper(yaml.SafeDumper):
+    """The safe dumper quoting every string that :class:`Loader` would read as something else."""
+
+
+Dumper.yaml_implicit_resolvers = {first: list(resolvers) for first, resolvers in Loader.yaml_implicit_resolvers.items()}
+
+
+def dump(data: Any, **options: Any) -> str:
+    """``data`` as YAML that :func:`load` reads back equal (``options``: :func:`yaml.dump`'s, e.g. ``sort_keys``)."""
+    return yaml.dump(data, Dumper=Dumper, **options)
+
+
+def load(text: str) -> Any:
+    """The plain Python data of YAML ``text``, numbers by YAML 1.2 (safe: no tag builds a Python object)."""
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - Loader is a SafeLoader

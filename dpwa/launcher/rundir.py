@@ -34,10 +34,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dpwa.checkpoint import checkpoint_path, remove_checkpoints
-from dpwa.config import ClusterConfig
+from dpwa.config import ClusterConfig, yaml12
 from dpwa.metrics import is_failure, read_metrics
 from dpwa.modelfile import AVERAGED_MODEL
 from dpwa.utils.atomic import write_atomically
@@ -181,7 +179,7 @@ class RunDir:
 
     def write_config(self, config: ClusterConfig) -> Path:
         """Write the resolved config (``config.to_dict()``) as ``cluster.yaml``; return its path."""
-        text = f"# resolved from {config.source}\n" + yaml.safe_dump(config.to_dict(), sort_keys=False)
+        text = f"# resolved from {config.source}\n" + yaml12.dump(config.to_dict(), sort_keys=False)
         write_atomically(self.config_path, text)
         return self.config_path
 

@@ -192,6 +192,10 @@ class Membership:
                 "node %s: its entry named %s:%d (%s, version %d), an old incarnation elsewhere; taken back at %s:%d",
                 self.me.name, entry.host, entry.port, entry.state, entry.version, self.me.host, self.me.port,
             )  # fmt: skip
+        elif (entry.host, entry.port) not in self._clashes and len(self._clashes) == MAX_CLASHES_LOGGED:
+            self._clashes.add(("", 0))  # said once: the set stays bounded
+            log.error("node %s: %d addresses claim this node's name; further ones are not logged", self.me.name,
+                      MAX_CLASHES_LOGGED)  # fmt: skip
         elif (entry.host, entry.port) not in self._clashes and len(self._clashes) < MAX_CLASHES_LOGGED:
             self._clashes.add((entry.host, entry.port))  # bounded: each forged claim may name a new address
             log.error(

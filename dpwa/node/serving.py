@@ -83,8 +83,9 @@ def serve(node: Served, request: wire.Fetch, user: str | None = None) -> Reply:
             f"{node.name} has layout {layout.fingerprint} ({len(layout.shapes)} arrays, "
             f"{layout.total_bytes} bytes), {request.node} asked for {request.fingerprint}"
         )
-        node.once.warning(
-            (request.node, "layout"), "node %s: refusing %s: layout mismatch: %s", node.name, request.node, detail
+        asker = request.node if node.membership.get(request.node) is not None else "(not a member)"
+        node.once.warning(  # once per member; once for all others (a stranger's names must not fill the log)
+            (asker, "layout"), "node %s: refusing %s: layout mismatch: %s", node.name, request.node, detail
         )
         return _error(node, request.req, ErrorCode.LAYOUT, detail)
     snapshot = pool.lease()

@@ -168,27 +168,33 @@ class NodeStats:
         return out
 
 
-ONCE_LOG_KEYS = 4096
+ONCE_LOG_KEYS = 16384
 """The most keys a :class:`OnceLog` remembers."""
 
 
 class OnceLog:
     """Log a message the first time a key is seen (e.g. (peer, reason)), at debug level after that. At most
-    ``limit`` keys are remembered (a key may name what a stranger sent): once full, a new key logs at DEBUG, so a
-    flood of new names costs neither memory nor a flood of warnings."""
+    ``limit`` keys are remembered: once full, a new key logs at DEBUG (after one WARNING saying so), so a flood of
+    new keys costs neither memory nor a flood of warnings. Keys name members and the node's own events; what a
+    stranger sends is keyed as one (``serving``'s layout refusals)."""
 
     def __init__(self, logger: logging.Logger, limit: int = ONCE_LOG_KEYS) -> None:
         self._logger = logger
         self._seen: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
         self._limit = limit
+        self._full_said = False
 
     def warning(self, key: tuple[Any, ...], msg: str, *args: Any, level: int = logging.WARNING) -> None:
         """Log at ``level`` the first time ``key`` is seen, at DEBUG afterwards (and once the keys are full)."""
         with self._lock:
             first = key not in self._seen and len(self._seen) < self._limit
+            full = not first and key not in self._seen and not self._full_said
             if first:
                 self._seen.add(key)
+            self._full_said = self._full_said or full
+        if full:
+            self._logger.warning("%d kinds of first warnings seen: further ones are logged at DEBUG", self._limit)
         self._logger.log(level if first else logging.DEBUG, msg, *args)
 
     def forget(self, first: Any) -> None:

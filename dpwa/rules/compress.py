@@ -65,7 +65,7 @@ def parse_compressor(text: str) -> Compressor:
         fraction = float(arg) if _FRACTION.fullmatch(arg) else math.nan  # as written: no spaces, no ``_``
         if 0.0 < fraction <= 1.0:
             return Compressor(kind, fraction)
-        raise ValueError(f"the fraction of {kind} must be a number in (0, 1], got {arg!r}")
+        raise ValueError(f"the fraction of {kind} must be a decimal number in (0, 1], unsigned, got {arg!r}")
     raise ValueError(f"must be topk:FRACTION, randk:FRACTION or int8, got {text!r}")
 
 

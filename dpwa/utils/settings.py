@@ -173,7 +173,13 @@ class HostName(Spec):
         elif "://" in value:
             yield "", f"must be a host name or an IPv4 address, not a URL, got {clipped(value)}"
         elif ":" in value:
-            yield "", f"IPv6 is not supported: give an IPv4 address or a host name, got {clipped(value)}"
+            yield (
+                "",
+                (
+                    "a host only (the port is the node's `port`), and IPv6 is not supported: give an IPv4 "
+                    f"address or a host name, got {clipped(value)}"
+                ),
+            )
         elif _IPV4_LIKE.fullmatch(value):
             try:
                 ipaddress.IPv4Address(value)

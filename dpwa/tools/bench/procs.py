@@ -21,9 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from dpwa.config import ClusterConfig, NodeSpec
+from dpwa.config import ClusterConfig, NodeSpec, yaml12
 from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.launcher.placement import node_env, threads_per_node
 from dpwa.launcher.rundir import tail_lines
@@ -124,7 +122,7 @@ def write_cluster(
         rule_settings={"constant": ConstantSettings(value=constant)} if interpolation == "constant" else {},
         **settings,  # type: ignore[arg-type]
     )
-    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    path.write_text(yaml12.dump(config.to_dict(), sort_keys=False))
     return config
 
 

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from dpwa.config import ClusterConfig
+from dpwa.config import ClusterConfig, yaml12
 from dpwa.metrics import json_safe
 from dpwa.rules import make_rule
 from dpwa.rules.outer import with_outer
@@ -328,4 +327,4 @@ def _write_summary(run_dir: Path, options: SimOptions, result: SimResult) -> Non
     }  # fmt: skip
     text = json.dumps(json_safe(data), indent=1, allow_nan=False)  # NaN (no live node to evaluate) becomes null
     (run_dir / "simulation.json").write_text(text + "\n", encoding="utf-8")
-    (run_dir / "cluster.yaml").write_text(yaml.safe_dump(options.config.to_dict(), sort_keys=False), encoding="utf-8")
+    (run_dir / "cluster.yaml").write_text(yaml12.dump(options.config.to_dict(), sort_keys=False), encoding="utf-8")

@@ -26,8 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from dpwa.config import yaml12
 from dpwa.rules import RULES as RULES_BY_NAME
 from dpwa.rules import Transfer
 from dpwa.tools.bench.exchange.pair import make_model
@@ -191,7 +190,7 @@ def _run_pair(
     }
     label = f"{rule}-{mode}-{wire}{''.join(f'-{k}' for k in settings)}-{floats}"
     config = directory / f"memory-{label}.yaml"
-    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    config.write_text(yaml12.dump(doc, sort_keys=False))
     outs = [directory / f"memory-{label}-{name}.json" for name in "tp"]
     for out in outs:
         out.unlink(missing_ok=True)  # a peer waits for the other's files: never one of an earlier run

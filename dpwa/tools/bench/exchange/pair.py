@@ -11,9 +11,8 @@ from typing import Any
 
 import click
 import numpy as np
-import yaml
 
-from dpwa.config import ClusterConfig
+from dpwa.config import ClusterConfig, yaml12
 
 __all__ = ["SHARED", "make_model", "pair_config", "wire_of"]
 
@@ -51,7 +50,7 @@ def pair_config(wire: str, ports: Sequence[int], n: int, fetch_probability: floa
         doc["wire_dtype"] = wire
     elif wire != "float32":
         raise click.UsageError(f"this dpwa has no wire_dtype setting; --wire-dtype {wire} is not possible")
-    return yaml.safe_dump(doc, sort_keys=False)
+    return yaml12.dump(doc, sort_keys=False)
 
 
 def make_model(n: int, seed: int) -> list[np.ndarray]:
