@@ -9,6 +9,7 @@ started is gone, the ports are free, and a process it did not start is untouched
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib.util
 import io
 import json
@@ -34,13 +35,13 @@ from dpwa.cli import app as cli
 from dpwa.cli import run as run_command
 from dpwa.cli.run import _split_at_script, _with_option
 from dpwa.config import ClusterConfig, parse_config
-from dpwa.launcher import placement
+from dpwa.launcher import placement, restarts
 from dpwa.launcher.job import _watch
 from dpwa.launcher.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
 from dpwa.launcher.progress import NodeView, Progress, summary_table
 from dpwa.launcher.restarts import Restarter
 from dpwa.launcher.rundir import NodeMetrics, RunDir, default_run_dir
-from dpwa.launcher.supervisor import STOP_GRACE_S
+from dpwa.launcher.supervisor import STOP_GRACE_S, SignalTrap
 from dpwa.metrics import MetricsTail, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -983,3 +984,36 @@ def test_default_run_directories_are_new_even_in_the_same_second(
     assert batch.name == "20261128-201500-4" and batch.is_dir()  # not a slurm-7 that two runs there would share
     own = default_run_dir(tmp_path / "runs", env=step)  # a run whose nodes are its own alone (-n, a simulation)
     assert own.name == "20261128-201500-5" and own.is_dir()
+
+
+def test_a_restart_that_cannot_start_is_given_up_and_the_run_goes_on() -> None:
+    """A restart whose process cannot be started (fork fails, its log cannot be written) used to raise out of the
+    supervision loop and stop every node; now that node is given up, as one whose port stayed busy."""
+
+    def cannot_start(name: str) -> None:
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    restarter = Restarter(1, {"w1": ("127.0.0.1", 1)}, cannot_start, port_free=lambda host, port: True)
+    assert restarter.handle(SimpleNamespace(name="w1", state="failed", describe_exit=lambda: "exit 1"))  # type: ignore[arg-type]
+    assert restarter.tick() == ["w1"] and restarter.pending == {}
+
+
+def test_only_a_port_in_use_holds_a_restart_back() -> None:
+    """EADDRINUSE is a busy port; an address not on this machine or a host that does not resolve is not (the node's
+    own start then says what is wrong, where the restart used to wait 30 s and blame the port)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert not restarts.port_is_free("127.0.0.1", port)
+    assert restarts.port_is_free("127.0.0.1", port)
+    assert restarts.port_is_free("192.0.2.1", port)  # TEST-NET-1: on no interface here (EADDRNOTAVAIL)
+    assert restarts.port_is_free("no-such-host.invalid", port)
+
+
+def test_the_signal_trap_records_a_closed_terminal() -> None:
+    """SIGHUP (the ssh session or terminal closed) stops the nodes as SIGTERM does, instead of killing the launcher
+    and leaving them to their parent-death signal."""
+    with SignalTrap() as trap:
+        os.kill(os.getpid(), signal.SIGHUP)
+        wait_until(lambda: trap.received == [signal.SIGHUP], 5.0, message="SIGHUP recorded")

@@ -83,8 +83,9 @@ class PortReservation:
 
 
 def _open_lock_file(path: Path) -> int:
-    """Open (creating it if need be) a lock file for reading and writing."""
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    """Open (creating it if need be) a lock file, read-only: ``flock`` needs no more, so a lock file another user's
+    launcher left behind (mode 0644 under the usual umask) can still be locked."""
+    return os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
 
 
 def _is_file_at(fd: int, path: Path) -> bool:

@@ -102,6 +102,8 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
     with SignalTrap() as trap:
         try:
             for node in job.nodes:
+                if trap.received:  # interrupted while starting: start no more
+                    break
                 _start_node(supervisor, job, base, node)
             on_failure = None if job.stop_on_failure else run_on
             status = _watch(supervisor, trap, deadline, job.stop_on_failure, tick, restarter, on_failure)

@@ -13,6 +13,8 @@ one, and copies a peer's model before its first step (:meth:`dpwa.adapters.pytor
 from __future__ import annotations
 
 import dataclasses
+import errno
+import functools
 import logging
 import socket
 import time
@@ -35,18 +37,28 @@ def resume_env() -> dict[str, str]:
     return {ENV_RESUME: "1", ENV_BOOTSTRAP: "peer"}
 
 
-def port_is_free(host: str, port: int) -> bool:
-    """True when ``host:port`` (IPv4, resolved) can be bound now, with SO_REUSEADDR as ZeroMQ binds."""
+@functools.lru_cache(maxsize=1024)
+def _address(host: str) -> str | None:
+    """``host`` resolved as IPv4 once (the supervision loop asks every 100 ms); None when it does not resolve."""
     try:
-        address = socket.gethostbyname(host)
+        return socket.gethostbyname(host)
     except OSError:
-        return False
+        return None
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """False when ``host:port`` (IPv4, resolved) is in use now (binding it, with SO_REUSEADDR as ZeroMQ binds, fails
+    with EADDRINUSE); any other failure (a host that does not resolve, an address not on this machine) is not a busy
+    port: the node's own start reports it."""
+    address = _address(host)
+    if address is None:
+        return True
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((address, port))
-        except OSError:
-            return False
+        except OSError as err:
+            return err.errno != errno.EADDRINUSE
     return True
 
 
@@ -103,7 +115,11 @@ class Restarter:
                 del self.pending[name]
                 self.counts[name] += 1
                 log.info("restarting %s (%s): restart %d of %d", name, pending.exit, self.counts[name], self.limit)
-                self._start(name)
+                try:
+                    self._start(name)
+                except OSError as err:  # fork failed, log not writable: this node is given up, the run goes on
+                    log.error("cannot restart %s: %s", name, err)
+                    gave_up.append(name)
             elif time.monotonic() >= pending.deadline:
                 del self.pending[name]
                 gave_up.append(name)

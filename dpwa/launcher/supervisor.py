@@ -281,13 +281,14 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 
 class SignalTrap:
-    """While active, SIGINT and SIGTERM are recorded in ``received`` instead of ending the launcher.
+    """While active, SIGINT, SIGTERM and SIGHUP (the terminal or ssh session closed) are recorded in ``received``
+    instead of ending the launcher.
 
     Previous handlers are restored on exit. Outside the main thread (where handlers cannot be set)
     it records nothing.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
         self.received: list[int] = []
