@@ -324,6 +324,8 @@ class DpwaPyTorchAdapter:
         self._checkpoint = checkpoint_path(run_dir, name) if run_dir is not None else None
         self._checkpoint_every = self._conn.config.checkpoint_every if run_dir is not None else 0
         try:
+            if self._checkpoint_every and optimizer is not None:
+                optimizer_parts(optimizer)  # a setting no checkpoint can hold (a tensor lr) fails now, not at step K
             if run_dir is not None:
                 self._metrics = MetricsWriter(Path(run_dir) / f"{name}.metrics.jsonl")
             if wait_for_peers_s > 0:
@@ -662,6 +664,7 @@ class DpwaPyTorchAdapter:
             return
         self._closed = True
         try:
+            self._to_host()  # staged: the steps since the last update_wait live on the device only
             self._conn.close(linger=linger, idle=idle, final_mix=final_mix)
             if final_mix and self._staged:
                 self._to_device()

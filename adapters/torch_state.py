@@ -12,6 +12,7 @@ at save time.  Nothing is pickled; bfloat16 tensors travel as :data:`dpwa.utils.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -84,13 +85,15 @@ def optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndar
                 out[key] = {"value": _json_safe(value, f"optimizer state {index}.{key}")}
         state[str(index)] = out
     groups = [_json_safe(group, "optimizer param_groups") for group in sd["param_groups"]]
-    return arrays, {"state": state, "param_groups": groups}
+    return arrays, {"kind": type(optimizer).__qualname__, "state": state, "param_groups": groups}
 
 
 def load_optimizer_parts(
     optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]
 ) -> None:
-    """``optimizer.load_state_dict`` from :func:`optimizer_parts` output; ValueError if it does not fit."""
+    """``optimizer.load_state_dict`` from :func:`optimizer_parts` output (another class's state loads where torch
+    takes it: dpwa's MomentumSGD and torch's SGD share theirs); ValueError if it does not fit, or is malformed, and
+    the optimizer is then as it was."""
     try:
         state: dict[int, dict[str, Any]] = {}
         for index, entries in meta["state"].items():
@@ -101,7 +104,14 @@ def load_optimizer_parts(
         groups = [dict(group) for group in meta["param_groups"]]
     except (KeyError, TypeError, AttributeError, ValueError) as err:
         raise ValueError(f"optimizer state in checkpoint is malformed: {err!r}") from err
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    before = copy.deepcopy(optimizer.state_dict())
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except Exception as err:  # torch may raise after it took the groups (Adam given SGD's: KeyError 'step')
+        optimizer.load_state_dict(before)  # as it was: a checkpoint never half-loads
+        kind, mine = meta.get("kind"), type(optimizer).__qualname__
+        whose = f" (it holds a {kind}'s state, this optimizer is a {mine})" if kind not in (None, mine) else ""
+        raise ValueError(f"optimizer state in checkpoint does not fit this optimizer{whose}: {err!r}") from err
 
 
 def _json_safe(value: Any, what: str) -> Any:

@@ -288,6 +288,23 @@ def test_staging_without_a_mix_writes_nothing_back(solo: Path):
     assert all((p == 3.0).all() for p in model.parameters())  # the stale host copy was not copied back
 
 
+def test_a_staged_model_closed_with_a_final_mix_keeps_the_training_since_its_last_update_wait(solo: Path):
+    """On a GPU the node works on a host copy taken at ``update_send``; training after the last ``update_wait``
+    lives on the device only. ``close`` copies it to the host first: before, the fold (and a push rule's hand-off)
+    used the stale copy and ``final_mix=True`` wrote it back over the device, undoing that training."""
+    model = small_model(1)
+    a = DpwaPyTorchAdapter(model, "w1", solo, _force_staging=True)
+    try:
+        a.update_send(1.0)
+        a.update_wait(1.0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(3.0)  # a step after the last update_wait
+    finally:
+        a.close(final_mix=True)
+    assert all((p == 3.0).all() for p in model.parameters())
+
+
 # ------------------------------------------------------------ configuration and inputs
 
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import signal
@@ -22,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import collector_paused, free_ports, processes, write_cluster
+from conftest import collector_paused, free_ports, port_is_free, processes, write_cluster
 from torch import nn
 
 from dpwa import DpwaConnection
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+from dpwa.adapters.torch_state import load_optimizer_parts
 from dpwa.checkpoint import (
     CheckpointError,
     DpwaState,
@@ -36,7 +38,7 @@ from dpwa.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from dpwa.config import ConfigError, parse_config
+from dpwa.config import ConfigError, load_config, parse_config
 from dpwa.metrics import read_metrics
 from dpwa.utils.bfloat16 import BFLOAT16, is_bfloat16
 
@@ -364,6 +366,42 @@ def test_a_checkpoint_that_does_not_fit_the_optimizer_changes_nothing(tmp_path: 
             adapter.load_checkpoint(path)
         assert adapter.step == 0
         assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_and_the_optimizer_is_as_it_was(tmp_path: Path) -> None:
+    """SGD with momentum saved, Adam resumed (an edited script): before, torch's load_state_dict took SGD's groups
+    and state into the Adam, then Adam's own check raised KeyError('step'): a half-loaded optimizer."""
+    cluster = write_cluster(tmp_path / "c.yaml", free_ports(2), fetch_probability=0.0)
+    data = Batches(torch.float32)
+    model, opt = small(1, torch.float32)
+    with DpwaPyTorchAdapter(model, "w1", cluster, run_dir=tmp_path / "run", optimizer=opt) as adapter:
+        train(adapter, model, opt, data, 3)
+        adapter.save_checkpoint()
+        path = adapter.checkpoint_path
+    other, _ = small(1, torch.float32)
+    adam = torch.optim.Adam(other.parameters(), lr=0.01)
+    before = copy.deepcopy(adam.state_dict())
+    with DpwaPyTorchAdapter(other, "w1", cluster, run_dir=tmp_path / "run", optimizer=adam) as adapter:
+        with pytest.raises(ValueError, match="it holds a SGD's state, this optimizer is a Adam"):
+            adapter.load_checkpoint(path)
+        assert adapter.step == 0
+    assert adam.state_dict() == before
+    meta = load_latest(path).meta["optimizer"]  # a checkpoint of an older dpwa names no kind
+    del meta["kind"]
+    with pytest.raises(ValueError, match="does not fit this optimizer: KeyError"):
+        load_optimizer_parts(adam, load_latest(path).section("optim"), meta)
+    assert adam.state_dict() == before
+
+
+def test_an_optimizer_setting_no_checkpoint_can_hold_is_refused_when_the_adapter_is_built(tmp_path: Path) -> None:
+    """A tensor learning rate (torch allows one) cannot go into a checkpoint: with checkpoint_every set, building the
+    adapter says so, where the K-th update_wait used to raise after its step had counted."""
+    cluster = write_cluster(tmp_path / "c.yaml", free_ports(2), fetch_probability=0.0, checkpoint_every=5)
+    model, _ = small(1, torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    with pytest.raises(TypeError, match="cannot be checkpointed"):
+        DpwaPyTorchAdapter(model, "w1", cluster, run_dir=tmp_path / "run", optimizer=opt)
+    assert port_is_free(load_config(cluster).nodes[0].port)
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path: Path) -> None:
