@@ -319,6 +319,10 @@ class DpwaPyTorchAdapter:
         self._metrics: MetricsWriter | None = None
         self._model = model
         self._optimizer = optimizer
+        self.steps_ahead = 0
+        """Optimizer steps the model holds beyond the ``update_wait`` calls: a loop that waits for a step's
+        exchange at the next step (:class:`~dpwa.adapters.stepping.StepExchange`) sets 1 while one is open, so that
+        a checkpoint's step is the batches its model took and a resume takes none twice."""
         run_dir = run_dir if run_dir is not None else os.environ.get(ENV_RUN_DIR) or None
         self._run_dir = Path(run_dir) if run_dir is not None else None
         self._checkpoint = checkpoint_path(run_dir, name) if run_dir is not None else None
@@ -553,10 +557,10 @@ class DpwaPyTorchAdapter:
 
     def gossip_state(self) -> DpwaState:
         """The node's gossip state (clock, steps, loss, the rule's extras and arrays; copies), ``step`` being
-        this adapter's ``update_wait`` count: what a checkpoint or :class:`~dpwa.adapters.optimizer.DpwaOptimizer`'s
-        ``state_dict`` keeps."""
+        this adapter's ``update_wait`` count plus :attr:`steps_ahead` (the batches the model holds): what a
+        checkpoint or :class:`~dpwa.adapters.optimizer.DpwaOptimizer`'s ``state_dict`` keeps."""
         state = self._conn.dpwa_state()
-        state.step = self._step
+        state.step = self._step + self.steps_ahead
         return state
 
     def load_gossip_state(self, state: DpwaState) -> None:

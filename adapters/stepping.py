@@ -47,7 +47,9 @@ class StepExchange:
             self.loss = value
 
     def exchange(self) -> None:
-        """After an optimizer step: mix the previous exchange's peers in, then publish and start the next."""
+        """After an optimizer step: mix the previous exchange's peers in, then publish and start the next. The
+        model holds one step more than the exchanges completed (``adapter.steps_ahead``) until :meth:`finish`."""
+        self.adapter.steps_ahead = 1
         if self._sent:
             self.factor = self.adapter.update_wait(self.loss)
         self.adapter.update_send(self.loss)
@@ -58,6 +60,7 @@ class StepExchange:
         """End of training: complete the exchange the last step started (``update_wait``: its peers are mixed in
         and its metrics record written), so that every step has had its ``update_wait``. Nothing to do when no
         exchange is open or the adapter is closed; the next :meth:`exchange` starts afresh."""
+        self.adapter.steps_ahead = 0
         if self._sent and not self.adapter.closed:
             self.factor = self.adapter.update_wait(self.loss)
         self._sent = False

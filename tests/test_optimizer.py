@@ -20,6 +20,7 @@ from conftest import free_ports, write_cluster
 from torch import nn
 
 from dpwa.adapters.optimizer import DpwaOptimizer
+from dpwa.checkpoint import load_latest
 from dpwa.launcher.rundir import NodeMetrics
 from dpwa.metrics import read_metrics
 
@@ -239,7 +240,8 @@ def test_state_dict_keeps_the_step_count_and_the_gossip_state_across_a_restart(p
     train_together(list(zip(models, opts)), 12, plain_step(batches(0, 10)))
     saved = opts[0].state_dict()
     clock = opts[0].adapter.connection.clock
-    step = opts[0].adapter.step
+    step = 12  # the batches the model took: 11 exchanges completed, the 12th step's still open
+    assert opts[0].adapter.step == 11 and saved["dpwa"]["meta"]["step"] == step
     inner = {k: v.clone() for k, v in opts[0].optim.state_dict()["state"][0].items() if torch.is_tensor(v)}
     opts[0].close()
     again = DpwaOptimizer(torch.optim.Adam(models[0].parameters(), lr=0.01), models[0], "w1",
@@ -252,6 +254,28 @@ def test_state_dict_keeps_the_step_count_and_the_gossip_state_across_a_restart(p
         again.load_state_dict(opts[1].optim.state_dict())  # a plain optimizer state_dict works too
     finally:
         again.close()
+
+
+def test_a_checkpoint_counts_the_batches_its_model_took(tmp_path: Path) -> None:
+    """The exchange of step k is waited for at step k+1, and a checkpoint is written in that wait: it held the
+    model and Adam state after k+1 batches but said step k, so a loop resuming at ``restored.step`` took batch k+1
+    twice. The step it says is the optimizer's steps, and after ``finish`` the same."""
+    m = model(1)
+    cluster = write_cluster(tmp_path / "c.yaml", free_ports(1), checkpoint_every=1)
+    opt = DpwaOptimizer(torch.optim.Adam(m.parameters(), lr=0.01), m, "w1", cluster, run_dir=tmp_path / "run")
+    try:
+        for x, y in batches(0, 3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+        checkpoint = load_latest(opt.adapter.checkpoint_path)
+        assert checkpoint is not None and checkpoint.meta["dpwa"]["step"] == 3
+        assert float(checkpoint.section("optim")["0/step"]) == 3.0  # Adam's own count, in the same file
+        assert opt.state_dict()["dpwa"]["meta"]["step"] == 3
+        opt.finish()
+        assert opt.adapter.step == 3 and opt.state_dict()["dpwa"]["meta"]["step"] == 3
+    finally:
+        opt.close()
 
 
 @pytest.mark.slow
