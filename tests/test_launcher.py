@@ -36,6 +36,7 @@ from dpwa.cli import run as run_command
 from dpwa.cli.run import _split_at_script, _with_option
 from dpwa.config import ClusterConfig, parse_config
 from dpwa.launcher import placement, restarts
+from dpwa.launcher import supervisor as supervisor_module
 from dpwa.launcher.job import _watch
 from dpwa.launcher.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
 from dpwa.launcher.progress import NodeView, Progress, summary_table
@@ -1017,3 +1018,41 @@ def test_the_signal_trap_records_a_closed_terminal() -> None:
     with SignalTrap() as trap:
         os.kill(os.getpid(), signal.SIGHUP)
         wait_until(lambda: trap.received == [signal.SIGHUP], 5.0, message="SIGHUP recorded")
+
+
+def test_a_helper_that_outlives_its_node_and_ignores_sigterm_is_killed(tmp_path: Path, monkeypatch) -> None:
+    """A node that exits leaving a helper in its group (a data-loader worker that ignores SIGTERM): the supervisor
+    SIGTERMs the group and, once the grace period is over, SIGKILLs it, instead of leaving it running until the
+    whole run stops; until it is gone, the node counts as left behind (a restart waits)."""
+    monkeypatch.setattr(supervisor_module, "STOP_GRACE_S", 0.3)
+    ready = tmp_path / "helper.ready"
+    script = (
+        "import os, signal, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"    open({str(ready)!r}, 'w').close()\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        f"while not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
+        "sys.exit(3)\n"
+    )
+    sup = supervisor_module.Supervisor()
+    child = sup.start("w1", [sys.executable, "-c", script], env=dict(os.environ), log_path=tmp_path / "w1.log")
+    try:
+        wait_until(lambda: bool(sup.poll()) or child.returncode is not None, 10.0, message="node exited")
+        assert sup.left_behind("w1")  # the helper ignored the SIGTERM poll() sent
+        wait_until(lambda: not sup.poll() and not sup.left_behind("w1"), 10.0, message="helper SIGKILLed")
+    finally:
+        sup.stop(grace_s=0.5, kill_wait_s=5.0)
+    assert not sup.left_behind("w1") and child.returncode == 3
+
+
+def test_a_restart_waits_until_nothing_of_the_failed_node_runs() -> None:
+    started: list[str] = []
+    alive = {"w1": True}
+    restarter = Restarter(1, {"w1": ("127.0.0.1", 1)}, started.append, port_free=lambda host, port: True,
+                          gone=lambda name: not alive[name])  # fmt: skip
+    assert restarter.handle(SimpleNamespace(name="w1", state="failed", describe_exit=lambda: "exit 1"))  # type: ignore[arg-type]
+    assert restarter.tick() == [] and started == []  # its helper still runs: not yet
+    alive["w1"] = False
+    assert restarter.tick() == [] and started == ["w1"]

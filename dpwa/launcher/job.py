@@ -90,7 +90,12 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
         _say(progress, message)
         _start_node(supervisor, job, base, specs[name], restart=True)
 
-    restarter = Restarter(job.restart_failed, {n.name: (n.host, n.port) for n in job.nodes}, restart)
+    restarter = Restarter(
+        job.restart_failed,
+        {n.name: (n.host, n.port) for n in job.nodes},
+        restart,
+        gone=lambda name: not supervisor.left_behind(name),
+    )
 
     def run_on(name: str) -> None:  # a node failed for good; the others keep running (no --stop-on-failure)
         child = supervisor.children[name]

@@ -84,6 +84,7 @@ class Restarter:
         *,
         port_wait_s: float = PORT_WAIT_S,
         port_free: Callable[[str, int], bool] = port_is_free,
+        gone: Callable[[str], bool] = lambda name: True,
     ) -> None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
@@ -92,6 +93,8 @@ class Restarter:
         self._start = start
         self._port_wait_s = port_wait_s
         self._port_free = port_free
+        self._gone = gone
+        """Whether nothing of a failed node's process (its helpers) still runs: a restart waits for that too."""
         self.counts: dict[str, int] = {name: 0 for name in self.addresses}
         self.pending: dict[str, _Pending] = {}
 
@@ -111,7 +114,7 @@ class Restarter:
         gave_up = []
         for name, pending in list(self.pending.items()):
             host, port = self.addresses[name]
-            if self._port_free(host, port):
+            if self._gone(name) and self._port_free(host, port):
                 del self.pending[name]
                 self.counts[name] += 1
                 log.info("restarting %s (%s): restart %d of %d", name, pending.exit, self.counts[name], self.limit)
@@ -123,5 +126,6 @@ class Restarter:
             elif time.monotonic() >= pending.deadline:
                 del self.pending[name]
                 gave_up.append(name)
-                log.info("not restarting %s: port %s:%d still in use after %.0f s", name, host, port, self._port_wait_s)
+                why = f"port {host}:{port} still in use" if self._gone(name) else "processes of its group still run"
+                log.info("not restarting %s: %s after %.0f s", name, why, self._port_wait_s)
         return gave_up

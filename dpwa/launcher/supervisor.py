@@ -92,6 +92,7 @@ class Supervisor:
         self.previous: dict[str, list[Child]] = {}  # earlier processes of a restarted child, oldest first
         self._groups: set[int] = set()  # process groups that may still have members
         self._killed: set[int] = set()  # groups already sent SIGKILL
+        self._leftovers: dict[int, float] = {}  # groups an exited child left behind -> when SIGKILL follows SIGTERM
         self._preexec = _die_with_parent()
 
     def start(
@@ -145,7 +146,26 @@ class Supervisor:
                 if child.pid in self._live_groups([child.pid]) and not child.stopped:
                     log.warning("%s exited but left processes in its group; terminating them", child.name)
                     self._signal_group(child.pid, signal.SIGTERM)
+                    self._leftovers[child.pid] = time.monotonic() + STOP_GRACE_S
+        self._end_leftovers()
         return exited
+
+    def _end_leftovers(self) -> None:
+        """SIGKILL what exited children left behind and SIGTERM did not end within the grace period."""
+        now = time.monotonic()
+        for pgid, deadline in list(self._leftovers.items()):
+            if pgid not in self._live_groups([pgid]):
+                del self._leftovers[pgid]
+            elif now >= deadline and pgid not in self._killed:
+                self._killed.add(pgid)
+                log.warning("process group %d outlived its node by %.0f s after SIGTERM; sending SIGKILL", pgid,
+                            STOP_GRACE_S)  # fmt: skip
+                self._signal_group(pgid, signal.SIGKILL)
+
+    def left_behind(self, name: str) -> bool:
+        """Whether child ``name`` has exited but processes of its group still live (a restart waits for them)."""
+        child = self.children.get(name)
+        return child is not None and child.returncode is not None and child.pid in self._live_groups([child.pid])
 
     def stop(
         self,
