@@ -1056,3 +1056,19 @@ def test_a_restart_waits_until_nothing_of_the_failed_node_runs() -> None:
     assert restarter.tick() == [] and started == []  # its helper still runs: not yet
     alive["w1"] = False
     assert restarter.tick() == [] and started == ["w1"]
+
+
+def test_two_launchers_cannot_run_one_node_in_one_run_directory(tmp_path: Path) -> None:
+    """Two launchers sharing a run directory whose node names overlap (two `-n 2` runs): the second cleared the
+    first's live logs, metrics and checkpoints and rewrote its cluster.yaml. Now the first holds a lock per node
+    until it ends, and the second is refused, holding nothing; the lock files go with the first's release."""
+    run_dir = RunDir(tmp_path / "run")
+    first = run_dir.claim(["w1", "w2"])
+    try:
+        with pytest.raises(OSError, match="node w2 is run by another launcher"):
+            run_dir.claim(["w3", "w2"])
+        RunDir.release(run_dir.claim(["w3"]))  # w3 was not kept by the refused claim
+    finally:
+        RunDir.release(first)
+    assert list(run_dir.path.iterdir()) == []
+    RunDir.release(run_dir.claim(["w1", "w2"]))

@@ -29,6 +29,7 @@ from dpwa.config import parse_config
 from dpwa.engines import local
 from dpwa.engines.local import LOCK_DIR_ENV, local_nodes, lock_dir, reserve_ports
 from dpwa.metrics import read_metrics
+from dpwa.utils import lockfile
 
 # --------------------------------------------------------------------------- reserving ports
 
@@ -140,7 +141,7 @@ def _holds(port: int, directory: Path) -> bool:
     handle = local._lock(port, directory)
     if handle is None:
         return True
-    local._unlock(*handle)
+    lockfile.unlock_file(*handle)
     return False
 
 
@@ -160,7 +161,7 @@ def test_a_lock_file_removed_while_being_locked_is_opened_again_and_one_process_
     path = private_lock_dir / f"{port}.lock"
     opened: list[int] = []
     third: list[tuple[int, Path] | None] = []
-    real_open = local._open_lock_file
+    real_open = lockfile._open_lock_file
 
     def open_then_race(target: Path) -> int:
         fd = real_open(target)
@@ -169,24 +170,24 @@ def test_a_lock_file_removed_while_being_locked_is_opened_again_and_one_process_
             local.PortReservation([port], [holder]).release()
             assert not path.exists()
             if replaced:
-                monkeypatch.setattr(local, "_open_lock_file", real_open)
+                monkeypatch.setattr(lockfile, "_open_lock_file", real_open)
                 third.append(local._lock(port, private_lock_dir))  # C: a new file, locked
-                monkeypatch.setattr(local, "_open_lock_file", open_then_race)
+                monkeypatch.setattr(lockfile, "_open_lock_file", open_then_race)
         return fd
 
-    monkeypatch.setattr(local, "_open_lock_file", open_then_race)
+    monkeypatch.setattr(lockfile, "_open_lock_file", open_then_race)
     got = local._lock(port, private_lock_dir)  # B
-    monkeypatch.setattr(local, "_open_lock_file", real_open)
+    monkeypatch.setattr(lockfile, "_open_lock_file", real_open)
     assert len(opened) == 2, "B locked the removed file and did not open the path again"
     if replaced:
         assert got is None  # C holds the port: B saw the new file locked
         assert third[0] is not None and os.fstat(third[0][0]).st_ino == os.stat(path).st_ino
-        local._unlock(*third[0])
+        lockfile.unlock_file(*third[0])
     else:
         assert got is not None
         assert os.fstat(got[0]).st_ino == os.stat(path).st_ino  # (the number may be the freed one's again)
         assert _holds(port, private_lock_dir)  # nobody else can lock the file now at the path
-        local._unlock(*got)
+        lockfile.unlock_file(*got)
     assert not path.exists() and not _holds(port, private_lock_dir)
 
 
@@ -196,7 +197,7 @@ def test_a_lock_file_that_keeps_being_removed_is_given_up_after_a_bounded_number
     private_lock_dir.mkdir()
     path = private_lock_dir / "19250.lock"
     tries: list[int] = []
-    real_open = local._open_lock_file
+    real_open = lockfile._open_lock_file
 
     def open_then_remove(target: Path) -> int:
         fd = real_open(target)
@@ -204,9 +205,9 @@ def test_a_lock_file_that_keeps_being_removed_is_given_up_after_a_bounded_number
         os.unlink(target)  # some holder's release, every time
         return fd
 
-    monkeypatch.setattr(local, "_open_lock_file", open_then_remove)
+    monkeypatch.setattr(lockfile, "_open_lock_file", open_then_remove)
     assert local._lock(19250, private_lock_dir) is None
-    assert len(tries) == local.LOCK_ATTEMPTS and not path.exists()
+    assert len(tries) == lockfile.LOCK_ATTEMPTS and not path.exists()
 
 
 def test_local_nodes_are_w1_to_wn_on_loopback() -> None:

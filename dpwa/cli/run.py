@@ -447,6 +447,33 @@ def _start(
     except ConfigError as err:
         fail(err)
     try:
+        claimed = directory.claim([node.name for node in nodes])
+    except OSError as err:
+        fail(str(err))
+    try:
+        _run_claimed(config, nodes, command, directory, evaluate, per_node, timeout_s, stop_on_failure,
+                     restart_failed, resume, quiet, tensorboard, average)  # fmt: skip
+    finally:
+        RunDir.release(claimed)
+
+
+def _run_claimed(
+    config: ClusterConfig,
+    nodes: list[NodeSpec],
+    command: list[str],
+    directory: RunDir,
+    evaluate: bool,
+    per_node: int,
+    timeout_s: float | None,
+    stop_on_failure: bool,
+    restart_failed: int,
+    resume: bool,
+    quiet: bool,
+    tensorboard: bool,
+    average: str | None,
+) -> NoReturn:
+    """:func:`_start` once this launcher holds its nodes of ``directory``."""
+    try:
         directory.prepare([node.name for node in nodes], evaluate=evaluate, resume=resume)
         if not resume:
             directory.write_config(config)

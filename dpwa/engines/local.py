@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import random
@@ -28,12 +27,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dpwa.config import NodeSpec
+from dpwa.utils.lockfile import lock_file, unlock_file
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "LOCAL_HOST",
-    "LOCK_ATTEMPTS",
     "LOCK_DIR_ENV",
     "PORT_RANGE",
     "PortReservation",
@@ -47,8 +46,6 @@ LOCK_DIR_ENV = "DPWA_LOCK_DIR"
 """Where the port lock files go, when not ``/tmp/dpwa-ports`` (:func:`lock_dir`)."""
 PORT_RANGE = (20000, 32767)
 """Ports ``dpwa run -n`` draws from: below the ephemeral range, above most well-known services."""
-LOCK_ATTEMPTS = 8
-"""How often :func:`_lock` opens a port's lock file again after the file it locked was removed or replaced."""
 
 
 def lock_dir() -> Path:
@@ -73,7 +70,7 @@ class PortReservation:
     def release(self) -> None:
         """Remove, unlock and close every lock file (idempotent); the ports are free for other launchers."""
         while self._handles:
-            _unlock(*self._handles.pop())
+            unlock_file(*self._handles.pop())
 
     def __enter__(self) -> PortReservation:
         return self
@@ -82,56 +79,12 @@ class PortReservation:
         self.release()
 
 
-def _open_lock_file(path: Path) -> int:
-    """Open (creating it if need be) a lock file, read-only: ``flock`` needs no more, so a lock file another user's
-    launcher left behind (mode 0644 under the usual umask) can still be locked."""
-    return os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-
-
-def _is_file_at(fd: int, path: Path) -> bool:
-    """True when ``fd`` is the file ``path`` names now (not removed, not replaced by another file)."""
-    try:
-        there = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
-
-
 def _lock(port: int, directory: Path) -> tuple[int, Path] | None:
-    """(descriptor, path) of ``port``'s lock file, exclusively locked and still the file at the path; None
-    when another process holds it (or, after :data:`LOCK_ATTEMPTS` removed files in a row, may hold it)."""
+    """(descriptor, path) of ``port``'s lock file, exclusively locked (:func:`dpwa.utils.lockfile.lock_file`);
+    None when another process holds it."""
     path = directory / f"{port}.lock"
-    for _ in range(LOCK_ATTEMPTS):
-        try:
-            fd = _open_lock_file(path)
-        except PermissionError:  # another user's lock file this user may not open: that port is not ours to take
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(fd)
-            if err.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                return None
-            raise
-        if _is_file_at(fd, path):
-            return fd, path
-        os.close(fd)  # its holder removed it after we opened it: another process may lock the new file
-        log.debug("lock file %s was removed or replaced while it was being locked; opening it again", path)
-    return None
-
-
-def _unlock(fd: int, path: Path) -> None:
-    """Remove ``path`` while ``fd`` still holds its lock (when it is still that file), then close ``fd``.
-
-    A file another user created stays (a sticky temporary directory lets only its owner remove it)."""
-    try:
-        if _is_file_at(fd, path):
-            os.unlink(path)
-    except OSError as err:
-        log.debug("cannot remove the lock file %s: %s", path, err)
-    finally:
-        os.close(fd)
+    fd = lock_file(path)
+    return None if fd is None else (fd, path)
 
 
 def _bindable(port: int, host: str) -> bool:
@@ -174,17 +127,17 @@ def reserve_ports(
                 continue
             handles.append(handle)  # from here on released with the others if anything raises
             if not _bindable(port, host):
-                _unlock(*handles.pop())
+                unlock_file(*handles.pop())
                 continue
             ports.append(port)
             if len(ports) == n:
                 return PortReservation(ports, handles)
     except BaseException:
         for handle in handles:
-            _unlock(*handle)
+            unlock_file(*handle)
         raise
     for handle in handles:
-        _unlock(*handle)
+        unlock_file(*handle)
     raise OSError(errno.EADDRINUSE, f"only {len(ports)} of {n} ports free in {lo}-{hi} on {host}")
 
 
