@@ -33,6 +33,7 @@ from test_slurm import step_env
 
 from dpwa.cli import app as cli
 from dpwa.cli import run as run_command
+from dpwa.cli.lazy import EXIT_INTERRUPTED, LazyGroup
 from dpwa.cli.run import _split_at_script, _with_option
 from dpwa.config import ClusterConfig, parse_config
 from dpwa.launcher import placement, restarts
@@ -1072,3 +1073,16 @@ def test_two_launchers_cannot_run_one_node_in_one_run_directory(tmp_path: Path) 
         RunDir.release(first)
     assert list(run_dir.path.iterdir()) == []
     RunDir.release(run_dir.claim(["w1", "w2"]))
+
+
+def test_an_interrupt_before_the_launcher_traps_signals_exits_130() -> None:
+    """Ctrl-C while `dpwa run` still looks up hosts or checks ports (before its own signal handling) printed
+    click's "Aborted!" and exited 1; the documented status of an interrupted run is 130."""
+    group = LazyGroup(name="dpwa")
+
+    @group.command()
+    def slow() -> None:
+        raise KeyboardInterrupt
+
+    result = CliRunner().invoke(group, ["slow"])
+    assert result.exit_code == EXIT_INTERRUPTED == 130 and "Aborted" not in result.output

@@ -1,4 +1,5 @@
-"""A click group whose subcommands live in other modules and are imported only when invoked."""
+"""A click group whose subcommands live in other modules and are imported only when invoked; an interrupt exits
+130, as an interrupted shell command does (click's own answer is "Aborted!" and status 1)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from typing import Any
 
 import click
 
-__all__ = ["LazyGroup"]
+__all__ = ["EXIT_INTERRUPTED", "LazyGroup"]
+
+EXIT_INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C before it trapped the signal itself (128 + SIGINT)."""
 
 
 class LazyGroup(click.Group):
@@ -29,3 +33,12 @@ class LazyGroup(click.Group):
                 raise TypeError(f"{self.lazy[cmd_name]} is not a click command")
             return command
         return super().get_command(ctx, cmd_name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the subcommand; Ctrl-C before the launcher traps signals (a host lookup, a port check) exits
+        :data:`EXIT_INTERRUPTED` with one line, not click's "Aborted!" and status 1."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
