@@ -187,8 +187,9 @@ def _collect(model: torch.nn.Module, buffers: bool, force_staging: bool) -> list
 
 @dataclass(frozen=True)
 class Restored:
-    """What :meth:`DpwaPyTorchAdapter.restore` did: the step and loss training goes on from, the checkpoint
-    loaded (None: none), the peer copied (None: none), and the ``meta`` saved with the checkpoint."""
+    """What :meth:`DpwaPyTorchAdapter.restore` did: the step training goes on from (the batches the checkpoint's
+    model took) and its loss, the checkpoint loaded (None: none), the peer copied (None: none), and the ``meta``
+    saved with the checkpoint."""
 
     step: int
     loss: float | None
@@ -321,8 +322,9 @@ class DpwaPyTorchAdapter:
         self._optimizer = optimizer
         self.steps_ahead = 0
         """Optimizer steps the model holds beyond the ``update_wait`` calls: a loop that waits for a step's
-        exchange at the next step (:class:`~dpwa.adapters.stepping.StepExchange`) sets 1 while one is open, so that
-        a checkpoint's step is the batches its model took and a resume takes none twice."""
+        exchange at the next step (:class:`~dpwa.adapters.stepping.StepExchange`) sets 1 while one is open. A
+        checkpoint records the batches its model took (``update_wait`` calls plus these), which a resume's
+        :attr:`Restored.step` gives back, so that no batch is taken twice."""
         run_dir = run_dir if run_dir is not None else os.environ.get(ENV_RUN_DIR) or None
         self._run_dir = Path(run_dir) if run_dir is not None else None
         self._checkpoint = checkpoint_path(run_dir, name) if run_dir is not None else None
@@ -527,6 +529,7 @@ class DpwaPyTorchAdapter:
             raise ValueError("save_checkpoint() needs a path: this adapter has no run directory")
         arrays = {f"model/{k}": a for k, a in model_arrays(self._model).items()}
         document: dict[str, Any] = {"node": self.name, "time": time.time(), "user": dict(meta or {})}
+        document["batches"] = self._step + self.steps_ahead  # what the model took: where a resumed loop goes on
         if self._optimizer is not None:
             optim_arrays, document["optimizer"] = optimizer_parts(self._optimizer)
             arrays.update({f"optim/{k}": a for k, a in optim_arrays.items()})
@@ -557,10 +560,10 @@ class DpwaPyTorchAdapter:
 
     def gossip_state(self) -> DpwaState:
         """The node's gossip state (clock, steps, loss, the rule's extras and arrays; copies), ``step`` being
-        this adapter's ``update_wait`` count plus :attr:`steps_ahead` (the batches the model holds): what a
-        checkpoint or :class:`~dpwa.adapters.optimizer.DpwaOptimizer`'s ``state_dict`` keeps."""
+        this adapter's ``update_wait`` count: what a checkpoint or :class:`~dpwa.adapters.optimizer.DpwaOptimizer`'s
+        ``state_dict`` keeps."""
         state = self._conn.dpwa_state()
-        state.step = self._step + self.steps_ahead
+        state.step = self._step
         return state
 
     def load_gossip_state(self, state: DpwaState) -> None:
@@ -594,7 +597,9 @@ class DpwaPyTorchAdapter:
         self.load_gossip_state(state)  # load_state_dict copied in place: the exchanged tensors are the same memory
         user = checkpoint.meta.get("user")
         log.info("node %s: resumed from %s at step %d", self.name, checkpoint.path, self._step)
-        return Restored(self._step, state.loss, checkpoint.path, None, user if isinstance(user, dict) else {})
+        batches = checkpoint.meta.get("batches")  # absent in a checkpoint of an older dpwa: its step
+        at = batches if isinstance(batches, int) and not isinstance(batches, bool) and batches >= 0 else self._step
+        return Restored(at, state.loss, checkpoint.path, None, user if isinstance(user, dict) else {})
 
     def restore(
         self, *, resume: bool | None = None, bootstrap: bool | None = None, timeout_s: float | None = None
@@ -626,7 +631,7 @@ class DpwaPyTorchAdapter:
                 self._to_device()
             self._event("bootstrap", step=self._step, peer=peer, clock=float(self._conn.clock))
         return Restored(
-            self._step,
+            loaded.step if loaded is not None else self._step,
             loaded.loss if loaded is not None else None,
             loaded.checkpoint if loaded is not None else None,
             peer,
