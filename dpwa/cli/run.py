@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -447,55 +448,40 @@ def _start(
     except ConfigError as err:
         fail(err)
     try:
-        claimed = directory.claim([node.name for node in nodes])
+        claimed = directory.claim([node.name for node in nodes])  # let go when this launcher ends, however
     except OSError as err:
         fail(str(err))
-    try:
-        _run_claimed(config, nodes, command, directory, evaluate, per_node, timeout_s, stop_on_failure,
-                     restart_failed, resume, quiet, tensorboard, average)  # fmt: skip
-    finally:
-        RunDir.release(claimed)
+    with contextlib.ExitStack() as held:
+        held.callback(RunDir.release, claimed)
+        demo = command[1:3] == ["-m", DEMO_MODULE]
+        launch = {
+            **{"version": 1, "nodes": [n.name for n in nodes], "command": command, "threads": per_node},
+            **{"evaluate": evaluate, "demo": demo, "stop_on_failure": stop_on_failure, "average": average},
+        }
+        _prepare(directory, config, launch, evaluate, resume)
+        if not quiet:
+            names = ", ".join(node.name for node in nodes)
+            plural = "s" if per_node != 1 else ""
+            what = "resuming" if resume else "run dir"
+            click.echo(f"dpwa run: {names} ({per_node} thread{plural} each); {what} {directory.path}", err=True)
+        job = Job(config, nodes, command, directory, per_node, evaluate, timeout_s, stop_on_failure, restart_failed,
+                  resume, average)  # fmt: skip
+        code = run_job(job, progress=None if quiet else Progress(sys.stderr))
+        if tensorboard:
+            _write_tensorboard(directory, [node.name for node in nodes])
+    sys.exit(code)
 
 
-def _run_claimed(
-    config: ClusterConfig,
-    nodes: list[NodeSpec],
-    command: list[str],
-    directory: RunDir,
-    evaluate: bool,
-    per_node: int,
-    timeout_s: float | None,
-    stop_on_failure: bool,
-    restart_failed: int,
-    resume: bool,
-    quiet: bool,
-    tensorboard: bool,
-    average: str | None,
-) -> NoReturn:
-    """:func:`_start` once this launcher holds its nodes of ``directory``."""
+def _prepare(directory: RunDir, config: ClusterConfig, launch: dict[str, Any], evaluate: bool, resume: bool) -> None:
+    """Prepare the run directory for the nodes of ``launch`` (kept as it is by ``resume``) and write its
+    cluster.yaml and ``launch`` as launch.json; exit 2 when it cannot be written."""
     try:
-        directory.prepare([node.name for node in nodes], evaluate=evaluate, resume=resume)
+        directory.prepare(launch["nodes"], evaluate=evaluate, resume=resume)
         if not resume:
             directory.write_config(config)
-        launch = {"version": 1, "nodes": [n.name for n in nodes], "command": command, "threads": per_node}
-        demo = command[1:3] == ["-m", DEMO_MODULE]
-        directory.write_launch(
-            {**launch, "evaluate": evaluate, "demo": demo, "stop_on_failure": stop_on_failure, "average": average}
-        )
+        directory.write_launch(launch)
     except OSError as err:
         fail(f"{directory.path}: cannot write the run directory: {err.strerror or err}")
-    if not quiet:
-        names = ", ".join(node.name for node in nodes)
-        plural = "s" if per_node != 1 else ""
-        what = "resuming" if resume else "run dir"
-        click.echo(f"dpwa run: {names} ({per_node} thread{plural} each); {what} {directory.path}", err=True)
-    job = Job(config, nodes, command, directory, per_node, evaluate, timeout_s, stop_on_failure, restart_failed,
-              resume, average)  # fmt: skip
-    progress = None if quiet else Progress(sys.stderr)
-    code = run_job(job, progress=progress)
-    if tensorboard:
-        _write_tensorboard(directory, [node.name for node in nodes])
-    sys.exit(code)
 
 
 def _write_tensorboard(directory: RunDir, nodes: list[str]) -> None:
