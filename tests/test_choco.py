@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import free_ports, write_cluster
+from recursions import Quadratics, assert_follows
 
 from dpwa import DpwaConnection
 from dpwa.node.wire.layout import Layout
@@ -367,36 +368,20 @@ def test_in_lock_step_with_a_local_step_the_iterates_are_chocos_recursion() -> N
     ``w = 1/3``, nothing lost. Heterogeneous quadratics: the local step is in every iterate, so a rule that let
     the step update ``x_hat``, took it after the consensus move or mixed another copy would leave the recursion."""
     n, dim, eta, gamma, keep, steps = 5, 8, 0.1, 0.3, 3, 30
-    rng = np.random.default_rng(4)
-    curvature = rng.uniform(0.5, 2.0, size=n)
-    centres = rng.normal(scale=3.0, size=(n, dim))
-    start = rng.normal(size=(n, dim))
-    names = [f"w{i + 1}" for i in range(n)]
-    index = {name: i for i, name in enumerate(names)}
-
-    def grad(i: int, x: np.ndarray) -> np.ndarray:
-        return curvature[i] * (x - centres[i])
-
-    x, hat, expected = start.copy(), np.zeros((n, dim)), []
+    q = Quadratics.drawn(4, n, dim)
+    x, hat, expected = q.start.copy(), np.zeros((n, dim)), []
     for _ in range(steps):
         for i in range(n):
             d = x[i] - hat[i]
             chosen = np.sort(np.argpartition(np.abs(d), dim - keep)[dim - keep :])
             hat[i, chosen] = hat[i, chosen] + d[chosen]
-        x = np.array([x[i] - eta * grad(i, x[i]) for i in range(n)])
+        x = np.array([x[i] - eta * q.grad(i, x[i]) for i in range(n)])
         x = x + gamma * np.array([sum(hat[j] - hat[i] for j in ((i - 1) % n, (i + 1) % n)) / 3 for i in range(n)])
         expected.append(x.copy())
 
     sim = Simulation(
-        [[start[i].copy()] for i in range(n)],
+        [[q.start[i].copy()] for i in range(n)],
         lambda: ChocoRule(compressor=f"topk:{keep / dim}", gamma=gamma, graph="ring"),
         lambda: make_schedule("neighbours", DpsgdSettings(graph="ring")),
     )
-
-    def train(node: Any) -> None:
-        node.arrays[0] -= eta * grad(index[node.name], node.arrays[0])
-
-    for k in range(steps):
-        sim.run_round(1.0, train=train)
-        np.testing.assert_allclose(np.array(sim.flats()), expected[k], rtol=0, atol=1e-12, err_msg=f"step {k}")
-    assert np.abs(expected[-1] - expected[0]).max() > 0.5  # the iterates moved: the comparison is not vacuous
+    assert_follows(sim, q.sgd(eta), expected)

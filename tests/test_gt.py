@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import free_ports, write_cluster
+from recursions import Quadratics, assert_follows
 
 from dpwa import DpwaConnection
 from dpwa.rules import GtRule, make_rule
@@ -385,36 +386,20 @@ def test_in_lock_step_the_iterates_are_digings_recursion() -> None:
     only kept its sum (what the minimizer test checks) but mixed or stepped otherwise would drift off the
     recursion within a few steps."""
     n, dim, alpha, steps = 5, 3, 0.1, 40
-    rng = np.random.default_rng(8)
-    curvature = rng.uniform(0.5, 2.0, size=n)
-    centres = rng.normal(scale=3.0, size=(n, dim))
-    start = rng.normal(size=(n, dim))
-    names = [f"w{i + 1}" for i in range(n)]
-    index = {name: i for i, name in enumerate(names)}
-
-    def grad(i: int, x: np.ndarray) -> np.ndarray:
-        return curvature[i] * (x - centres[i])
-
+    q = Quadratics.drawn(8, n, dim)
     w = (np.eye(n) + np.roll(np.eye(n), 1, axis=1) + np.roll(np.eye(n), -1, axis=1)) / 3
-    x = start.copy()
-    y = np.array([grad(i, x[i]) for i in range(n)])
+    x = q.start.copy()
+    y = np.array([q.grad(i, x[i]) for i in range(n)])
     expected = []
     for _ in range(steps):
         x_next = w @ x - alpha * y
-        y = w @ y + np.array([grad(i, x_next[i]) - grad(i, x[i]) for i in range(n)])
+        y = w @ y + np.array([q.grad(i, x_next[i]) - q.grad(i, x[i]) for i in range(n)])
         x = x_next
         expected.append(x.copy())
 
     sim = Simulation(
-        [[start[i].copy()] for i in range(n)],
+        [[q.start[i].copy()] for i in range(n)],
         lambda: GtRule(graph="ring"),
         lambda: make_schedule("neighbours", DpsgdSettings(graph="ring")),
     )
-
-    def train(node: Any) -> None:
-        node.arrays[0] -= alpha * grad(index[node.name], node.arrays[0])  # the optimizer's step at x_k
-
-    for k in range(steps):
-        sim.run_round(1.0, train=train)
-        np.testing.assert_allclose(np.array(sim.flats()), expected[k], rtol=0, atol=1e-12, err_msg=f"step {k}")
-    assert np.abs(expected[-1] - expected[0]).max() > 0.5  # the iterates moved: the comparison is not vacuous
+    assert_follows(sim, q.sgd(alpha), expected)  # the optimizer's step at x_k, between send and wait
