@@ -107,8 +107,11 @@ def test_tiny_run_writes_every_figure(tmp_path: Path) -> None:
     assert [(r["rule"], r["memory"], r["wire"], r["settings"]) for r in memory["rows"]] == rows_wanted
     for row in memory["rows"]:
         assert row["floats"] == 10000 and math.isfinite(row["model_sizes"]) and len(row["mixes"]) == 2, row
-        # a low-memory node declines the fetches that come while it rewrites its snapshot: no count is promised
-        assert min(row["mixes"]) > 0 or row["memory"] == "low", row
+        # a low-memory node declines the fetches that come while it rewrites its snapshot: no count is promised.
+        # Else the node behind mixes (a peer ahead is never stale); the node ahead may mix nothing: D-PSGD leaves
+        # out a peer more than max_staleness (10) steps behind, and a fast run's two nodes (30 quick steps each,
+        # beside another test's processes) drift that far apart (a fresh-clone run of the suite read 0 for one).
+        assert max(row["mixes"]) > 0 or row["memory"] == "low", row
     headers = ("(a) raw ms", "(a3) tcp ms", "(a3+mix)/c", "(b) fetch ms", "(c) gloo ms", "(d) push ms", "fetch/a")
     headers += ("(fetch+mix)/c", "mix/memcpy")
     headers += ("(fetch+mix)/memcpy", "(push+fold)/memcpy", "model sizes")
