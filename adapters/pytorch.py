@@ -575,7 +575,8 @@ class DpwaPyTorchAdapter:
 
     def load_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Restored | None:
         """Load the latest complete checkpoint at ``path`` (default :attr:`checkpoint_path`; falls back to the
-        previous one if the latest is damaged) into model, optimizer and node; None (nothing changed) if none.
+        previous one if the latest is damaged) into model, optimizer and node; None (nothing changed) if none,
+        ``CheckpointError`` if one exists and neither loads.
 
         Call it before training; a checkpoint that does not fit the model or optimizer raises (ValueError, or
         the RuntimeError of ``load_state_dict``) before anything is loaded: model, optimizer and node are left

@@ -234,8 +234,11 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 
 def load_latest(path: str | os.PathLike[str]) -> Checkpoint | None:
-    """The checkpoint at ``path``, else (missing or damaged, with a warning) the previous one; None if neither loads."""
+    """The checkpoint at ``path``, else (missing or damaged, with a warning) the previous one; None when neither
+    exists. CheckpointError when one exists and neither loads: a node asked to resume must not start over from
+    step 0 and write its new checkpoints over the damaged ones (they are left for a person to look at)."""
     path = Path(path)
+    damaged = []
     for candidate in (path, previous_path(path)):
         if not candidate.exists():
             continue
@@ -243,6 +246,11 @@ def load_latest(path: str | os.PathLike[str]) -> Checkpoint | None:
             return read_checkpoint(candidate)
         except CheckpointError as err:
             log.warning("ignoring checkpoint %s", err)
+            damaged.append(str(err))
+    if damaged:
+        raise CheckpointError(
+            f"no checkpoint of {path} loads ({'; '.join(damaged)}); move the damaged files aside to start afresh"
+        )
     return None
 
 

@@ -137,8 +137,11 @@ def test_damaged_torn_and_foreign_files_are_refused_and_the_previous_one_is_used
         read_checkpoint(tmp_path / "plain.npz")
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         read_checkpoint(tmp_path / "missing.ckpt.npz")
-    previous_path(path).unlink()
-    assert load_latest(path) is None and load_latest(tmp_path / "missing.ckpt.npz") is None
+    previous_path(path).unlink()  # the latest damaged and no previous one: an error, not a start from step 0
+    with pytest.raises(CheckpointError, match="no checkpoint of .* loads .*move the damaged files aside"):
+        load_latest(path)
+    assert path.exists()  # left for a person to look at
+    assert load_latest(tmp_path / "missing.ckpt.npz") is None  # none at all: a first start
 
 
 def test_a_failure_between_write_and_rename_keeps_the_last_checkpoint(
