@@ -1068,11 +1068,11 @@ def test_two_launchers_cannot_run_one_node_in_one_run_directory(tmp_path: Path) 
     try:
         with pytest.raises(OSError, match="node w2 is run by another launcher"):
             run_dir.claim(["w3", "w2"])
-        RunDir.release(run_dir.claim(["w3"]))  # w3 was not kept by the refused claim
+        run_dir.claim(["w3"]).release()  # w3 was not kept by the refused claim
     finally:
-        RunDir.release(first)
+        first.release()
     assert list(run_dir.path.iterdir()) == []
-    RunDir.release(run_dir.claim(["w1", "w2"]))
+    run_dir.claim(["w1", "w2"]).release()
 
 
 def test_an_interrupt_before_the_launcher_traps_signals_exits_130() -> None:

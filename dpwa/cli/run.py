@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import sys
@@ -448,15 +447,19 @@ def _start(
     except ConfigError as err:
         fail(err)
     try:
-        claimed = directory.claim([node.name for node in nodes])  # let go when this launcher ends, however
+        claimed = directory.claim([node.name for node in nodes])
     except OSError as err:
         fail(str(err))
-    with contextlib.ExitStack() as held:
-        held.callback(RunDir.release, claimed)
-        demo = command[1:3] == ["-m", DEMO_MODULE]
+    with claimed:  # let go when this launcher ends, however
         launch = {
-            **{"version": 1, "nodes": [n.name for n in nodes], "command": command, "threads": per_node},
-            **{"evaluate": evaluate, "demo": demo, "stop_on_failure": stop_on_failure, "average": average},
+            "version": 1,
+            "nodes": [n.name for n in nodes],
+            "command": command,
+            "threads": per_node,
+            "evaluate": evaluate,
+            "demo": command[1:3] == ["-m", DEMO_MODULE],
+            "stop_on_failure": stop_on_failure,
+            "average": average,
         }
         _prepare(directory, config, launch, evaluate, resume)
         if not quiet:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dpwa.config import NodeSpec
-from dpwa.utils.lockfile import lock_file, unlock_file
+from dpwa.utils.lockfile import HeldLocks, lock_file, unlock_file
 
 log = logging.getLogger(__name__)
 
@@ -58,25 +58,14 @@ def lock_dir() -> Path:
     return (Path("/tmp") if os.path.isdir("/tmp") else Path(tempfile.gettempdir())) / "dpwa-ports"
 
 
-class PortReservation:
+class PortReservation(HeldLocks):
     """Ports held by this process (one open, exclusively locked file each) until :meth:`release`.
 
     ``handles`` are (descriptor, path) pairs of the locked files, one per port."""
 
     def __init__(self, ports: Sequence[int], handles: Sequence[tuple[int, Path]]) -> None:
+        super().__init__(handles)
         self.ports = tuple(ports)
-        self._handles = list(handles)
-
-    def release(self) -> None:
-        """Remove, unlock and close every lock file (idempotent); the ports are free for other launchers."""
-        while self._handles:
-            unlock_file(*self._handles.pop())
-
-    def __enter__(self) -> PortReservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def _lock(port: int, directory: Path) -> tuple[int, Path] | None:

@@ -39,7 +39,7 @@ from dpwa.config import ClusterConfig, yaml12
 from dpwa.metrics import is_failure, read_metrics
 from dpwa.modelfile import AVERAGED_MODEL
 from dpwa.utils.atomic import write_atomically
-from dpwa.utils.lockfile import lock_file, unlock_file
+from dpwa.utils.lockfile import HeldLocks, lock_file
 
 log = logging.getLogger(__name__)
 
@@ -169,26 +169,20 @@ class RunDir:
             for path in remove_checkpoints(self.checkpoint_path(node)):
                 log.info("removed stale %s", path)
 
-    def claim(self, nodes: Iterable[str]) -> list[tuple[int, Path]]:
+    def claim(self, nodes: Iterable[str]) -> HeldLocks:
         """Lock each of ``nodes`` in this directory (``.<node>.lock``, :func:`dpwa.utils.lockfile.lock_file`) until
-        :meth:`release`; OSError naming the first node another launcher holds: two launchers sharing a run
+        the locks are released; OSError naming the first node another launcher holds: two launchers sharing a run
         directory must not run (and clear the files of) one node. Nothing is held when it raises."""
         self.path.mkdir(parents=True, exist_ok=True)
-        held: list[tuple[int, Path]] = []
+        handles: list[tuple[int, Path]] = []
         for node in nodes:
             path = self.path / f".{node}.lock"
             fd = lock_file(path)
             if fd is None:
-                self.release(held)
+                HeldLocks(handles).release()
                 raise OSError(f"{self.path}: node {node} is run by another launcher in this run directory")
-            held.append((fd, path))
-        return held
-
-    @staticmethod
-    def release(held: list[tuple[int, Path]]) -> None:
-        """Let go of what :meth:`claim` took (its lock files removed); idempotent."""
-        while held:
-            unlock_file(*held.pop())
+            handles.append((fd, path))
+        return HeldLocks(handles)
 
     def write_launch(self, record: Mapping[str, Any]) -> Path:
         """Write ``launch.json``: what ``dpwa run --resume`` needs to start the same nodes the same way."""

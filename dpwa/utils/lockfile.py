@@ -12,9 +12,11 @@ import errno
 import fcntl
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LOCK_ATTEMPTS", "lock_file", "unlock_file"]
+__all__ = ["LOCK_ATTEMPTS", "HeldLocks", "lock_file", "unlock_file"]
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +74,22 @@ def _is_file_at(fd: int, path: Path) -> bool:
         return False
     mine = os.fstat(fd)
     return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+class HeldLocks:
+    """Lock files held by this process (``handles``: (descriptor, path) pairs of :func:`lock_file`) until
+    :meth:`release`, or the end of a ``with`` block."""
+
+    def __init__(self, handles: Sequence[tuple[int, Path]]) -> None:
+        self._handles = list(handles)
+
+    def release(self) -> None:
+        """Remove, unlock and close every lock file (idempotent): what they held is free for other processes."""
+        while self._handles:
+            unlock_file(*self._handles.pop())
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
