@@ -148,10 +148,9 @@ class GroupRule(Rule):
             return MixOutcome(0.0, (), metrics)
         counted = 1 if sync else 2  # x_pub: once on a sync step; on a group step once more, for the fresh model
         d = float(k + counted)
-        sent = self._published
+        sent, sent_clock = self._published, self._published_clock
         if sent is None:  # before any update_send, x is x_pub (a copy: the kernel reads it while it writes x)
-            sent = [a.copy() for a in arrays]
-        sent_clock = self._published_clock if self._published is not None else own.clock
+            sent, sent_clock = [a.copy() for a in arrays], own.clock
         ordered = sorted(fresh, key=lambda p: self._rank.get(p.state.name, len(self._rank)))
         add_differences_(arrays, [p.arrays for p in ordered], sent, g / d)  # one pass over x
         own.clock += g * math.fsum(p.state.clock - sent_clock for p in ordered) / d
