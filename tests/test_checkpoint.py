@@ -349,17 +349,23 @@ def test_restart_settings_are_validated_with_file_and_line(line: str, says: str)
     assert (ok.checkpoint_every, ok.bootstrap, ok.bootstrap_timeout_s, ok.bootstrap_gap) == (5, "peer", 10.0, 100.0)
 
 
-def test_a_checkpoint_that_does_not_fit_the_optimizer_changes_nothing(tmp_path: Path) -> None:
-    """A checkpoint whose optimizer state does not fit (here: two parameter groups where it holds one) is refused
-    before anything is loaded: the model keeps its own weights and the node its step. Before, the model was
-    overwritten first, then the optimizer raised: weights of the checkpoint, step and clock of the fresh node."""
+def sgd_checkpoint(tmp_path: Path, steps: int) -> tuple[Path, Path]:
+    """(cluster file, checkpoint) of node w1 of a two-node file, fetching nothing, after ``steps`` steps of the
+    small model with its SGD (momentum): what the tests of a checkpoint that does not fit load."""
     cluster = write_cluster(tmp_path / "c.yaml", free_ports(2), fetch_probability=0.0)
     data = Batches(torch.float32)
     model, opt = small(1, torch.float32)
     with DpwaPyTorchAdapter(model, "w1", cluster, run_dir=tmp_path / "run", optimizer=opt) as adapter:
-        train(adapter, model, opt, data, 4)
+        train(adapter, model, opt, data, steps)
         adapter.save_checkpoint()
-        path = adapter.checkpoint_path
+        return cluster, adapter.checkpoint_path
+
+
+def test_a_checkpoint_that_does_not_fit_the_optimizer_changes_nothing(tmp_path: Path) -> None:
+    """A checkpoint whose optimizer state does not fit (here: two parameter groups where it holds one) is refused
+    before anything is loaded: the model keeps its own weights and the node its step. Before, the model was
+    overwritten first, then the optimizer raised: weights of the checkpoint, step and clock of the fresh node."""
+    cluster, path = sgd_checkpoint(tmp_path, 4)
     other, _ = small(99, torch.float32)
     params = list(other.parameters())
     two_groups = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.05, momentum=0.9)
@@ -374,13 +380,7 @@ def test_a_checkpoint_that_does_not_fit_the_optimizer_changes_nothing(tmp_path: 
 def test_a_checkpoint_of_another_optimizer_is_refused_and_the_optimizer_is_as_it_was(tmp_path: Path) -> None:
     """SGD with momentum saved, Adam resumed (an edited script): before, torch's load_state_dict took SGD's groups
     and state into the Adam, then Adam's own check raised KeyError('step'): a half-loaded optimizer."""
-    cluster = write_cluster(tmp_path / "c.yaml", free_ports(2), fetch_probability=0.0)
-    data = Batches(torch.float32)
-    model, opt = small(1, torch.float32)
-    with DpwaPyTorchAdapter(model, "w1", cluster, run_dir=tmp_path / "run", optimizer=opt) as adapter:
-        train(adapter, model, opt, data, 3)
-        adapter.save_checkpoint()
-        path = adapter.checkpoint_path
+    cluster, path = sgd_checkpoint(tmp_path, 3)
     other, _ = small(1, torch.float32)
     adam = torch.optim.Adam(other.parameters(), lr=0.01)
     before = copy.deepcopy(adam.state_dict())
