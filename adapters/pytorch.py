@@ -668,7 +668,8 @@ class DpwaPyTorchAdapter:
         The model is left as the last ``update_wait`` left it: under a push rule the node folds the pushes that
         arrived since into the mass it hands to a member as it leaves, and (``final_mix`` False, the default)
         puts the model back as it was, so what a script evaluated before closing is what it saves after.
-        ``final_mix=True`` keeps that fold in the model. Call :meth:`save_model` after closing (see there).
+        ``final_mix=True`` keeps that fold in the model, and under ``adpsgd`` mixes the exchanges peers committed
+        after the last ``update_wait`` (:meth:`dpwa.DpwaConnection.close`). Call :meth:`save_model` after closing.
         """
         if self._closed:
             return

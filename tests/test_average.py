@@ -19,6 +19,7 @@ from dpwa.cli.app import main as cli
 from dpwa.config import ClusterConfig, NodeSpec
 from dpwa.modelfile import AVERAGED_MODEL, ModelFile, average_models, disagreement, read_model, write_model
 from dpwa.node.connection import DpwaConnection
+from dpwa.node.states import SlotState
 from dpwa.utils.bfloat16 import BFLOAT16, from_float32, to_float32
 
 
@@ -261,16 +262,26 @@ def test_push_sum_models_saved_after_close_count_every_unit_of_mass_once(tmp_pat
     assert np.allclose(mean, expected)
 
 
+def served_exchanges_settled(conn: DpwaConnection) -> bool:
+    """No exchange this node served waits for its fetcher's SETTLE (committed ones are mixed at the next wait)."""
+    return conn._node.transfer.inbox.slots_in(SlotState.SERVED) == 0
+
+
 def test_an_adpsgd_node_that_lingers_takes_no_exchange_it_would_never_apply() -> None:
     """w1 ends training and lingers while w2 goes on: w2's exchanges with it are declined (busy), so no half-applied
     exchange moves the pair's sum, which AD-PSGD keeps (1e-12)."""
     conns, params = two_nodes("adpsgd", 10)
     try:
         joint_round(conns, params)
+        # the SETTLE of an exchange w1 served may come after the round: w1's next update_wait must find it
+        wait_until(lambda: served_exchanges_settled(conns["w1"]), 10, message="w1's served exchange settled")
         params["w1"][0] += 1.0  # w1's last local step
         round_of(conns, params, "w1")
+        wait_until(lambda: served_exchanges_settled(conns["w1"]), 10, message="w1's served exchange settled")
+        assert conns["w1"]._node.transfer.inbox.slots_in(SlotState.COMMITTED) == 0  # all mixed
         closer = threading.Thread(target=lambda: conns["w1"].close(linger=3.0, idle=2.0))
         closer.start()
+        wait_until(lambda: conns["w1"]._node.transfer.inbox.closing, 10, message="w1 lingering")
         for _ in range(3):
             round_of(conns, params, "w2")
         closer.join(timeout=30)
@@ -278,6 +289,26 @@ def test_an_adpsgd_node_that_lingers_takes_no_exchange_it_would_never_apply() ->
         # applied its half of exchanges w1 took and never mixed: 3.375)
         assert float(params["w1"][0][0] + params["w2"][0][0]) == pytest.approx(2.0, abs=1e-12)
         assert conns["w2"].stats()["fetches_busy"] >= 1 and conns["w2"].stats()["fetches_failed"] == 0
+        assert conns["w1"].stats()["exchanges_unmixed"] == 0
+    finally:
+        for c in conns.values():
+            c.close()
+
+
+@pytest.mark.parametrize("final_mix", [False, True])
+def test_an_exchange_committed_after_the_last_update_wait_is_mixed_by_close_with_final_mix(final_mix: bool) -> None:
+    """w2 exchanges with w1 after w1's last update_wait (w2 mixed its half: 1 -> 0.5). Closing, w1 mixes its half
+    with final_mix (0 -> 0.5: the pair's sum stays 1); without, its arrays stay as the trainer saw them and the
+    exchange is counted in exchanges_unmixed."""
+    conns, params = two_nodes("adpsgd", 10)
+    try:
+        round_of(conns, params, "w1")  # publishes w1's snapshot (its own fetch finds w2 not ready)
+        round_of(conns, params, "w2")  # fetches w1's snapshot, carrying its own
+        assert params["w2"][0][0] == 0.5
+        wait_until(lambda: conns["w1"].stats()["exchanges_committed"] == 1, 10, message="w2's commit in")
+        conns["w1"].close(final_mix=final_mix)
+        assert float(params["w1"][0][0]) == (0.5 if final_mix else 0.0)
+        assert conns["w1"].stats()["exchanges_unmixed"] == (0 if final_mix else 1)
     finally:
         for c in conns.values():
             c.close()

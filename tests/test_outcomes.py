@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import free_ports, in_threads, write_cluster
+from conftest import free_ports, in_threads, wait_until, write_cluster
 from fakes import FakePeer, Messages
 
 from dpwa import DpwaConnection
@@ -212,6 +213,40 @@ def test_adpsgd_a_lingering_node_refuses_an_exchange_whose_push_it_held_before(t
         stats = w2.stats()
         assert stats["exchanges_declined"] == 1 and stats["exchanges_aborted"] == 1, stats
         assert stats["exchanges_committed"] == 0 and w2._node.transfer.inbox.occupied() == 0
+
+
+def test_adpsgd_a_leaving_node_waits_for_the_commit_of_the_exchange_it_served_and_mixes_it(tmp_path: Path) -> None:
+    """w2 served w1's exchange (a raw DEALER speaking as w1: push 0, FETCH answered with 8) and closes before w1's
+    SETTLE came: it waits for the commit, then mixes its half with final_mix (8 -> 4: the pair's sum is kept)."""
+    ports = free_ports(2)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, interpolation="adpsgd", timeout_ms=2000)
+    p2 = model(8.0)
+    layout = Layout.of(p2)
+    w2 = DpwaConnection("w2", cfg, seed=1, params=p2)
+    closer = threading.Thread(target=lambda: w2.close(final_mix=True))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(w2.endpoint)
+    try:
+        w2.update_send(p2, 1.0)  # w2 publishes 8 (its own exchange finds w1 down)
+        w2.update_wait(1.0)
+        payload = np.zeros(layout.total_bytes // 4, np.float32).tobytes()
+        sock.send_multipart([wire.encode_push("w1", 1, clock=0.0, loss=1.0, extras={}, layout=layout, hold=True,
+                                              whole=True), payload])  # fmt: skip
+        wait_until(lambda: w2._node.transfer.inbox.holds_exchange("w1", 1), 10, message="the push held")
+        sock.send(wire.encode_fetch("w1", 2, layout.fingerprint, exchange=1))
+        assert sock.poll(5000), "w2 did not answer"
+        assert wire.decode_message(sock.recv_multipart()[0]).kind is wire.Kind.STATE
+        closer.start()
+        wait_until(lambda: w2._node.transfer.inbox.closing, 10, message="w2 leaving")
+        sock.send(wire.encode_settle("w1", 1, "commit"))
+        closer.join(timeout=30)
+        assert not closer.is_alive()
+        assert all(np.all(a == 4.0) for a in p2), p2
+        assert w2.stats()["exchanges_committed"] == 1 and w2.stats()["exchanges_unmixed"] == 0
+    finally:
+        sock.close(linger=0)
+        w2.close()
 
 
 def test_adpsgd_a_snapshot_pairs_with_one_exchange_and_a_second_is_refused_busy(tmp_path: Path) -> None:

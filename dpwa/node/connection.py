@@ -179,8 +179,10 @@ class DpwaConnection:
         Then the node leaves cleanly: a push-sum node hands its mass to a member, and every member
         learns at once that it left (docs/membership.md). To hand it over, a push rule first folds in the
         pushes that arrived since the last ``update_wait``; ``final_mix`` False (the default) leaves the arrays
-        given to the node as the trainer last saw them, True leaves that fold in them. An exception while
-        lingering (a Ctrl-C) still closes the node, then propagates.
+        given to the node as the trainer last saw them, True leaves that fold in them. An exchange rule's node
+        waits for the exchanges it served to settle, and ``final_mix`` mixes the committed ones (their fetchers
+        mixed their halves; False counts them in ``exchanges_unmixed``). An exception while lingering (a Ctrl-C)
+        still closes the node, then propagates.
         """
         try:
             if linger > 0 and not self.closed:

@@ -589,10 +589,10 @@ class PushReceiver:
         with self._lock:
             return self._verdicts.get(sender)
 
-    def receiving(self) -> int:
-        """Pushes still arriving (any thread)."""
+    def slots_in(self, *states: SlotState) -> int:
+        """How many slots are in one of ``states`` (any thread): pushes arriving, exchanges awaiting a SETTLE ..."""
         with self._lock:
-            return sum(s.state == SlotState.RECEIVING for s in self._slots)
+            return sum(s.state in states for s in self._slots)
 
     def occupied(self) -> int:
         """Slots not free (any thread)."""

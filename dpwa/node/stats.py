@@ -58,6 +58,7 @@ COUNTERS = (
     "exchanges_aborted",  # exchanges the fetcher withdrew (its reply was lost or rejected)
     "exchanges_expired",  # exchanges neither committed nor aborted in time: dropped, not mixed
     "exchanges_declined",  # exchange FETCHes refused busy: the snapshot they would pair with served one already
+    "exchanges_unmixed",  # committed exchanges a leaving node did not mix (close without final_mix): sum moved
     # shared memory between co-located nodes (transport.shared_memory; dpwa/node/sharedmem.py)
     "shm_served",  # of served: snapshots lent in shared memory (the socket carried the header only)
     "shm_released",  # of those: given back by the requester's RELEASE

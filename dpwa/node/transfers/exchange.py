@@ -15,16 +15,20 @@ time.
 
 A node that lingers (trains no more) refuses every exchange ``busy``, also one whose push it held before it began
 to linger: it would never apply its half of them while the peer applied its own, and the pair's sum (the cluster's
-mean) would drift. Pulls are still served.
+mean) would drift. Pulls are still served. Leaving, it waits for the exchanges it served before to settle:
+``final_mix`` mixes the committed ones (:meth:`ExchangeTransfer.hand_off`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from typing import ClassVar
 
 from dpwa.node.pushes import Push
 from dpwa.node.snapshots import Snapshot
+from dpwa.node.states import SlotState
 from dpwa.node.transfers.base import Arrival, Refusal
 from dpwa.node.transfers.host import Host
 from dpwa.node.transfers.receiving import PUSH_MISSING, InboxTransfer
@@ -32,6 +36,8 @@ from dpwa.node.wire import ErrorCode
 from dpwa.rules import Transfer
 
 __all__ = ["ExchangeTransfer", "pairs_exchange"]
+
+log = logging.getLogger(__name__)
 
 
 def pairs_exchange(gen: int, paired_gen: int | None) -> bool:
@@ -105,3 +111,27 @@ class ExchangeTransfer(InboxTransfer):
 
     def linger_starts(self) -> None:
         self.inbox.closing = True
+
+    def hand_off(self, deadline: float, *, final_mix: bool) -> None:
+        """The node leaves: refuse new exchanges, wait (until ``deadline``) for the ones it served to settle, then
+        mix the committed ones, whose fetchers applied their halves already (``final_mix``), or leave the arrays
+        as the trainer last saw them and count each in ``exchanges_unmixed``: the pair's sum then moves by the
+        half this node never applied (an exchange committed after its last ``update_wait``)."""
+        self.inbox.closing = True
+        if self.host.params is None:
+            return
+        while self.inbox.slots_in(SlotState.SERVED) and time.monotonic() < deadline:
+            time.sleep(0.01)  # a served exchange is committed or aborted within one exchange timeout
+        if final_mix:
+            for _ in range(self.host.config.inbox_slots + 1):  # one exchange per sender per mix: mix until none
+                self.host.wait_and_mix(None)
+                if not self.inbox.slots_in(SlotState.COMMITTED):
+                    break
+            return
+        unmixed = self.inbox.slots_in(SlotState.COMMITTED)
+        if unmixed:
+            self.host.stats.add("exchanges_unmixed", unmixed)
+            log.info(
+                "node %s: %d committed exchange(s) left unmixed (their fetchers mixed their halves; close(final_mix="
+                "True) would mix them)", self.host.name, unmixed,
+            )  # fmt: skip

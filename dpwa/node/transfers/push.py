@@ -24,7 +24,7 @@ import numpy as np
 
 from dpwa.node.pushes import Push, PushLedger
 from dpwa.node.snapshots import Snapshot
-from dpwa.node.states import PUSH_FLOW_EFFECT, PushStatus
+from dpwa.node.states import PUSH_FLOW_EFFECT, PushStatus, SlotState
 from dpwa.node.transfers.base import Arrival
 from dpwa.node.transfers.fetcher import round_peers
 from dpwa.node.transfers.host import Host
@@ -294,7 +294,7 @@ class PushTransfer(InboxTransfer):
         with host.flow_lock:
             up = set(host.flow.up_peers())
         self.ledger.wait_settled(max(0.0, deadline - time.monotonic()), waited=lambda peer: peer in up)
-        while self.inbox.receiving() and time.monotonic() < deadline:
+        while self.inbox.slots_in(SlotState.RECEIVING) and time.monotonic() < deadline:
             time.sleep(0.01)  # a push already arriving completes or expires within one exchange timeout
         for _ in range(host.config.inbox_slots + 1):  # one push per sender per fold: fold until empty
             host.wait_and_mix(None)  # the inbox, and the pushes that came back
