@@ -52,7 +52,7 @@ NOT_HERE = "192.0.2.10"  # TEST-NET-1 (RFC 5737): never an address of this machi
 
 NODE_SCRIPT = r'''
 """Test node: gossips a numpy vector, writes metrics lines, prints what the launcher gave it."""
-import argparse, json, os, signal, socket, subprocess, sys, time
+import argparse, json, os, signal, subprocess, sys, time
 import numpy as np
 from dpwa import DpwaConnection, load_config
 
@@ -63,7 +63,7 @@ parser.add_argument("--fail", default="")                     # this node raises
 parser.add_argument("--ignore-term", default="")              # this node ignores SIGTERM
 parser.add_argument("--grandchild", default="")               # this node starts a helper process
 parser.add_argument("--node", default="")                     # only here to prove pass-through
-parser.add_argument("--barrier", action="store_true")         # train once every peer's port is bound
+parser.add_argument("--barrier", action="store_true")         # mix once every peer published; serve until idle
 args = parser.parse_args()
 name = os.environ["DPWA_NODE"]
 env = {k: os.environ.get(k) for k in ("DPWA_NODE", "DPWA_CONFIG", "DPWA_RUN_DIR", "OMP_NUM_THREADS",
@@ -78,17 +78,14 @@ if args.grandchild == name:
     print(f"CHILD {helper.pid}")
 sys.stdout.flush()
 
+def published(peer):  # the peer's metrics file says it published its first snapshot
+    try:
+        with open(os.path.join(os.environ["DPWA_RUN_DIR"], peer + ".metrics.jsonl")) as f:
+            return '"published"' in f.read()
+    except FileNotFoundError:
+        return False
+
 conn = DpwaConnection(name, os.environ["DPWA_CONFIG"], seed=1)
-deadline = time.monotonic() + 30
-for peer in load_config(os.environ["DPWA_CONFIG"]).peers_of(name) if args.barrier else ():
-    while True:
-        try:
-            socket.create_connection((peer.host, peer.port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
 params = [np.full(256, float(sum(map(ord, name))), dtype=np.float32)]
 path = os.path.join(os.environ["DPWA_RUN_DIR"], name + ".metrics.jsonl")
 with open(path, "a", buffering=1) as out:
@@ -96,6 +93,13 @@ with open(path, "a", buffering=1) as out:
     while args.steps == 0 or step < args.steps:
         step += 1
         conn.update_send(params, loss)
+        if args.barrier and step == 1:  # from step 2 on every fetch finds a published peer
+            out.write(json.dumps({"time": time.time(), "node": name, "event": "published"}) + "\n")
+            deadline = time.monotonic() + 30
+            for peer in load_config(os.environ["DPWA_CONFIG"]).peers_of(name):
+                while not published(peer.name):
+                    assert time.monotonic() < deadline, f"{peer.name} never published"
+                    time.sleep(0.02)
         loss = 1.0 / (1.0 + step)
         factor = conn.update_wait(loss)
         mixes += factor > 0
@@ -112,7 +116,7 @@ with open(path, "a", buffering=1) as out:
             raise RuntimeError(f"boom from {name}")
         time.sleep(args.sleep)
     out.write(json.dumps({"time": time.time(), "node": name, "event": "report", "accuracy": 0.5}) + "\n")
-conn.close()
+conn.close(linger=5.0 if args.barrier else 0.0, idle=0.5)  # --barrier: peers still training find this one
 '''
 
 
@@ -765,7 +769,7 @@ def test_run_a_script_end_to_end(tmp_path: Path, node_script: Path) -> None:
         node = summary["nodes"][name]
         assert node["status"] == "ok" and node["steps"] == 15 and node["accuracy"] == 0.5
         assert node["mixes"] > 0 and node["mean_fetch_ms"] is not None
-        assert len(read_metrics(run_dir / f"{name}.metrics.jsonl", missing_ok=True)) == 16
+        assert len(read_metrics(run_dir / f"{name}.metrics.jsonl", missing_ok=True)) == 17  # + published, report
         log = run_dir / f"{name}.log"
         assert json.loads(log_values(log, "ARGV")[0]) == argv  # passed through untouched
         env = json.loads(log_values(log, "ENV")[0])
@@ -915,10 +919,15 @@ def _demo_runnable() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _demo_runnable(), reason="the built-in demo needs dpwa.tools.demo and torch")
 def test_run_the_sample_cluster_with_the_built_in_demo(tmp_path: Path) -> None:
-    sample = ROOT / "samples" / "localhost.yaml"
-    ports = [node.port for node in parse_config(sample.read_text()).nodes]
-    if not all(port_is_free(p) for p in ports):
-        pytest.skip(f"the sample's ports {ports} are in use")
+    """The sample as shipped, but on ports reserved below the ephemeral range (its 45000-45003 lie in it: an
+    outgoing connection of the other test worker may take one as its source port while the nodes import torch)."""
+    text = (ROOT / "samples" / "localhost.yaml").read_text()
+    shipped = [node.port for node in parse_config(text).nodes]
+    for old, new in zip(shipped, free_ports(len(shipped))):
+        text = text.replace(f"port: {old}}}", f"port: {new}}}")
+    assert [node.port for node in parse_config(text).nodes] != shipped
+    sample = tmp_path / "localhost.yaml"
+    sample.write_text(text)
     run_dir = tmp_path / "run"
     code, out, err = finish(launch(tmp_path, str(sample), "--steps", "30", "--run-dir", str(run_dir)), tmp_path, 120)
     assert code == 0, err

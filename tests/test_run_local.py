@@ -69,6 +69,7 @@ def test_two_reservations_never_share_a_port_and_a_released_port_is_free_again()
 
 def test_a_port_locked_by_another_process_or_in_use_is_skipped() -> None:
     span = (19100, 19103)
+    lock_dir().mkdir(exist_ok=True)  # before the holder opens its lock file there
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);"
          " fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
@@ -77,7 +78,6 @@ def test_a_port_locked_by_another_process_or_in_use_is_skipped() -> None:
     )  # fmt: skip
     listener = socket.socket()
     try:
-        lock_dir().mkdir(exist_ok=True)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         listener.bind(("127.0.0.1", 19101))
         listener.listen()
