@@ -277,7 +277,8 @@ def test_an_adpsgd_node_that_lingers_takes_no_exchange_it_would_never_apply() ->
         wait_until(lambda: served_exchanges_settled(conns["w1"]), 10, message="w1's served exchange settled")
         params["w1"][0] += 1.0  # w1's last local step
         round_of(conns, params, "w1")
-        wait_until(lambda: served_exchanges_settled(conns["w1"]), 10, message="w1's served exchange settled")
+        # and w2's three rounds mix what it served w1 (if w2's snapshot was still unpaired)
+        wait_until(lambda: all(map(served_exchanges_settled, conns.values())), 10, message="served exchanges settled")
         assert conns["w1"]._node.transfer.inbox.slots_in(SlotState.COMMITTED) == 0  # all mixed
         closer = threading.Thread(target=lambda: conns["w1"].close(linger=3.0, idle=2.0))
         closer.start()

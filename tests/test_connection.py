@@ -465,25 +465,25 @@ def test_close_with_linger_serves_peers_that_still_fetch(tmp_path: Path):
     done = DpwaConnection("w1", cfg)
     done.update_send(make_params(1.0), 1.0)
     stop_fetching = threading.Event()
-    factors: list[float] = []
-    served: list[int] = []  # w2's successful fetches after each step
+    steps: list[tuple[float, int]] = []  # w2's factor and its successful fetches so far, after each step
 
     def peer_still_training() -> None:
         with DpwaConnection("w2", cfg) as busy:
             p = make_params(0.0)
             while not stop_fetching.is_set():
                 busy.update_send(p, 1.0)
-                factors.append(busy.update_wait(1.0))
-                served.append(busy.stats()["fetches_ok"])
+                factor = busy.update_wait(1.0)
+                steps.append((factor, busy.stats()["fetches_ok"]))  # one append: read whole by the test thread
 
     thread = threading.Thread(target=peer_still_training)
     thread.start()
-    wait_until(lambda: len(factors) >= 3, 10, message="the peer fetches")
-    closer = threading.Thread(target=done.close, kwargs={"linger": 30.0, "idle": 0.5})
+    wait_until(lambda: len(steps) >= 3, 10, message="the peer fetches")
+    closer = threading.Thread(target=done.close, kwargs={"linger": 30.0, "idle": 2.0})
     t0 = time.monotonic()
     closer.start()
-    before = len(factors)
-    wait_until(lambda: len(factors) >= before + 20, 10, message="fetches go on while w1 lingers")
+    before = len(steps)
+    wait_until(lambda: len(steps) >= before + 20, 10, message="fetches go on while w1 lingers")
+    factors, served = zip(*steps)
     assert served[before + 19] >= served[before] + 19 and not done.closed  # every fetch answered
     # w1 publishes nothing new: w2 mixed its one snapshot once (factor 0.5), every later reply is a repeat
     assert factors[0] == 0.5 and set(factors[1:]) == {0.0}

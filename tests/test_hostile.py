@@ -1512,8 +1512,9 @@ def test_many_frame_reply_does_not_grow_memory(tmp_path: Path) -> None:
 
 @pytest.fixture
 def single_fake(tmp_path: Path) -> Iterator[tuple[Path, FakePeers]]:
+    """A node w1 and a fake w2 whose every reply must count: a deadline no answer misses on a loaded machine."""
     ports = free_ports(2)
-    cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=TX_TIMEOUT_MS)
+    cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=2000)
     fake = FakePeers({"w2": ports[1]})
     try:
         yield cfg, fake

@@ -34,7 +34,8 @@ from dpwa.node.wire import ErrorCode, Layout
 
 pytestmark = [pytest.mark.integration]
 
-TIMEOUT_MS = 400
+TIMEOUT_MS = 1500
+"""Long enough that an answer of the fake peer (a thread of this process) is never late on a loaded machine."""
 
 
 def model(value: float) -> list[np.ndarray]:
@@ -108,7 +109,10 @@ def test_each_outcome_is_recorded_under_its_reason_and_declined_ones_are_not_fai
 
     assert step(refusal(ErrorCode.LAYOUT))["reasons"] == ["refused: layout-mismatch"]
     assert step(lambda h: state_reply(h, model(8.0), fingerprint="0" * 16))["reasons"] == ["rejected: layout"]
-    assert step(lambda h: [])["reasons"] == ["timeout"]  # no answer at all
+    # no answer at all: the TX thread's verdict at the deadline, or update_wait's own when that thread was more
+    # than VERDICT_SLACK_S late (a loaded machine)
+    (timed_out,) = step(lambda h: [])["reasons"]
+    assert timed_out in ("timeout", "timeout: late")
     stats = node.stats()
     assert stats["fetches_failed"] == 3 and stats["fetches_declined"] == 2
     assert stats["fetches_by_reason"] == {
@@ -116,7 +120,7 @@ def test_each_outcome_is_recorded_under_its_reason_and_declined_ones_are_not_fai
         "refused: busy": 1,
         "refused: layout-mismatch": 1,
         "rejected: layout": 1,
-        "timeout": 1,
+        timed_out: 1,
     }
     assert stats["refused_by_reason"] == {"not-ready": 1, "busy": 1, "layout-mismatch": 1}
     assert stats["scores"]["w2"] < 1000  # the failures cost their score

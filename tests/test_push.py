@@ -74,12 +74,14 @@ def run_threads(
 
 
 def quiesce(conns: Sequence[DpwaConnection], timeout: float = 20.0) -> None:
-    """Let every push settle and every inbox drain (update_wait without update_send folds what arrived)."""
+    """Let every push settle and every inbox drain (update_wait without update_send folds what arrived). Quiet:
+    no push open and no slot taken when the stats were read; the update_wait after that reading collects what
+    settled or arrived before it (a push settled after an update_wait but before the reading would be missed)."""
 
     def quiet() -> bool:
+        stats = [c.stats() for c in conns]
         for c in conns:
             c.update_wait(1.0)
-        stats = [c.stats() for c in conns]
         return all(s.get("pushes_unsettled", 0) == 0 and s.get("inbox_occupied", 0) == 0 for s in stats)
 
     wait_until(quiet, timeout, message="pushes settled and inboxes drained")

@@ -113,10 +113,11 @@ def _publish_all(conns: Sequence[DpwaConnection], params: Sequence[list[np.ndarr
 
 
 def _quiesce(conns: Sequence[DpwaConnection]) -> None:
-    def quiet() -> bool:
+    def quiet() -> bool:  # the stats first, then a wait that collects what settled before them (test_push.quiesce)
+        stats = [c.stats() for c in conns]
         for c in conns:
             c.update_wait(1.0)
-        return all(s["pushes_unsettled"] == 0 and s["inbox_occupied"] == 0 for s in (c.stats() for c in conns))
+        return all(s["pushes_unsettled"] == 0 and s["inbox_occupied"] == 0 for s in stats)
 
     wait_until(quiet, 20, message="pushes settled and inboxes drained")
 

@@ -756,6 +756,8 @@ def test_an_exchange_through_shared_memory_mixes_both_ends_bit_for_bit_as_the_so
             assert a.stats()["mixes"] == 1 and b.stats()["shm_fetched"] == (1 if mode == "auto" else 0)
             assert a.stats().get("shm_fetched", 0) == (1 if mode == "auto" else 0)
             wait_until(lambda b=b: b.stats()["exchanges_committed"] == 1, 10, message="b learns the commit")
+            # b learns that a takes pushes through shared memory from a's ACK of b's commit (counted unmatched)
+            wait_until(lambda b=b: b.stats()["acks_unmatched"] >= 1, 10, message="a's answer to b's commit")
             b.update_send(xb, 1.0)  # b's half of a's exchange, and its second exchange with a
             assert b.update_wait(1.0) == 0.5
             wait_until(lambda a=a: a.stats()["exchanges_committed"] == 2, 10, message="a learns the second commit")
