@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_ports
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
@@ -31,10 +32,7 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def cluster(tmp_path: Path) -> Path:
     """Two nodes; each trains alone (its peer is never up), so a fetch gives up after timeout_ms."""
-    from dpwa.engines.local import reserve_ports
-
-    with reserve_ports(2) as reservation:
-        ports = reservation.ports
+    ports = free_ports(2)  # held until the test ends (a reservation given back at once left them to others)
     path = tmp_path / "cluster.yaml"
     path.write_text(
         "timeout_ms: 100\nnodes:\n"

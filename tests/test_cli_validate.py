@@ -160,13 +160,10 @@ def test_validate_under_srun_prints_the_steps_nodes_or_why_not(tmp_path: Path) -
 def test_validate_names_a_local_nodes_port_in_use_and_leaves_other_hosts_alone(tmp_path: Path) -> None:
     """Another process's socket on a node's port: one line naming file, line, node, host and port, exit 2. The
     same port on a host of another machine (TEST-NET-1, RFC 5737) is not this machine's to check."""
+    free, port = free_ports(2)  # reserved below the ephemeral range: nobody else binds them meanwhile
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", port))
         taken.listen()
-        port = taken.getsockname()[1]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            free = probe.getsockname()[1]
         path = tmp_path / "c.yaml"
         path.write_text(
             "nodes:\n"

@@ -28,7 +28,14 @@ import yaml
 from test_faults import SLACK_MS, FaultNode
 
 REASON = netns.unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+# timing: every step's wait is held to timeout_ms + SLACK_MS (as in test_faults), which a stall of the other test
+# worker would break
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timing,
+    pytest.mark.skipif(REASON is not None, reason=str(REASON)),
+]
 
 TIMEOUT_MS = 300
 PORT = 47000
@@ -64,6 +71,7 @@ def spread_between(halves: tuple[list[np.ndarray], list[np.ndarray]]) -> float:
     return float(np.sqrt(np.mean((left - right) ** 2)))
 
 
+@pytest.mark.outcome  # the partition's spread bounds were measured with nothing else running
 def test_gossip_across_namespaces_survives_a_partition(
     lab: netns.Lab, tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
