@@ -235,7 +235,9 @@ def test_srun_python_train_py_tasks_find_each_other_through_the_adapter(tmp_path
 @pytest.mark.integration
 def test_srun_dpwa_run_on_a_two_host_allocation_mixes_all_four_nodes(tmp_path: Path) -> None:
     """`srun -n 4 dpwa run rules.yaml node.py` on 2 hosts x 2 tasks (loopback aliases 127.0.0.2 and .3): four
-    launchers, each given only its task's variables, start one node each and all four mix."""
+    launchers, each given only its task's variables, start one node each and all four mix; then
+    `srun -n 4 dpwa run --resume RUN_DIR` starts each task's node again (launch.json says which task started it;
+    before, every task took the last writer's node)."""
     from test_launcher import NODE_SCRIPT
 
     script = tmp_path / "node.py"
@@ -245,19 +247,27 @@ def test_srun_dpwa_run_on_a_two_host_allocation_mixes_all_four_nodes(tmp_path: P
     settings = tmp_path / "rules.yaml"
     settings.write_text(f"timeout_ms: 1000\nbase_port: {base}\n")
     run_dir = tmp_path / "run"
-    procs = []
-    for procid in range(4):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DPWA_"))}
-        env.update(step_env(procid), SLURM_JOB_ID="77", SLURM_NTASKS="4")
-        argv = [sys.executable, "-m", "dpwa.cli", "run", str(settings), "--run-dir", str(run_dir), "-q", str(script)]
-        argv += ["--steps", "20", "--barrier", "--sleep", "0.01"]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
+
+    def srun(*args: str) -> None:
+        procs = []
+        for procid in range(4):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DPWA_"))}
+            env.update(step_env(procid), SLURM_JOB_ID="77", SLURM_NTASKS="4")
+            argv = [sys.executable, "-m", "dpwa.cli", "run", "-q", *args]
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+
+    srun(str(settings), "--run-dir", str(run_dir), str(script), "--steps", "20", "--barrier", "--sleep", "0.01")
     names = [f"{h}-{i}" for h in hosts for i in range(2)]
     resolved = [n.name for n in load_config(run_dir / "cluster.yaml").nodes]
     assert resolved == names
     for name in names:
         steps = [r for r in read_metrics(run_dir / f"{name}.metrics.jsonl") if "event" not in r]
         assert len(steps) == 20 and steps[-1]["mixes"] > 0, (name, steps[-1])
+    record = json.loads((run_dir / "launch.json").read_text())
+    assert record["started_by"] == {name: f"slurm task {i}" for i, name in enumerate(names)}, record
+    srun("--resume", str(run_dir))
+    for name in names:  # each node ran again, appending to its metrics
+        assert len([r for r in read_metrics(run_dir / f"{name}.metrics.jsonl") if "event" not in r]) == 40, name

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from dpwa.engines import EngineError, engine_nodes
 from dpwa.engines.join import joining_host, joining_nodes
 from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
 from dpwa.launcher.job import DEMO_MODULE, Job, run_job, runs_every_node
+from dpwa.launcher.launchrecord import launcher_key, nodes_to_resume
 from dpwa.launcher.placement import LocalHosts, select_nodes, threads_per_node
 from dpwa.launcher.ports import busy_ports, busy_ports_message
 from dpwa.launcher.progress import Progress
@@ -482,7 +484,7 @@ def _prepare(directory: RunDir, config: ClusterConfig, launch: dict[str, Any], e
         directory.prepare(launch["nodes"], evaluate=evaluate, resume=resume)
         if not resume:
             directory.write_config(config)
-        directory.write_launch(launch)
+        directory.write_launch(launch, launcher_key(os.environ, socket.gethostname()))
     except OSError as err:
         fail(f"{directory.path}: cannot write the run directory: {err.strerror or err}")
 
@@ -529,7 +531,13 @@ def _resume_plan(
     except ConfigError as err:
         fail(err)
     try:
-        nodes = [config.node(name) for name in record["nodes"]]
+        names = nodes_to_resume(record, launcher_key(os.environ, socket.gethostname()))
+    except (KeyError, TypeError) as err:
+        fail(f"{directory.launch_path}: unreadable launch record: {err}")
+    except ValueError as err:
+        fail(f"{directory.launch_path}: {err}")
+    try:
+        nodes = [config.node(name) for name in names]
         command = [str(arg) for arg in record["command"]]
         if not command:
             raise ValueError("the command is empty")

@@ -10,6 +10,7 @@
   and process group);
 * :mod:`~dpwa.launcher.restarts` -- the ``--restart-failed`` policy;
 * :mod:`~dpwa.launcher.rundir` -- the run directory's files;
+* :mod:`~dpwa.launcher.launchrecord` -- which launcher started which node (``--resume`` in each one's place);
 * :mod:`~dpwa.launcher.progress` -- the live progress lines and the summary table.
 
 The command that builds a job from its arguments is :mod:`dpwa.cli.run`. Nothing here imports

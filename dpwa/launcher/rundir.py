@@ -11,7 +11,7 @@ The layout is a contract with the adapter (docs/metrics.md)::
     <run_dir>/demo.json               averaged-model and baseline accuracy (built-in demo)
     <run_dir>/averaged.model.npz      the average of the nodes' models     (dpwa average)
     <run_dir>/average.json            its disagreement and evaluation      (dpwa average)
-    <run_dir>/launch.json             nodes, command, threads: what `dpwa run --resume` restarts (launcher)
+    <run_dir>/launch.json             nodes, command, threads: what `dpwa run --resume` restarts (launchers)
     <run_dir>/checkpoints/<node>.ckpt.npz[.prev]  latest (and previous) checkpoint (adapter, dpwa/checkpoint.py)
 
 Metrics files are read tolerantly: a line that is not a JSON object (typically a torn last
@@ -30,12 +30,13 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from dpwa.checkpoint import checkpoint_path, remove_checkpoints
 from dpwa.config import ClusterConfig, yaml12
+from dpwa.launcher.launchrecord import merge_launch
 from dpwa.metrics import is_failure, read_metrics
 from dpwa.modelfile import AVERAGED_MODEL
 from dpwa.utils.atomic import write_atomically
@@ -53,7 +54,8 @@ __all__ = [
 
 CONFIG = "cluster.yaml"
 SUMMARY_LOCK_S = 30.0
-"""The longest ``write_summary`` waits for another launcher sharing the run directory to finish writing its own."""
+"""The longest ``write_summary`` (``write_launch``) waits for another launcher sharing the run directory to finish
+writing its own."""
 SUMMARY = "summary.json"
 DEMO = "demo.json"
 AVERAGE = "average.json"
@@ -184,10 +186,14 @@ class RunDir:
             handles.append((fd, path))
         return HeldLocks(handles)
 
-    def write_launch(self, record: Mapping[str, Any]) -> Path:
-        """Write ``launch.json``: what ``dpwa run --resume`` needs to start the same nodes the same way."""
-        write_atomically(self.launch_path, json.dumps(dict(record), indent=2) + "\n")
-        return self.launch_path
+    def write_launch(self, record: Mapping[str, Any], launcher: str) -> dict[str, Any]:
+        """Write ``launch.json``: what ``dpwa run --resume`` needs to start the same nodes the same way. ``record``
+        is the launcher ``launcher``'s (:func:`~dpwa.launcher.launchrecord.launcher_key`); it is merged, under an
+        exclusive lock, with the other launchers' sharing the directory (:func:`merge_launch`). What was written."""
+        with self._locked():
+            merged = merge_launch(self.read_launch(), record, launcher)
+            write_atomically(self.launch_path, json.dumps(merged, indent=2) + "\n")
+        return merged
 
     def read_launch(self) -> dict[str, Any] | None:
         """``launch.json`` as a dict, or None when missing or unreadable."""
@@ -206,10 +212,7 @@ class RunDir:
         ``nodes`` entries replace only the same names, under an exclusive lock; ``ok`` is recomputed
         over all nodes.
         """
-        self.path.mkdir(parents=True, exist_ok=True)
-        lock = os.open(self.path, os.O_RDONLY)  # flock on the directory itself: no lock file left behind
-        try:
-            _lock_within(lock, SUMMARY_LOCK_S, self.path)
+        with self._locked():
             old = self.read_summary() or {}
             nodes = dict(old["nodes"]) if isinstance(old.get("nodes"), dict) else {}
             nodes.update(summary.get("nodes", {}))
@@ -218,9 +221,19 @@ class RunDir:
                 isinstance(n, dict) and n.get("status") == "ok" for n in nodes.values()
             )
             write_atomically(self.summary_path, json.dumps(merged, indent=2) + "\n")
+        return merged
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold an exclusive flock on the directory itself (no lock file left behind), taken within
+        ``SUMMARY_LOCK_S`` seconds: launchers sharing the directory merge their records one at a time."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = os.open(self.path, os.O_RDONLY)
+        try:
+            _lock_within(lock, SUMMARY_LOCK_S, self.path)
+            yield
         finally:
             os.close(lock)  # releases the lock
-        return merged
 
     # ------------------------------------------------------------------ reads
 
