@@ -16,7 +16,8 @@ directory, flushed and fsync'ed, the current checkpoint is hard-linked to ``<pat
 (``os.replace``) and the directory is fsync'ed.  At every instant ``path`` is either the old
 complete file or the new complete one, so a crash (even SIGKILL or power loss after the
 fsyncs) never leaves a checkpoint that fails to load.  :func:`load_latest` reads ``path`` and
-falls back to ``<path>.prev`` if ``path`` is missing or damaged.
+falls back to ``<path>.prev`` if ``path`` is missing or damaged; a damaged ``path`` is then moved aside to
+``<path>.damaged``, so that the next write does not keep it as ``.prev`` in the good one's place.
 
 :class:`DpwaState` is the node's own gossip state (clock, step, loss, the rule's scalar extras
 and arrays) as stored in a checkpoint.  This module never imports torch; the PyTorch glue
@@ -64,6 +65,8 @@ CHECKPOINT_DIR = "checkpoints"
 """Checkpoints of ``dpwa run`` go to ``<run_dir>/checkpoints/<node>.ckpt.npz``."""
 CHECKPOINT_SUFFIX = ".ckpt.npz"
 PREV_SUFFIX = ".prev"
+DAMAGED_SUFFIX = ".damaged"
+"""A latest checkpoint that failed to load while its previous one loaded is kept as ``<path>.damaged``."""
 _BFLOAT16_NAME = "bfloat16"
 
 
@@ -98,10 +101,11 @@ def previous_path(path: str | os.PathLike[str]) -> Path:
 
 
 def remove_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
-    """Delete the checkpoint at ``path``, its previous one and leftover temporary files; return what was removed."""
+    """Delete the checkpoint at ``path``, its previous one, one moved aside as damaged and leftover temporary files;
+    return what was removed."""
     path = Path(path)
     removed = []
-    for candidate in (path, previous_path(path), *_temp_files(path)):
+    for candidate in (path, previous_path(path), path.with_name(path.name + DAMAGED_SUFFIX), *_temp_files(path)):
         with contextlib.suppress(FileNotFoundError):
             candidate.unlink()
             removed.append(candidate)
@@ -235,23 +239,40 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 def load_latest(path: str | os.PathLike[str]) -> Checkpoint | None:
     """The checkpoint at ``path``, else (missing or damaged, with a warning) the previous one; None when neither
-    exists. CheckpointError when one exists and neither loads: a node asked to resume must not start over from
-    step 0 and write its new checkpoints over the damaged ones (they are left for a person to look at)."""
+    exists. A damaged ``path`` whose previous one loads is moved aside to ``<path>.damaged`` (the next write would
+    keep it as ``.prev``, over the one that loads). CheckpointError when one exists and neither loads: a node
+    asked to resume must not start over from step 0 and write its new checkpoints over the damaged ones (they are
+    left for a person to look at)."""
     path = Path(path)
     damaged = []
     for candidate in (path, previous_path(path)):
         if not candidate.exists():
             continue
         try:
-            return read_checkpoint(candidate)
+            checkpoint = read_checkpoint(candidate)
         except CheckpointError as err:
             log.warning("ignoring checkpoint %s", err)
             damaged.append(str(err))
+            continue
+        if damaged:
+            _move_aside(path)
+        return checkpoint
     if damaged:
         raise CheckpointError(
             f"no checkpoint of {path} loads ({'; '.join(damaged)}); move the damaged files aside to start afresh"
         )
     return None
+
+
+def _move_aside(path: Path) -> None:
+    """Rename the damaged checkpoint ``path`` to ``<path>.damaged`` (replacing an older one); a failure is logged."""
+    aside = path.with_name(path.name + DAMAGED_SUFFIX)
+    try:
+        os.replace(path, aside)
+    except OSError as err:
+        log.warning("cannot move the damaged checkpoint %s aside: %s", path, err)
+        return
+    log.warning("moved the damaged checkpoint %s aside to %s", path, aside)
 
 
 # --------------------------------------------------------------------------- the node's own state

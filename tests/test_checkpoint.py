@@ -36,6 +36,7 @@ from dpwa.checkpoint import (
     load_latest,
     previous_path,
     read_checkpoint,
+    remove_checkpoints,
     write_checkpoint,
 )
 from dpwa.config import ConfigError, load_config, parse_config
@@ -105,6 +106,26 @@ def test_a_refused_checkpoint_leaves_no_descriptor_open(tmp_path: Path) -> None:
             with pytest.raises(CheckpointError) as refused:
                 read_checkpoint(path)
             assert not open_here(), (len(content), refused.value)
+
+
+def test_a_damaged_latest_checkpoint_is_moved_aside_so_the_next_write_keeps_the_good_previous_one(
+    tmp_path: Path,
+) -> None:
+    """step 2 is damaged; resuming loads step 1 and moves step 2 aside (.damaged). The next write (step 3) then
+    keeps nothing as .prev in step 1's place: were step 3 damaged in turn, step 1 still loads. Before, the write
+    hard-linked the damaged step 2 over step 1's .prev, and no checkpoint loaded."""
+    path = tmp_path / "w1.ckpt.npz"
+    for step in (1, 2):
+        write_checkpoint(path, {"x": np.full(64, float(step))}, {"step": step})
+    path.write_bytes(path.read_bytes()[:-10])  # step 2 damaged
+    assert load_latest(path).meta["step"] == 1
+    aside = tmp_path / "w1.ckpt.npz.damaged"
+    assert aside.exists() and not path.exists()
+    write_checkpoint(path, {"x": np.full(64, 3.0)}, {"step": 3})
+    assert read_checkpoint(previous_path(path)).meta["step"] == 1
+    path.write_bytes(path.read_bytes()[:-10])  # step 3 damaged too
+    assert load_latest(path).meta["step"] == 1
+    assert sorted(p.name for p in remove_checkpoints(path)) == ["w1.ckpt.npz.damaged", "w1.ckpt.npz.prev"]
 
 
 def test_damaged_torn_and_foreign_files_are_refused_and_the_previous_one_is_used(tmp_path: Path) -> None:
