@@ -194,11 +194,14 @@ def state_with(node: str, news: MemberNews) -> State:
 
 
 def test_entries_with_hosts_zeromq_cannot_connect_to_or_long_names_are_refused() -> None:
+    """The cluster file's rule for hosts (HostName), no other: a host the file takes is taken from the network,
+    or its node's own entries would be refused and its membership off (``worker_1`` and ``example.org.`` were)."""
     t = table(capacity=100)
-    bad = [Member("e1", host, 5000) for host in ("bad/host", "h@x", "a,b", "_gateway", "-x", "x" * 254, "h:1")]
+    bad = [Member("e1", host, 5000) for host in ("bad/host", "h@x", "a,b", "-x", "x" * 254, "h:1", "999.1.1.1")]
     assert t.merge([*bad, Member("n" * 129, "127.0.0.1", 5000)], now=0.0) == [] and t.refused == len(bad) + 1
-    good = [Member("e2", "10.0.0.1", 5000), Member("e3", "node-7.example.org", 5000), Member("e4", "localhost", 1)]
-    assert len(t.merge(good, now=0.0)) == 3
+    hosts = ("10.0.0.1", "node-7.example.org", "localhost", "worker_1", "_gateway", "example.org.")
+    good = [Member(f"e{i + 2}", host, 5000 + i) for i, host in enumerate(hosts)]
+    assert len(t.merge(good, now=0.0)) == len(hosts) and t.refused == len(bad) + 1
 
 
 def test_the_table_never_outgrows_a_message_header() -> None:

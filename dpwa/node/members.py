@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,8 +60,6 @@ MAX_MEMBER_NAME = 128
 TABLE_BUDGET_BYTES = 48 * 1024
 """The most a table may take on the wire (JSON): new joined members beyond it are refused like over capacity, so
 the whole table always fits a message header (64 KiB)."""
-_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?$")
-"""A host name or IPv4 address ZeroMQ can connect to: letters, digits, dots and hyphens."""
 
 
 class JoinRefused(Exception):
@@ -123,13 +120,13 @@ def entry_bytes(m: Member) -> int:
 
 def _valid(m: Member) -> bool:
     """A known state, a version a JSON number holds exactly, a name of at most MAX_MEMBER_NAME characters a
-    cluster file could list, and a host ZeroMQ can connect to (a host name or an IPv4 address)."""
+    cluster file could list, and a host a cluster file could list (a host name or an IPv4 address)."""
     if m.state not in STATES or not isinstance(m.version, int) or not 0 <= m.version <= MAX_VERSION:
         return False
-    if len(m.name) > MAX_MEMBER_NAME or not _HOST.match(m.host):
+    if len(m.name) > MAX_MEMBER_NAME:
         return False
     try:
-        m.spec()  # NodeSpec checks the name, host and port as it does for a cluster file
+        m.spec()  # NodeSpec checks the name, host and port as it does for a cluster file (one rule for both)
     except ConfigError:
         return False
     return True
