@@ -664,6 +664,36 @@ def test_a_fetch_through_shared_memory_mixes_bit_for_bit_what_the_socket_deliver
     assert all(a.tobytes() == b.tobytes() for a, b in zip(results["auto"], results["off"]))
 
 
+def test_a_lent_reply_whose_loan_ends_before_the_mix_is_copied_out_and_mixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local step longer than the loan (here: a margin no loan meets): at update_wait the reply is copied into
+    the receive buffer, the loan given back at once, and mixed -- the bits the socket gives. Before, it was left
+    out (shm_loans_lapsed): a node whose step outlasted the loan (10 s by default) never mixed a co-located peer."""
+    from dpwa.node.transfers import fetcher
+
+    monkeypatch.setattr(fetcher, "LEND_MARGIN_S", 1e6)
+    rng = np.random.default_rng(9)
+    theirs = [rng.standard_normal(s, dtype=np.float32) for s in ((1_200_000,), (300, 7))]
+    mine = [rng.standard_normal(s, dtype=np.float32) for s in ((1_200_000,), (300, 7))]
+    results = {}
+    for mode in ("auto", "off"):
+        config = write_cluster(tmp_path / f"{mode}.yaml", free_ports(2), timeout_ms=3000,
+                               transport={"shared_memory": mode})  # fmt: skip
+        x = [m.copy() for m in mine]
+        with DpwaConnection("w1", config, seed=1) as a, DpwaConnection("w2", config, seed=2) as b:
+            b.update_send(theirs, 1.0)
+            a.update_send(x, 1.0)
+            assert a.update_wait(1.0) == 0.5, a.last_exchange
+            stats = a.stats()
+            copied = 1 if mode == "auto" else 0
+            assert stats["shm_fetched"] == stats["shm_loans_copied"] == copied, stats
+            assert stats["shm_loans_lapsed"] == stats["shm_torn"] == 0
+            wait_until(lambda b=b, n=copied: b.stats()["shm_released"] == n, 5, message="the loan given back")
+        results[mode] = x
+    assert all(p.tobytes() == q.tobytes() for p, q in zip(results["auto"], results["off"]))
+
+
 def test_a_shared_memory_reply_to_a_node_that_offered_none_is_rejected(tmp_path: Path) -> None:
     """Shared memory off here: a peer answering with a segment anyway (forged, or misconfigured) is rejected
     ``shm-unasked`` before anything is opened, and the model stays as it was."""

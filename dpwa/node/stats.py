@@ -67,7 +67,8 @@ COUNTERS = (
     "releases_unmatched",  # RELEASEs of no loan held (it expired first, or was never made): nothing to give back
     "shm_fetched",  # of fetches_ok: replies read from the peer's segment
     "shm_fallbacks",  # peers whose segment could not be opened: fetched over the socket from then on
-    "shm_loans_lapsed",  # lent replies not mixed: their loan was ending (or over) by update_wait
+    "shm_loans_copied",  # lent replies copied out at update_wait (their loan was ending) and given back at once
+    "shm_loans_lapsed",  # lent replies not mixed: the peer had rewritten them by update_wait
     "shm_torn",  # lent replies the server rewrote while they were mixed (a loan outlived: should stay 0)
     "shm_pushed",  # of pushes_sent: pushes that named this node's segment (a co-located receiver read it there)
     "shm_push_fallbacks",  # peers that refused such a push: pushed over the socket from then on

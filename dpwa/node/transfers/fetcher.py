@@ -148,22 +148,22 @@ class Fetcher:
 
     def collect(self) -> tuple[list[FetchTarget], list[PeerSnapshot]]:
         """After :meth:`wait`: the job's targets, and its replies that came whole as peers for the rule. A reply
-        lent in shared memory is left out (counted ``shm_loans_lapsed``) when its peer's segment no longer holds
-        it or its loan ends too soon (:func:`loan_holds_until`); :meth:`give_back` ends the loans once the rule is
-        done."""
+        lent in shared memory whose loan ends too soon for the mix (:func:`loan_holds_until`: a local step longer
+        than the loan) is copied into its receive buffer and given back at once (``shm_loans_copied``), or left out
+        (``shm_loans_lapsed``) when its peer's segment no longer holds it; :meth:`give_back` ends the other loans
+        once the rule is done."""
         job, self._waited = self._waited, None
-        targets = job.targets if job is not None else []
-        # only an ok target keeps its loan for the rule (the TX thread gives back any other one itself)
-        self._lent = [(t, job.req) for t in targets if t.status == FetchStatus.OK and t.loan is not None]
+        targets, req = (job.targets, job.req) if job is not None else ([], 0)
         self._collected = time.monotonic()
         peers = []
         for t in targets:
             if t.status != FetchStatus.OK or t.header is None:
                 continue
-            if t.loan is not None and not self._loan_holds(t):
-                self.host.stats.add("shm_loans_lapsed")
+            if t.loan is not None and not self._loan_holds(t) and not self._copy_out(t, req):
                 continue
             peers.append(self.fetched(t))
+        # only an ok target keeps its loan for the rule (the TX thread gives back any other one itself)
+        self._lent = [(t, req) for t in targets if t.status == FetchStatus.OK and t.loan is not None]
         return targets, peers
 
     def _loan_holds(self, target: FetchTarget) -> bool:
@@ -171,6 +171,23 @@ class Fetcher:
         assert target.loan is not None and isinstance(target.header, State) and target.header.shm is not None
         word, gen = target.loan
         return int(word[0]) == gen and loan_holds_until(target.header.shm.until, time.monotonic(), self.longest_hold_s)
+
+    def _copy_out(self, target: FetchTarget, req: int) -> bool:
+        """A lent reply whose loan ends too soon: copy it into its receive buffer, confirming the segment held the
+        generation fetched before and after (a rewrite begins by changing it), and give the loan back now. False
+        (counted ``shm_loans_lapsed``, nothing to mix) when the segment holds another generation."""
+        assert target.loan is not None
+        word, gen = target.loan
+        views = next(v for b, v in self.slots if b is target.buffer)
+        copied = int(word[0]) == gen
+        if copied:
+            for mine, lent in zip(views, target.views):
+                np.copyto(mine, lent)
+            copied = int(word[0]) == gen
+        target.loan, target.views = None, views
+        self.host.transport.submit_release(target.peer, req)
+        self.host.stats.add("shm_loans_copied" if copied else "shm_loans_lapsed")
+        return copied
 
     def give_back(self) -> None:
         """The rule is done with the collected job's lent replies: check each segment still held what was mixed
