@@ -53,6 +53,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAGIC = b"DPWASHM1"
+MEMFD_PREFIX = "dpwa-"
+"""A segment's memfd name starts so; ``/proc/<pid>/fd/<fd>`` of one links to ``/memfd:dpwa-...``."""
+MEMFD_LINK = f"/memfd:{MEMFD_PREFIX}"
 HEADER_BYTES = 64
 """The segment's header; the payload starts here (a multiple of 64: the wire's buffer alignment)."""
 _HEADER = struct.Struct("<8s16sQQQ")
@@ -94,7 +97,7 @@ class Segment:
     """One memory file holding a header and ``payload_bytes`` of payload (:attr:`payload`, uint8, writable)."""
 
     def __init__(self, tag: str, payload_bytes: int) -> None:
-        self.fd = os.memfd_create(f"dpwa-{tag}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = os.memfd_create(f"{MEMFD_PREFIX}{tag}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, HEADER_BYTES + payload_bytes)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # its size is final: no reader can be cut short
@@ -199,7 +202,13 @@ class SegmentReader:
 
     def _map(self, ref: SharedRef, payload_bytes: int) -> _Mapped:
         path = f"/proc/{ref.pid}/fd/{ref.fd}"
-        try:  # never blocks (a FIFO a forged reply may name), never becomes a controlling terminal
+        try:  # what the descriptor is, read without opening it: a forged reply may name a FIFO, a device, a file
+            target = os.readlink(path)  # on a hung mount (opening one can block, O_NONBLOCK or not)
+        except OSError as exc:
+            raise WireError("shm-open", f"cannot open {path}: {exc.strerror}") from None
+        if not target.startswith(MEMFD_LINK):
+            raise WireError("shm-token", f"{path} is not a dpwa memory file")
+        try:  # never blocks (a FIFO swapped in meanwhile), never becomes a controlling terminal
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as exc:
             raise WireError("shm-open", f"cannot open {path}: {exc.strerror}") from None
