@@ -215,6 +215,20 @@ def test_the_table_never_outgrows_a_message_header() -> None:
     encode_members("w1", 1, MemberNews(t.digest(), t.members()), permanent=["w1", "w2"], mass=1e6)
 
 
+def test_a_forged_claim_at_the_largest_version_leaves_a_file_node_its_versions() -> None:
+    """Without CURVE a stranger's FETCH may claim a file node is suspected at version 2**53 - 1: the table refuses
+    it (beyond FILE_LEAVE_JUMP), and the node does not outbid it either. Before, it refuted at 2**53, the largest
+    version, and could never refute a suspicion or announce its leave again (leave() returned None)."""
+    w1 = Membership(FILE[0], FILE, 8, 10.0, lambda: None)
+    w1.observe(fetch_with("mallory", MemberNews("x", (Member("w1", "127.0.0.1", 4001, "suspected", 2**53 - 1),))))
+    assert w1.get("w1").version <= FILE_LEAVE_JUMP  # type: ignore[union-attr]
+    near = w1.get("w1").version + 10  # type: ignore[union-attr]
+    w1.observe(fetch_with("w2", MemberNews("y", (Member("w1", "127.0.0.1", 4001, "suspected", near),))))
+    assert w1.get("w1").state == "alive" and w1.get("w1").version == near + 1  # type: ignore[union-attr]
+    left = w1.leave()
+    assert left is not None and left.state == "left" and left.version == near + 2
+
+
 def test_a_file_node_is_left_only_on_its_own_word_and_a_restarted_one_outbids_the_old_claim() -> None:
     me = NodeSpec("w1", "127.0.0.1", 4001)
     w2 = Membership(FILE[1], FILE, 8, 10.0, lambda: None)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dpwa.config import NodeSpec
-from dpwa.node.members import JoinRefused, Member, MemberTable
+from dpwa.node.members import FILE_LEAVE_JUMP, JoinRefused, Member, MemberTable
 from dpwa.node.wire import MemberNews, WithNews
 
 log = logging.getLogger(__name__)
@@ -173,10 +173,12 @@ class Membership:
         if before is not None and (before.host, before.port) != (self.me.host, self.me.port):
             self._name_clash(before, own)
         current = self._table.get(self.me.name)
-        claims = [e.version for e in entries if e.name == self.me.name and e.state != state]
+        ceiling = current.version + FILE_LEAVE_JUMP if current is not None else 0
+        claims = [e.version for e in entries if e.name == self.me.name and e.state != state and e.version <= ceiling]
         if own is None and current is not None and claims and max(claims) >= current.version:
             # a claim about this node the table did not take (a file node's relayed "left"): outbid it anyway,
-            # so whoever holds it learns better
+            # so whoever holds it learns better -- one the table would take, no more: outbidding a forged claim at
+            # the largest version would leave this node no version to refute or leave with
             own = (self._table.merge([replace(current, state=state, version=max(claims) + 1)], now, self.me.name)
                    or [None])[0]  # fmt: skip
         if own is not None:
