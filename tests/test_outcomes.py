@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from dpwa.launcher.rundir import NodeMetrics
 from dpwa.metrics import DECLINED_CODES, fetch_reason, is_failure, read_metrics
 from dpwa.node import wire
 from dpwa.node.transport import NOT_A_MEMBER
-from dpwa.node.wire import ErrorCode, Layout
+from dpwa.node.wire import ErrorCode, Layout, MemberNews
 
 pytestmark = [pytest.mark.integration]
 
@@ -124,6 +125,22 @@ def test_each_outcome_is_recorded_under_its_reason_and_declined_ones_are_not_fai
     }
     assert stats["refused_by_reason"] == {"not-ready": 1, "busy": 1, "layout-mismatch": 1}
     assert stats["scores"]["w2"] < 1000  # the failures cost their score
+
+
+def test_a_peer_that_answers_it_left_is_left_on_its_own_word(rig) -> None:
+    """w2 left and this node missed its announcement: w2's own ERROR ``left`` (its table saying so) is its word,
+    as the announcement would be, so w2 is left at once. Before, it was taken as a relayed leave, ignored until
+    this node suspected w2 -- after three timeouts once w2 closed."""
+    node, peer = rig
+    params = model(0.0)
+    w2 = node._node.membership.get("w2")
+    assert w2 is not None and w2.state == "alive"
+    gone = MemberNews("left", (dataclasses.replace(w2, state="left", version=w2.version + 1),))
+    peer.respond = lambda h: [[wire.encode_error("w2", h.req, ErrorCode.LEFT, "gone", news=gone)]]
+    node.update_send(params, 1.0)
+    node.update_wait(1.0)
+    assert node.last_exchange["reasons"] == ["refused: left"]
+    assert node._node.membership.get("w2").state == "left" and "w2" not in node._node.membership.order()
 
 
 def test_the_adapters_records_and_the_summary_keep_declined_fetches_out_of_failed(tmp_path: Path) -> None:

@@ -257,7 +257,8 @@ class Fetcher:
         host, peer = self.host, target.peer
         host.stats.peer_outcome(peer, target.status)
         if target.header is not None and target.status in (FetchStatus.OK, FetchStatus.REFUSED):
-            host.membership.observe(target.header)
+            # an answer from the peer's own address (with CURVE, its key) is its word: its "left" is taken
+            host.membership.observe(target.header, authenticated=target.header.node == peer)
         if target.status == FetchStatus.OK:
             host.stats.fetch_done(target.ms, target.nbytes)
         else:
