@@ -437,3 +437,20 @@ def test_the_repeats_choices_are_the_rules_own() -> None:
     assert {name for name, _ in repeats} == {"constant", "clock", "loss", "gem"}
     for name, spec in repeats:
         assert tuple(spec.options) == REPEATS, name  # type: ignore[union-attr]
+
+
+def test_a_file_whose_nodes_outgrow_the_member_table_a_message_carries_is_refused() -> None:
+    """Every node sends the member table (the file's nodes, then the joined ones) in its messages' headers: a file
+    whose nodes take more than TABLE_BUDGET_BYTES there is refused when read, naming `nodes`. Before, a node of
+    such a cluster could not encode its table: its leave announcement and JOIN answers were silently lost."""
+    from dpwa.config.tablesize import TABLE_BUDGET_BYTES, table_bytes
+
+    def listing(count: int, name: str) -> str:
+        return "nodes:\n" + "".join(f"  - {{name: {name}{i}, host: node{i}.cluster.example, port: 4000}}\n"
+                                    for i in range(count))  # fmt: skip
+
+    fits = parse_config(listing(200, "w"))
+    assert table_bytes(fits.nodes) <= TABLE_BUDGET_BYTES
+    with pytest.raises(ConfigError, match=r"nodes: 600 nodes take \d+ bytes in the member table") as err:
+        parse_config(listing(600, "worker-with-a-long-name-"))
+    assert err.value.key == "nodes"

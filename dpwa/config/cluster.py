@@ -38,6 +38,7 @@ import yaml
 from dpwa.config.addresses import address_clashes
 from dpwa.config.errors import MEMORY, ConfigError, error_in_memory
 from dpwa.config.join import MAX_JOINED, JoinAddress, JoinSpec, parse_join
+from dpwa.config.tablesize import TABLE_BUDGET_BYTES, table_bytes
 from dpwa.rules import RULES, OuterSettings, momentum_hazard
 from dpwa.rules.schedules import SCHEDULES
 from dpwa.security.keyfiles import KeyFileError, public_path, read_key_file, secret_path
@@ -288,6 +289,13 @@ class _Nodes(Spec):
             names.setdefault(node.name, i)
         for i, reason in address_clashes(value):
             yield f"[{i}]", reason
+        size = table_bytes(value)
+        if size > TABLE_BUDGET_BYTES:
+            yield (
+                "",
+                f"{len(value)} nodes take {size} bytes in the member table every node sends, over the "
+                f"{TABLE_BUDGET_BYTES} a message carries: list fewer nodes, or give them shorter names and hosts",
+            )
 
     def coerce(self, value: object) -> object:
         return tuple(value)  # type: ignore[arg-type]

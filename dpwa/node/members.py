@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dpwa.config import ConfigError, NodeSpec
+from dpwa.config.tablesize import TABLE_BUDGET_BYTES
+from dpwa.config.tablesize import entry_bytes as named_entry_bytes
 
 __all__ = [
     "FILE_LEAVE_JUMP",
@@ -57,9 +59,6 @@ MAX_WIRE_MEMBERS = 4096
 """A member list on the wire longer than this is malformed (the table's own bound is the capacity setting)."""
 MAX_MEMBER_NAME = 128
 """The longest member name taken from the network."""
-TABLE_BUDGET_BYTES = 48 * 1024
-"""The most a table may take on the wire (JSON): new joined members beyond it are refused like over capacity, so
-the whole table always fits a message header (64 KiB)."""
 
 
 class JoinRefused(Exception):
@@ -115,7 +114,7 @@ def from_wire(raw: Any) -> list[Member] | None:
 
 def entry_bytes(m: Member) -> int:
     """About what ``m`` takes in a table on the wire (its JSON list, with room for the numbers)."""
-    return len(m.name) + len(m.host) + 48
+    return named_entry_bytes(m.name, m.host)
 
 
 def _valid(m: Member) -> bool:
