@@ -86,11 +86,15 @@ def test_a_member_whose_leave_came_by_gossip_is_cleaned_up_when_the_table_forget
 
 
 def test_a_member_that_rejoins_before_it_is_forgotten_is_a_peer_again_and_not_forgotten() -> None:
+    """...and what was open with its former incarnation is dropped (member_back: push-sum abandons the push whose
+    leave verdict never came; before, that push stayed open and no push ever went to j again)."""
     node = Follower()
     node.membership.admit("j", "127.0.0.1", 5000)
     node.membership.observe(relayed("w2", Member("j", "127.0.0.1", 5000, "left", 2)))
+    assert ("transfer", "member_back", "j") not in node.calls
     node.membership.observe(relayed("w2", Member("j", "127.0.0.1", 5001, "alive", 3)))  # back, elsewhere
     assert node.endpoints.get("j") == "tcp://127.0.0.1:5001" and not node.departed
+    assert node.calls.count(("transfer", "member_back", "j")) == 1
     node.clock += FORGET_AFTER_S + 1
     assert node.membership.expire() == []
     assert ("transfer", "forget", "j") not in node.calls

@@ -86,8 +86,9 @@ def sync_members(node: Follower) -> None:
             node.transport.set_peer(name, None)
             node.departed.add(name)
         for name in list(node.departed):  # also those gone before this change: a leave learned from gossip
-            if name in peers:  # back (it rejoined)
+            if name in peers:  # back (it rejoined): a push open with its former incarnation is never answered
                 node.departed.discard(name)
+                node.transfer.member_back(name)
             elif node.membership.get(name) is None:  # forgotten: nobody will answer, nothing is kept of it
                 node.departed.discard(name)
                 forget_member(node, name)

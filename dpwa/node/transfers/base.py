@@ -181,6 +181,10 @@ class TransferPattern(ABC):
         """``peer`` was forgotten (the node holds its sync lock): drop what is kept of it."""
         self.fetcher.forget(peer)
 
+    def member_back(self, peer: str) -> None:  # noqa: B027 - nothing kept per incarnation
+        """``peer`` went (left, or dropped from the peers) and is a peer again (the node holds its sync lock): what
+        was open with its former incarnation will never be answered (the TX thread stopped asking)."""
+
     def settle_with_leaver(self, peer: str, last: int, verdict: bool | None) -> None:  # noqa: B027 - no pushes
         """``peer`` left, and says the latest push of this node it saw was ``last``, taken (True) or not."""
 

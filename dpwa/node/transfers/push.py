@@ -254,11 +254,19 @@ class PushTransfer(InboxTransfer):
 
     def forget(self, peer: str) -> None:
         """Also abandon an unanswerable push to ``peer`` (its mass is lost, as a dead member's is)."""
+        self._abandon(peer)
+        super().forget(peer)
+
+    def member_back(self, peer: str) -> None:
+        """Abandon the push to ``peer``'s former incarnation still open (its leave's verdict never came): nobody
+        asks about it any more, and an open push would keep every later push from going to ``peer``."""
+        self._abandon(peer)
+
+    def _abandon(self, peer: str) -> None:
         push = self.ledger.abandon(peer)
         if push is not None:
             self.host.stats.add("pushes_lost")
             self.host.release_snapshot(push.snapshot, push.tracker)
-        super().forget(peer)
 
     def settle_with_leaver(self, peer: str, last: int, verdict: bool | None) -> None:
         """Settle an open push to ``peer``, which left: taken (``last`` is it, ``verdict`` True) is delivered;
