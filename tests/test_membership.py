@@ -571,3 +571,26 @@ def test_with_curve_the_key_directory_is_the_membership_list(tmp_path: Path) -> 
             j1.close()
     finally:
         close_all(conns)
+
+
+def test_a_flood_of_refused_joins_is_counted_each_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A stranger's JOINs under ever new names, each refused (its file splits AD-PSGD's roles, the cluster's does
+    not): every one is counted and answered, one WARNING says so (then DEBUG), so a flood cannot fill the log.
+    Before, each refusal was a WARNING naming the stranger's name."""
+    (port,) = free_ports(1)
+    config = ClusterConfig(nodes=(NodeSpec("w1", "127.0.0.1", port),))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    with DpwaConnection("w1", config) as member, caplog.at_level("DEBUG", logger="dpwa"):
+        sock.connect(member.endpoint)
+        try:
+            for i in range(30):
+                sock.send(wire.encode_join(f"x{i}", i, "127.0.0.1", 9, bipartite=True))
+                assert sock.poll(5000), "no answer"
+                answer = wire.decode_message(sock.recv_multipart()[0])
+                assert isinstance(answer, wire.Error) and answer.code == wire.ErrorCode.JOIN_REFUSED.value
+        finally:
+            sock.close(linger=0)
+        assert member.stats()["joins_refused"] == 30
+    refusals = [r for r in caplog.records if "refused a join" in r.getMessage()]
+    assert len(refusals) == 30 and [r.levelname for r in refusals].count("WARNING") == 1

@@ -32,6 +32,7 @@ from dpwa.node.wire import ErrorCode, Kind, Layout, MemberNews
 from dpwa.rules import NodeState, Rule
 from dpwa.rules.schedules import Schedule
 from dpwa.security.curve import NodeSecurity
+from dpwa.utils.settings import clipped
 
 __all__ = ["Served", "answer_membership", "give_back", "linger", "serve"]
 
@@ -227,21 +228,22 @@ def answer_membership(node: Served, header: wire.Push | wire.Join | wire.Members
 def _answer_join(node: Served, header: wire.Join, user: str | None) -> bytes:
     """Admit the node that asks to join, or refuse it (ERROR join-refused, with the reason)."""
     membership = node.membership
-    refused = None
+    refused, why = None, ""
     if membership.leaving:
-        refused = f"{node.name} is leaving the cluster; join through another member"
+        refused, why = f"{node.name} is leaving the cluster; join through another member", "leaving"
     elif node.security is not None and user != header.node:
-        refused = f"the joining node calls itself {header.node!r} but its CURVE key is {user!r}'s"
+        refused, why = f"the joining node calls itself {header.node!r} but its CURVE key is {user!r}'s", "identity"
     elif header.bipartite != node.schedule.splits_roles():
-        refused = _roles_differ(header.bipartite)
+        refused, why = _roles_differ(header.bipartite), "roles"
     else:
         try:
             entry = membership.admit(header.node, header.host, header.port)
         except JoinRefused as err:
-            refused = str(err)
+            refused, why = str(err), "table"
     if refused is not None:
-        node.stats.add("joins_refused")
-        log.warning("node %s: refused a join of %s: %s", node.name, header.node, refused)
+        node.stats.add("joins_refused")  # said once per kind of refusal: a flood of JOINs must not fill the log
+        node.once.warning(("(join refused)", why), "node %s: refused a join of %s: %s", node.name,
+                          clipped(header.node), clipped(refused))  # fmt: skip
         return wire.encode_error(node.name, header.req, ErrorCode.JOIN_REFUSED, refused)
     node.stats.add("joins_admitted")
     log.info("node %s: %s joined from %s:%d (version %d)", node.name, entry.name, entry.host, entry.port, entry.version)
