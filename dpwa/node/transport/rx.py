@@ -251,7 +251,11 @@ class RxServer(SocketThread):
             return
         user = user_id(head)
         if header.kind is Kind.PUSH:
-            self._port.answer_membership(header, user)  # the member news it carries
+            try:
+                self._port.answer_membership(header, user)  # the member news it carries
+            except Exception:  # pragma: no cover - a bug in the membership code must not kill the server
+                log.exception("the member news of a push from %s failed", header.node)
+                self._port.count("requests_failed", 1)
         if whole:
             self._answer(sock, identity, self._pushes.whole(identity, header, user, sock))
         elif header.kind is Kind.PUSH:
