@@ -143,6 +143,34 @@ def test_a_peer_that_answers_it_left_is_left_on_its_own_word(rig) -> None:
     assert node._node.membership.get("w2").state == "left" and "w2" not in node._node.membership.order()
 
 
+def test_a_late_reply_that_lent_a_snapshot_is_given_back_at_once(rig) -> None:
+    """w2 answers w1's first FETCH only with its second one's answer: a shared-memory STATE for the first request,
+    which w1 gave up on (timed out). w1 sends RELEASE for it at once, so a one-buffer w2 need not wait out the
+    loan (10 s) before it publishes again. Before, the late reply was dropped and the loan held to its end."""
+    node, peer = rig
+    params = model(0.0)
+    layout = Layout.of(params)
+    lent = wire.SharedRef(pid=1, fd=3, token="0" * 32, until=time.monotonic() + 10.0)
+    asked: list[int] = []
+
+    def respond(header: wire.Message) -> Messages:
+        if header.kind is not wire.Kind.FETCH:
+            return []
+        asked.append(header.req)
+        if len(asked) == 1:
+            return []  # no answer in time
+        late = wire.encode_state("w2", asked[0], clock=1.0, loss=1.0, extras={}, layout=layout, gen=1, shm=lent)
+        return [[late], [wire.encode_error("w2", header.req, ErrorCode.NOT_READY, "later")]]
+
+    peer.respond = respond
+    for _ in range(2):
+        node.update_send(params, 1.0)
+        node.update_wait(1.0)
+    assert node.stats()["stale_replies"] >= 1
+    wait_until(lambda: any(r.kind is wire.Kind.RELEASE and r.req == asked[0] for r in peer.requests), 5,
+               message="the late loan given back")  # fmt: skip
+
+
 def test_the_adapters_records_and_the_summary_keep_declined_fetches_out_of_failed(tmp_path: Path) -> None:
     ports = free_ports(2)
     cfg = write_cluster(tmp_path / "c.yaml", ports, timeout_ms=TIMEOUT_MS)

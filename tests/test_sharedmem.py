@@ -324,6 +324,22 @@ def test_a_lent_reply_is_mixed_only_with_room_for_twice_the_longest_hold() -> No
     assert loan_holds_until(10.0, 5.9, 1.5)
 
 
+def test_before_its_first_loan_a_node_assumes_its_mix_reads_a_gb_a_second(tmp_path: Path) -> None:
+    """The first lent reply must outlast the mix too: before any loan was held, the hold assumed is the model's
+    bytes at FIRST_MIX_BYTES_PER_S (a 4 GB model: 4 s), not 0 (a fixed second of margin)."""
+    from dpwa.node.transfers.fetcher import FIRST_MIX_BYTES_PER_S
+
+    a, b = pair(tmp_path)
+    try:
+        assert a._node.transfer.fetcher.longest_hold_s == 0.0
+        a.update_send([np.zeros(2_500_000, np.float32)], 1.0)  # 10 MB: the buffers are allocated
+        assert a._node.transfer.fetcher.longest_hold_s == pytest.approx(1e7 / FIRST_MIX_BYTES_PER_S, rel=0.01)
+        a.update_wait(1.0)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_shared_memory_off_fetches_over_the_socket(tmp_path: Path) -> None:
     a, b = pair(tmp_path, transport={"shared_memory": "off"})
     try:
@@ -692,6 +708,26 @@ def test_a_lent_reply_whose_loan_ends_before_the_mix_is_copied_out_and_mixed(
             wait_until(lambda b=b, n=copied: b.stats()["shm_released"] == n, 5, message="the loan given back")
         results[mode] = x
     assert all(p.tobytes() == q.tobytes() for p, q in zip(results["auto"], results["off"]))
+
+
+def test_a_lent_reply_never_waited_for_is_given_back_by_the_next_update_send(tmp_path: Path) -> None:
+    """update_send twice without update_wait: the first fetch's reply, lent in shared memory, is given back
+    (RELEASE) by the second update_send, not held for the loan's 10 s. Before, the finished job was dropped with
+    its loan."""
+    a, b = pair(tmp_path, timeout_ms=3000)
+    try:
+        xa, xb = np.ones(1000, np.float32), np.zeros(1000, np.float32)
+        b.update_send([xb], 1.0)
+        a.update_send([xa], 1.0)
+        wait_until(lambda: a.stats()["shm_fetched"] == 1, 5, message="the reply lent")
+        wait_until(lambda: not a._node.transfer.fetcher.in_flight(), 5, message="the fetch done")
+        a.update_send([xa], 1.0)  # no update_wait in between
+        wait_until(lambda: b.stats()["shm_released"] == 1, 5, message="the loan given back")
+        assert b.stats()["shm_loans_expired"] == 0
+        a.update_wait(1.0)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_shared_memory_reply_to_a_node_that_offered_none_is_rejected(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from dpwa.node.wire import Layout, State
 from dpwa.rules import NodeState, PeerSnapshot
 from dpwa.rules.schedules import Round
 
-__all__ = ["LEND_MARGIN_S", "Fetcher", "loan_holds_until", "round_peers"]
+__all__ = ["FIRST_MIX_BYTES_PER_S", "LEND_MARGIN_S", "Fetcher", "loan_holds_until", "round_peers"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,12 @@ LEND_MARGIN_S = 1.0
 """A lent reply is mixed only if its loan has this many seconds left, plus twice the longest this node has held a
 loan from collecting it to giving it back (:func:`loan_holds_until`): the mix ends well before the server may
 reuse the buffer, however large the model (a mix of a few GB takes seconds)."""
+
+
+FIRST_MIX_BYTES_PER_S = 1e9
+"""What a mix is assumed to read per second until this node has held a loan (a pessimistic figure: measured mixes
+run at 1.25x a memcpy, several GB/s): the hold a loan must outlast, ``longest_hold_s``, starts at the model's bytes
+over it."""
 
 
 def loan_holds_until(until: float, now: float, longest_hold_s: float) -> bool:
@@ -82,12 +88,16 @@ class Fetcher:
         self._collected = 0.0
         """When the collected job's loans were checked (monotonic s)."""
         self.longest_hold_s = 0.0
-        """The longest this node held loans from :meth:`collect` to :meth:`give_back` (the mix reading them)."""
+        """The longest this node held loans from :meth:`collect` to :meth:`give_back` (the mix reading them); from
+        :meth:`allocate` on at least the model's bytes over FIRST_MIX_BYTES_PER_S."""
 
     def allocate(self, layout: Layout, count: int) -> None:
         """Allocate ``count`` receive buffers in ``layout`` (once, at the first publish; 0: a node that never
         fetches, which still gets one if it bootstraps: :meth:`fetch_one`)."""
         self._layout = layout
+        # before any loan was held, a mix is assumed to read FIRST_MIX_BYTES_PER_S: a model of a few GB is not
+        # mixed straight from a segment whose loan ends within the second of LEND_MARGIN_S (it is copied out)
+        self.longest_hold_s = max(self.longest_hold_s, layout.total_bytes / FIRST_MIX_BYTES_PER_S)
         for _ in range(count):
             self._add_slot(layout)
 
@@ -111,6 +121,11 @@ class Fetcher:
         if self.in_flight():
             host.stats.add("fetches_skipped")  # update_wait was not called for the previous fetch
             return None
+        if self.pending is not None:  # done, never waited for (update_send twice): give back what it was lent
+            for target in self.pending.targets:
+                if target.loan is not None:
+                    target.loan, target.views = None, []
+                    host.transport.submit_release(target.peer, self.pending.req)
         self.pending = None
         if host.rng.random() >= host.config.fetch_probability:
             return None

@@ -481,10 +481,17 @@ class TxFetcher(threading.Thread):
         if target is None or job is None:
             discard_rest(sock)
             self._port.count("stale_replies", 1)
+            self._release_stale(peer, header)
             return
         if target.next_chunk >= 0:
             raise _Broken(WireError("frames", "a message other than the next chunk inside a streamed reply"))
         self._header_message(job, target, sock, head, header)
+
+    def _release_stale(self, peer: str, header: wire.Message | None) -> None:
+        """A reply nobody waits for any more that lent a snapshot (shared memory): give it back now, rather than
+        leave the server's buffer leased until the loan ends (a one-buffer server skips its publishes meanwhile)."""
+        if isinstance(header, wire.State) and header.shm is not None and header.node == peer:
+            self._shared.submit_release(peer, header.req)
 
     def _header_message(
         self, job: FetchJob, target: FetchTarget, sock: zmq.Socket, head: bytes, decoded: wire.Message | None = None
@@ -515,6 +522,7 @@ class TxFetcher(threading.Thread):
                 if exc.reason == "stale":
                     discard_rest(sock)
                     self._port.count("stale_replies", 1)
+                    self._release_stale(target.peer, header)
                     return
                 raise
             target.header = header  # validated: kept even if the payload is rejected (push-sum mass accounting)
