@@ -174,6 +174,34 @@ def test_a_reader_refuses_a_segment_of_another_size_token_or_generation() -> Non
         segment.close()
 
 
+def test_a_value_found_invalid_while_the_segment_was_rewritten_is_a_torn_read_not_a_bad_value() -> None:
+    """A copy out of a segment that finds a NaN counts as ``non-finite`` only if the segment still holds the
+    generation the reply named; rewritten meanwhile (here: generation 6 where 5 was named, a NaN half-written) it
+    is ``shm-torn``, the owner's race, not a bad value from the peer."""
+    from dpwa.node.frames import copy_segment
+    from dpwa.node.wire.payload import PayloadReader
+
+    layout = Layout.of([np.zeros(1024, np.float32)])
+    segment = Segment("torn", layout.total_bytes)
+    try:
+        values = segment.payload[: layout.total_bytes].view(np.float32)
+        values[:] = 1.0
+        values[7] = np.nan
+        segment.set_gen(5)
+        mapped = SegmentReader().open("p", segment.ref(5, 1e9), layout.total_bytes, 5)
+        buffer = layout.allocate()
+        views = layout.views(buffer)
+        with pytest.raises(WireError) as bad:
+            copy_segment(mapped, 5, PayloadReader(layout, layout), buffer, views, layout.frame_bounds())
+        assert bad.value.reason == "non-finite"  # the generation named: the peer's value
+        segment.set_gen(6)
+        with pytest.raises(WireError) as torn:
+            copy_segment(mapped, 5, PayloadReader(layout, layout), buffer, views, layout.frame_bounds())
+        assert torn.value.reason == "shm-torn"
+    finally:
+        segment.close()
+
+
 def test_a_segment_cannot_change_size_under_its_readers_and_an_unsealed_file_is_refused() -> None:
     """Another process of the same user that opens a segment through /proc and truncates it would end every reader
     that maps it with SIGBUS: the segment is sealed once sized, so that fails; and a reader refuses a memory file

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
+from dpwa.node.sharedmem import Mapped
 from dpwa.node.wire import INDEX_RANGE, NON_FINITE, PayloadReader, WireError
 
-__all__ = ["COPY_BLOCK", "copy_payload", "discard_rest", "receive_payload"]
+__all__ = ["COPY_BLOCK", "copy_payload", "copy_segment", "discard_rest", "receive_payload"]
 
 COPY_BLOCK = 1 << 20
 """Bytes copied out of a segment before they are checked (a multiple of 8: every element starts on one)."""
@@ -81,6 +82,25 @@ def copy_payload(
             np.copyto(buffer[lo:hi], payload[lo:hi])
             if not reader.check(views, lo, hi):
                 raise _fault(reader)
+
+
+def copy_segment(
+    mapped: Mapped,
+    gen: int,
+    reader: PayloadReader,
+    buffer: np.ndarray,
+    views: Sequence[np.ndarray],
+    bounds: Sequence[tuple[int, int]],
+) -> None:
+    """:func:`copy_payload` out of a peer's segment that must hold generation ``gen`` throughout: WireError
+    ``shm-torn`` when it changed by the end, also when the copy found a value invalid meanwhile (a rewrite, not a
+    bad value: a torn read is never counted as ``non-finite``)."""
+    try:
+        copy_payload(mapped.payload, reader, buffer, views, bounds)
+    except WireError:
+        mapped.confirm(gen)
+        raise
+    mapped.confirm(gen)
 
 
 def _fault(reader: PayloadReader) -> WireError:

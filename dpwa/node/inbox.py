@@ -47,7 +47,7 @@ import numpy as np
 import zmq
 
 from dpwa.node import wire
-from dpwa.node.frames import copy_payload, discard_rest, receive_payload
+from dpwa.node.frames import copy_segment, discard_rest, receive_payload
 from dpwa.node.sharedmem import SegmentReader
 from dpwa.node.states import SLOT_MOVES, SlotState, moves
 from dpwa.node.verdicts import Verdicts
@@ -249,8 +249,7 @@ class PushReceiver:
             if not slot.colocated:
                 raise WireError("shm-unasked", "not co-located with this node")
             mapped = self.segments.open(header.node, header.shm, self._reader.wire.total_bytes, header.gen)
-            copy_payload(mapped.payload, self._reader, slot.buffer, slot.views, self._bounds)
-            mapped.confirm(header.gen)
+            copy_segment(mapped, header.gen, self._reader, slot.buffer, slot.views, self._bounds)
         except WireError as exc:
             self._on_reject(exc.reason)
             with self._lock:

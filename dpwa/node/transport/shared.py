@@ -26,7 +26,7 @@ from collections.abc import Callable
 import zmq
 
 from dpwa.node import wire
-from dpwa.node.frames import copy_payload
+from dpwa.node.frames import copy_segment
 from dpwa.node.pushes import Push
 from dpwa.node.sharedmem import SegmentReader
 from dpwa.node.states import FetchStatus
@@ -125,8 +125,7 @@ class SharedReplies:
                 raise WireError(reader.fault or NON_FINITE, "payload holds a value that is not valid")
             target.views, target.loan = views, (word, header.gen)
             return True
-        copy_payload(payload, reader, target.buffer, target.views, bounds)
-        mapped.confirm(header.gen)
+        copy_segment(mapped, header.gen, reader, target.buffer, target.views, bounds)
         return False
 
     # ------------------------------------------------------------ pushes
