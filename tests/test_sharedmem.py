@@ -202,6 +202,25 @@ def test_a_value_found_invalid_while_the_segment_was_rewritten_is_a_torn_read_no
         segment.close()
 
 
+def test_a_pool_that_cannot_make_all_its_segments_closes_the_ones_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The third segment fails (out of descriptors): the two made are closed and unmapped before the error
+    propagates. Before, they stayed open until the garbage collector found them."""
+    from dpwa.node import snapshots
+
+    made: list[Segment] = []
+
+    def segment(tag: str, payload_bytes: int) -> Segment:
+        if len(made) == 2:
+            raise OSError(24, "Too many open files")
+        made.append(Segment(tag, payload_bytes))
+        return made[-1]
+
+    monkeypatch.setattr(snapshots, "Segment", segment)
+    with pytest.raises(OSError, match="Too many open files"):
+        SnapshotPool(Layout.of([np.zeros(100, np.float32)]), shared=True, name="emfile")
+    assert len(made) == 2 and all(s.closed and s.payload.nbytes == 0 for s in made)
+
+
 def test_a_segment_cannot_change_size_under_its_readers_and_an_unsealed_file_is_refused() -> None:
     """Another process of the same user that opens a segment through /proc and truncates it would end every reader
     that maps it with SIGBUS: the segment is sealed once sized, so that fails; and a reader refuses a memory file

@@ -183,7 +183,7 @@ class SnapshotPool:
         self._chunk = chunk
         self._max_size = max_size
         self._lock = threading.Lock()
-        self._all: list[Snapshot] = [self._new() for _ in range(min(size, max_size))]
+        self._all: list[Snapshot] = self._allocate(min(size, max_size))
         self._current: Snapshot | None = None
         self._published = secrets.randbelow(GEN_START_BOUND)  # the first publish is 1 more: see Snapshot.gen
         self.skipped = 0
@@ -204,6 +204,20 @@ class SnapshotPool:
             role = "wire" if converts else "check"
             self._converter = threading.Thread(target=self._convert_loop, name=f"dpwa-{role}-{name}", daemon=True)
             self._converter.start()
+
+    def _allocate(self, count: int) -> list[Snapshot]:
+        """``count`` new snapshots; when one cannot be made (EMFILE, ENOMEM), the segments of those made so far are
+        unmapped at once (not left to the garbage collector, their descriptors open meanwhile) and it raises."""
+        made: list[Snapshot] = []
+        try:
+            for _ in range(count):
+                made.append(self._new())
+        except BaseException:
+            for snapshot in made:
+                if snapshot.segment is not None:
+                    snapshot.segment.unmap()
+            raise
+        return made
 
     def _new(self) -> Snapshot:
         segment = Segment(self._name, self.wire.total_bytes) if self.shared else None
