@@ -285,6 +285,21 @@ def test_script_and_its_arguments_are_split_from_the_launchers_options() -> None
     assert _split_at_script(["c.yaml", "--", "t.py", "a"], valued) == ["c.yaml", "--", "t.py", "a"]
 
 
+def test_a_scripts_own_n_after_the_cluster_file_goes_to_the_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dpwa run c.yaml --quiet t.py -n 4``: the launcher's --quiet, the script's -n. Before, the script's -n
+    switched the parse to `dpwa run -n N` and --quiet was taken for the SCRIPT (exit 2, no such file)."""
+    commands: list[list[str]] = []
+    monkeypatch.setattr(run_command, "_start", recording_start(lambda *args: args[2], commands))
+    path = cluster(tmp_path / "c.yaml", free_ports(1))
+    (tmp_path / "t.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli.main, ["run", str(path), "--quiet", "t.py", "-n", "4"])
+    assert result.exit_code == 0, result.output
+    assert commands[0][-3:] == [str(tmp_path / "t.py"), "-n", "4"]
+
+
 # --------------------------------------------------------------------------- run directory, metrics, progress
 
 

@@ -221,8 +221,13 @@ def test_local_nodes_are_w1_to_wn_on_loopback() -> None:
 def test_with_n_the_first_positional_is_the_script() -> None:
     valued = {"--node", "--steps", "-n", "--nodes", "--config"}
     args = ["-n", "3", "--config", "s.yaml", "t.py", "--lr", "0.1", "-n", "9"]
-    assert _names_node_count(args) and _names_node_count(["-n4", "t.py"]) and _names_node_count(["--nodes=2"])
-    assert not _names_node_count(["c.yaml", "--", "t.py", "-n", "3"])
+    assert _names_node_count(args, valued) and _names_node_count(["-n4", "t.py"], valued)
+    assert _names_node_count(["--nodes=2"], valued) and _names_node_count(["--steps", "5", "-n", "2"], valued)
+    assert not _names_node_count(["c.yaml", "--", "t.py", "-n", "3"], valued)
+    # the script's own -n after CLUSTER.yaml (a launcher flag between them): not the launcher's. Before, it
+    # switched the parse to -n mode and --quiet was taken for the SCRIPT ("--quiet: no such file")
+    assert not _names_node_count(["c.yaml", "--quiet", "t.py", "-n", "4"], valued)
+    assert not _names_node_count(["--steps", "-n", "c.yaml"], valued)  # -n is --steps' value here
     split = ["-n", "3", "--config", "s.yaml", "--", "t.py", "--lr", "0.1", "-n", "9"]
     assert _split_at_script(args, valued, 1) == split
 

@@ -39,20 +39,27 @@ class _RunCommand(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         valued = {o for p in self.params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
-        script_at = 1 if _names_node_count(args) else 2  # with -n N there is no CLUSTER.yaml: SCRIPT comes first
+        script_at = 1 if _names_node_count(args, valued) else 2  # with -n N no CLUSTER.yaml: SCRIPT comes first
         return super().parse_args(ctx, _split_at_script(args, valued, script_at))
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         return ["[OPTIONS]", "(CLUSTER.yaml | -n N)", "[SCRIPT [ARGS]...]"]
 
 
-def _names_node_count(args: Sequence[str]) -> bool:
-    """True when ``-n`` / ``--nodes`` is among the launcher's options (before any ``--``)."""
+def _names_node_count(args: Sequence[str], valued: set[str]) -> bool:
+    """True when ``-n`` / ``--nodes`` is among the launcher's options before the first positional argument
+    (``valued``: the options that take a value, skipped with it); one after it belongs to the script (``dpwa run
+    cluster.yaml --quiet train.py -n 4``), or names a cluster file and -n at once, which the command refuses."""
+    skip = False
     for arg in args:
-        if arg == "--":
+        if skip:
+            skip = False
+            continue
+        if arg == "--" or not arg.startswith("-") or arg == "-":
             return False
         if arg in ("-n", "--nodes") or arg.startswith("--nodes=") or (arg.startswith("-n") and arg[2:].isdigit()):
             return True
+        skip = arg in valued
     return False
 
 
