@@ -154,7 +154,7 @@ def read_metrics(path: str | os.PathLike[str], *, missing_ok: bool = False) -> l
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested deeper than the parser goes
             record = None
         if isinstance(record, dict):
             records.append(record)
@@ -167,7 +167,7 @@ def parse_metrics_line(line: bytes | str) -> dict[str, Any] | None:
     """One metrics line as a dict, or None when it is blank, torn or not a JSON object."""
     try:
         value = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 

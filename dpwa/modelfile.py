@@ -142,6 +142,8 @@ def average_models(models: Sequence[ModelFile]) -> dict[str, np.ndarray]:
     total = sum(m.weight for m in models)
     if total <= 0:
         raise ValueError("every model's weight is 0: each handed its mass to a node whose model is not among them")
+    if not math.isfinite(total):
+        raise ValueError(f"the models' weights sum to {total}: each weight over it would be 0")
     out: dict[str, np.ndarray] = {}
     for key, first in models[0].arrays.items():
         if not _is_float(first):

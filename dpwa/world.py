@@ -74,7 +74,7 @@ def _from_slurm(env: Mapping[str, str], config: ClusterConfig | str | os.PathLik
     procid = env_int(env, "SLURM_PROCID", WorldError)
     if settings.nodes:
         tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
-        if tasks and tasks.strip().isdigit() and int(tasks) != len(settings.nodes):
+        if tasks and tasks.strip().isascii() and tasks.strip().isdigit() and int(tasks) != len(settings.nodes):
             raise WorldError(f"the SLURM step has {tasks} tasks but {settings.source} has {len(settings.nodes)} nodes")
         if procid >= len(settings.nodes):
             raise WorldError(f"SLURM_PROCID={procid} but {settings.source} has {len(settings.nodes)} nodes")
@@ -100,7 +100,7 @@ def _from_torch(env: Mapping[str, str], config: ClusterConfig | str | os.PathLik
     master, port = env["MASTER_ADDR"], env_int(env, "MASTER_PORT", WorldError)
     try:
         address = advertised_address(env, master, port)
-    except OSError as err:
+    except (OSError, TypeError, ValueError) as err:  # TypeError, ValueError: a host no resolver takes (non-ASCII)
         raise WorldError(f"MASTER_ADDR={master!r}: {err}") from None
     return World(f"{address}-{local}", rank_, size, "torchrun")
 

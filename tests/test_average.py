@@ -140,6 +140,27 @@ def test_dpwa_average_refuses_in_one_line(tmp_path: Path, args: list[str], messa
     assert result.exit_code == 2 and "no <node>.model.npz files" in result.output
 
 
+def test_dpwa_average_refuses_two_files_of_one_node_weights_summing_to_infinity_and_an_unwritable_directory(
+    tmp_path: Path,
+) -> None:
+    """Each in one line, exit 2. Before: a copied file was averaged twice (its figures merged in the report);
+    weights of 1e308 averaged to zeros and the write raised; a directory it cannot write printed a traceback."""
+    copied = run_dir_of(tmp_path, "copied", {"w1": ([1.0], 1.0), "w2": ([3.0], 1.0)})
+    write_model(copied / "w3.model.npz", {"w": np.array([5.0])}, node="w1", weight=1.0)  # w1's, renamed
+    huge = run_dir_of(tmp_path, "huge", {"w1": ([1.0], 1e308), "w2": ([3.0], 1e308)})
+    blocked = run_dir_of(tmp_path, "blocked", {"w1": ([1.0], 1.0)})
+    (blocked / AVERAGED_MODEL).mkdir()  # the averaged model's path is taken by a directory
+    for run_dir, message in (
+        (copied, "w1.model.npz and w3.model.npz are both node w1's model"),
+        (huge, "weights sum to inf"),
+        (blocked, f"cannot write {AVERAGED_MODEL}"),
+    ):
+        result = CliRunner().invoke(cli, ["average", str(run_dir)])
+        assert result.exit_code == 2 and message in result.output and len(result.output.splitlines()) == 1, (
+            result.output
+        )
+
+
 def two_nodes(interpolation: str, size: int) -> tuple[dict[str, DpwaConnection], dict[str, list[np.ndarray]]]:
     """w1 (zeros) and w2 (ones) of ``size`` float64 each, every peer up; the caller closes them."""
     ports = free_ports(2)

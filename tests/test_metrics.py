@@ -66,6 +66,19 @@ def test_read_skips_bad_lines_in_the_middle_with_a_warning(tmp_path: Path, caplo
     assert [r.getMessage().split(": ")[0] for r in caplog.records] == [f"{path}:2", f"{path}:3"]
 
 
+def test_a_line_nested_too_deep_or_holding_a_huge_integer_is_skipped_not_raised(tmp_path: Path) -> None:
+    """``[[[[...`` deeper than the parser recurses raised RecursionError (a traceback in `dpwa plot`, and in the
+    launcher's progress mid-run); an integer of 401 digits parses, and no float holds it (OverflowError)."""
+    from dpwa.launcher.rundir import finite_number
+    from dpwa.metrics import parse_metrics_line
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n' + "[" * 200_000 + '\n{"step": 2}\n')
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+    assert parse_metrics_line("[" * 200_000) is None
+    assert finite_number(10**400) is None and finite_number(3) == 3.0
+
+
 def test_read_missing_file(tmp_path: Path):
     with pytest.raises(FileNotFoundError):
         read_metrics(tmp_path / "none.jsonl")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 from dpwa.cli import app as cli
-from dpwa.tools.plot import LATENCY_TITLES, MISSING_MATPLOTLIB, latency_kind, reported, series
+from dpwa.tools.plot import LATENCY_TITLES, MISSING_MATPLOTLIB, latency_kind, moving_average, reported, series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -61,6 +62,15 @@ def test_plot_writes_a_png_that_opens(tmp_path: Path) -> None:
     out = tmp_path / "elsewhere" / "p.png"
     assert CliRunner().invoke(cli.main, ["plot", str(run_dir), "-o", str(out)]).exit_code == 0
     assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_moving_average_takes_each_window_from_its_own_values() -> None:
+    """A running sum carried one huge value's rounding into every later window (1e17 then 1.0s averaged to 0.0)
+    and one infinity into all of them."""
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert moving_average([1e17] + [1.0] * 40, 20)[-1] == 1.0
+    assert moving_average([math.inf] + [1.0] * 5, 2)[-1] == 1.0
+    assert moving_average([], 5) == [] and moving_average([2.0], 5) == [2.0]
 
 
 def test_series_skips_reports_and_bad_values_and_counts_only_ok_fetches() -> None:

@@ -242,6 +242,7 @@ def test_with_n_the_first_positional_is_the_script() -> None:
         (["-n", "2", "--node", "w1"], "-n N starts every node here"),
         (["--config", "x.yaml", "c.yaml"], "--config goes with -n N"),
         (["-n", "0"], "0 is not in the range x>=1"),
+        (["-n", "2", "--timeout-s", "nan"], "nan is not a finite number of seconds"),  # it turned the timeout off
     ],
 )
 def test_usage_errors_of_n(argv: list[str], says: str) -> None:

@@ -169,6 +169,10 @@ def test_job_variables_stand_in_for_the_steps_and_uneven_hosts_work() -> None:
         ({"SLURM_STEP_NODELIST": ""}, "SLURM_STEP_NODELIST / SLURM_JOB_NODELIST: not set"),
         ({"SLURM_LOCALID": "x"}, "SLURM_LOCALID='x': expected a non-negative integer"),
         ({"SLURM_NODEID": "7"}, "SLURM_NODEID=7 / SLURM_LOCALID=1: no such task"),
+        # a digit str.isdigit takes and int() does not (a ValueError traceback before)
+        ({"SLURM_PROCID": "\u00b9"}, "SLURM_PROCID='\u00b9': expected a non-negative integer"),
+        # a host no cluster file takes (a ConfigError traceback before)
+        ({"SLURM_STEP_NODELIST": ".n[1-2]"}, "SLURM_STEP_NODELIST='.n[1-2]': must be letters, digits"),
     ],
 )
 def test_layouts_dpwa_cannot_derive_are_one_line_naming_the_variable(change: dict[str, str], says: str) -> None:

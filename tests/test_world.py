@@ -89,6 +89,9 @@ def test_torchrun_with_a_cluster_file_takes_node_number_rank(monkeypatch: pytest
         ({"DPWA_JOIN": "127.0.0.1:47000"}, "no fixed rank"),
         ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK='x'"),
         ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "not below WORLD_SIZE"),
+        ({"RANK": "\u00b9", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK='\u00b9'"),
+        # a host name the resolver cannot encode (a TypeError traceback before)
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "\u00e9" * 70 + ".com", "MASTER_PORT": "1"}, "MASTER_ADDR="),
     ],
 )
 def test_outside_any_engine_or_with_bad_variables_the_error_is_one_line_saying_why(

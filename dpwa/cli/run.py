@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import socket
 import sys
@@ -44,6 +45,13 @@ class _RunCommand(click.Command):
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         return ["[OPTIONS]", "(CLUSTER.yaml | -n N)", "[SCRIPT [ARGS]...]"]
+
+
+def _finite_seconds(param: click.Parameter, value: float | None) -> float | None:
+    """A number of seconds an option gives: finite (``nan`` passes FloatRange, and would turn the timeout off)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number of seconds", param=param)
+    return value
 
 
 def _names_node_count(args: Sequence[str], valued: set[str]) -> bool:
@@ -128,6 +136,7 @@ def _split_at_script(args: Sequence[str], valued: set[str], script_at: int = 2) 
 @click.option(
     "--timeout-s",
     type=click.FloatRange(min=0, min_open=True),
+    callback=lambda ctx, param, value: _finite_seconds(param, value),
     help="Stop everything after this many seconds and exit 1.",
 )
 @click.option("--threads", type=click.IntRange(min=1), help="Threads per node  [default: usable cores // local nodes]")

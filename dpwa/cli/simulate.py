@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -97,8 +98,8 @@ def _options(
         fail(err)
     if nodes < 2 or steps < 1 or batch_size < 1:
         fail("--nodes must be at least 2, --steps and --batch-size at least 1")
-    if lr is not None and not lr > 0:
-        fail("--lr must be above 0")
+    if lr is not None and not 0 < lr < math.inf:
+        fail(f"--lr must be a finite number above 0, got {lr}")
     return SimOptions(config, nodes, steps, model, partition, seed, times, link, events, lr, batch_size)
 
 

@@ -22,8 +22,9 @@ import subprocess
 import zlib
 from collections.abc import Mapping
 
-from dpwa.config import NodeSpec
+from dpwa.config import ConfigError, NodeSpec
 from dpwa.engines.variables import env_int
+from dpwa.utils.settings import clipped
 
 __all__ = [
     "DERIVED_PORTS",
@@ -183,9 +184,12 @@ def slurm_nodes(
         base_port = derived_base_port(env)
     if base_port + max(counts) - 1 > 65535:
         raise SlurmError(f"{tasks_name}={tasks_text!r}: base port {base_port} + {max(counts) - 1} tasks exceeds 65535")
-    nodes = tuple(
-        NodeSpec(f"{host}-{local}", host, base_port + local) for host, n in zip(hosts, counts) for local in range(n)
-    )
+    try:
+        nodes = tuple(
+            NodeSpec(f"{host}-{local}", host, base_port + local) for host, n in zip(hosts, counts) for local in range(n)
+        )
+    except ConfigError as err:  # a host no cluster file would take (".n1", a name over 128 characters)
+        raise SlurmError(f"{list_name}={clipped(list_text)}: {err.reason}") from None
     if nodeid >= len(hosts) or localid >= counts[nodeid]:
         raise SlurmError(f"SLURM_NODEID={nodeid} / SLURM_LOCALID={localid}: no such task in {list_name}={list_text!r}")
     if sum(counts[:nodeid]) + localid != procid:

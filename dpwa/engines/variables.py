@@ -18,7 +18,8 @@ def in_torch_launch(env: Mapping[str, str]) -> bool:
 def env_int(env: Mapping[str, str], name: str, error: type[Exception], lo: int = 0) -> int:
     """``env[name]`` as an integer >= ``lo``; else ``error`` with one line naming the variable and its value."""
     value = env.get(name)
-    if value is None or not value.strip().isdigit() or int(value) < lo:
+    digits = value.strip() if value is not None else ""
+    if not (digits.isascii() and digits.isdigit()) or int(digits) < lo:  # isdigit alone takes "¹", int() does not
         expected = "a non-negative integer" if lo == 0 else f"an integer >= {lo}"
         raise error(f"{name}={value!r}: expected {expected}")
     return int(value)

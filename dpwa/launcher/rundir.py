@@ -410,7 +410,11 @@ def finite_number(value: object) -> float | None:
     """``value`` as a finite float, or None (bools, strings, NaN and missing values are None)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of hundreds of digits: no float holds it
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _by_count(item: tuple[str, int]) -> tuple[int, str]:

@@ -111,6 +111,12 @@ def _load(run_dir: Path, nodes: Sequence[str] = ()) -> list[ModelFile]:
         models = run_models(run_dir)
     except CheckpointError as err:
         raise AverageError(str(err)) from None
+    seen: dict[str, str] = {}
+    for model in models:  # a copied or renamed file: one node's model counted twice, its figures merged
+        name = model.path.name if model.path is not None else model.node
+        if model.node in seen:
+            raise AverageError(f"{run_dir}: {seen[model.node]} and {name} are both node {model.node}'s model")
+        seen[model.node] = name
     if nodes:
         missing = sorted(set(nodes) - {m.node for m in models})
         if missing:
@@ -140,9 +146,12 @@ def average_run(
     try:
         mean = average_models(models)
     except ValueError as err:
-        raise AverageError(f"{run_dir}: the models differ: {err}") from None
+        raise AverageError(f"{run_dir}: cannot average the models: {err}") from None
     total = sum(m.weight for m in models)
-    averaged_path = write_model(run_dir / AVERAGED_MODEL, mean, node="averaged", weight=total)
+    try:
+        averaged_path = write_model(run_dir / AVERAGED_MODEL, mean, node="averaged", weight=total)
+    except (OSError, ValueError) as err:  # a read-only run directory; ValueError: weights that sum to infinity
+        raise AverageError(f"{run_dir}: cannot write {AVERAGED_MODEL}: {err}") from None
     spread = disagreement(models, mean)
     result: dict[str, Any] = {
         "nodes": [m.node for m in models],
@@ -163,13 +172,16 @@ def average_run(
             try:
                 other_mean = average_models(others)
             except ValueError as err:
-                raise AverageError(f"{baseline}: the models differ: {err}") from None
+                raise AverageError(f"{baseline}: cannot average the models: {err}") from None
             result["baseline_run"] = str(baseline)
             result["baseline_nodes"] = len(others)
             result["baseline"] = _evaluate(function, evaluate, other_mean)
     elif baseline is not None:
         raise AverageError("--baseline needs --evaluate (the figure to compare)")
-    write_atomically(run_dir / AVERAGE_JSON, json.dumps(result, indent=2, allow_nan=True) + "\n")
+    try:
+        write_atomically(run_dir / AVERAGE_JSON, json.dumps(result, indent=2, allow_nan=True) + "\n")
+    except OSError as err:
+        raise AverageError(f"{run_dir}: cannot write {AVERAGE_JSON}: {err.strerror or err}") from None
     return result
 
 

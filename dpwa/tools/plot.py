@@ -27,7 +27,16 @@ from dpwa.launcher.rundir import RunDir, finite_number
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_NAME", "LATENCY_TITLES", "MISSING_MATPLOTLIB", "latency_kind", "plot_run", "reported", "series"]
+__all__ = [
+    "DEFAULT_NAME",
+    "LATENCY_TITLES",
+    "MISSING_MATPLOTLIB",
+    "latency_kind",
+    "moving_average",
+    "plot_run",
+    "reported",
+    "series",
+]
 
 MISSING_MATPLOTLIB = "dpwa plot needs matplotlib: pip install 'dpwa[plot]'"
 DEFAULT_NAME = "plot.png"
@@ -135,10 +144,10 @@ def _draw_lines(loss_ax: Any, factor_ax: Any, distance_ax: Any, data: Mapping[st
         color = f"C{i % 10}"
         window = max(SMOOTH, len(cols["loss"]) // 50)  # ~50 independent points across the run
         loss_ax.plot(cols["step"], cols["loss"], color=color, linewidth=0.5, alpha=0.2)
-        loss_ax.plot(cols["step"], _moving_average(cols["loss"], window), color=color, label=name, linewidth=1.5)
-        factor_ax.plot(cols["time"], _moving_average(cols["factor"], SMOOTH), color=color, label=name, linewidth=1)
+        loss_ax.plot(cols["step"], moving_average(cols["loss"], window), color=color, label=name, linewidth=1.5)
+        factor_ax.plot(cols["time"], moving_average(cols["factor"], SMOOTH), color=color, label=name, linewidth=1)
         if cols["distance"]:
-            smooth = _moving_average(cols["distance"], max(1, len(cols["distance"]) // 50))
+            smooth = moving_average(cols["distance"], max(1, len(cols["distance"]) // 50))
             distance_ax.plot(cols["distance_step"], smooth, color=color, label=name, linewidth=1)
 
 
@@ -203,12 +212,12 @@ def _node_order(run_dir: RunDir) -> list[str]:
     return [n for n in ordered if n in present] + [n for n in present if n not in ordered]
 
 
-def _moving_average(values: Sequence[float], window: int) -> list[float]:
-    """Trailing mean over up to ``window`` values."""
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values, each window's from its own values (a running sum would carry a
+    huge value's rounding, or an infinity, into every later window)."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        return []
+    w = max(1, min(window, a.size))
+    head = [float(a[: i + 1].mean()) for i in range(w - 1)]  # the first windows, shorter
+    return head + np.lib.stride_tricks.sliding_window_view(a, w).mean(axis=1).tolist()
