@@ -64,7 +64,8 @@ def auto_gamma(compressor: Compressor) -> float:
     """The consensus step ``gamma: 0`` stands for: ``int8`` 0.5, ``topk:F`` ``min(0.5, 2F)``, ``randk:F``
     ``min(0.5, F/2)``. Measured in the simulator (6 nodes on a ring and on the exponential graph, consensus from
     random starts): top-1 % converges at 0.02 and diverges at 0.05; random-1 % needs 0.005; int8 converges
-    at every value up to 1. CHOCO's theory asks for ``gamma`` of order ``delta^2`` (``delta`` the share kept)."""
+    at every value up to 1. CHOCO's theory (Koloskova et al. 2019, Theorem 2) gives a ``gamma`` linear in
+    ``delta`` (the compression quality; top-k and random-k: the share kept), as these are."""
     if compressor.kind == "topk":
         return min(0.5, 2.0 * compressor.fraction)
     if compressor.kind == "randk":
@@ -185,13 +186,16 @@ class ChocoRule(Rule):
         return int(self._cycle[1][count % self.resync])
 
     def on_members(self, me: str, names: Sequence[str], mass: float) -> None:
-        """My neighbours on the graph of the current members; copies of nodes no longer members are dropped."""
+        """My neighbours on the graph of the current members; copies of nodes no longer my neighbours are dropped:
+        one kept while its owner was not (a node joined between us) would take its messages on top of a stale copy
+        once it is again, and be mixed at once (the cluster's mean moved by about 23 steps in the simulator); a
+        copy made afresh waits for every window."""
         members = list(names)
         self._neighbours = (
             tuple(members[j] for j in neighbours(members.index(me), len(members), self.graph)) if me in members else ()
         )
         self._degree = len(self._neighbours)
-        for gone in set(self._copies) - set(members):
+        for gone in set(self._copies) - set(self._neighbours):
             del self._copies[gone]
 
     # ------------------------------------------------------------ the message
@@ -295,13 +299,15 @@ class ChocoRule(Rule):
         """My copy of ``name``'s public copy for its message ``count`` of ``epoch``: a new epoch (a first message,
         a restart) starts a copy at zero, as the sender's did; one whose first message is not the epoch's first
         (this node missed it, joined or restarted late) is not mixed until every window has arrived: the copy
-        lacks the messages before, and message 0 is most of the model (int8: all of it), so mixing it would move
-        the cluster's mean for good."""
+        lacks the messages before, and message 0 is Q(x), all of the model under int8, so mixing it would move the
+        cluster's mean for good. So is an epoch that starts after this node's first cycle of windows (a node that
+        joined or restarted late): its public copy is near zero for long under top-k and random-k (message 0 is
+        1 % of the model at ``topk:0.01``), while ours is not, and it waits for our windows before it mixes us."""
         copy = self._copies.get(name)
         if copy is None or copy.epoch != epoch:
             assert self._hat is not None
             copy = _Copy([np.zeros_like(h) for h in self._hat], clock, epoch)
-            if count > 0:
+            if count > 0 or (self.resync and self._count > self.resync):
                 copy.missing = set(range(self.resync)) if self.resync else {-1}
             self._copies[name] = copy
         return copy
