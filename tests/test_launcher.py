@@ -711,6 +711,24 @@ def test_resume_keeps_the_runs_failure_policy_unless_told_otherwise(
     assert result.exit_code == 2 and "unreadable launch record: stop_on_failure must be true or false" in result.stderr
 
 
+def test_resume_checks_its_evaluate_as_a_new_run_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--resume RUN_DIR --evaluate SPEC`: a SPEC naming no file is one line and exit 2 before anything trains,
+    and a demo run's resume refuses it (the demo evaluates itself). Before, the typo came out after the training,
+    and a demo run was averaged instead of evaluated against its baseline."""
+    specs: list[str | None] = []
+    monkeypatch.setattr(run_command, "_start", recording_start(lambda *args: args[12], specs))  # average
+    ports = free_ports(2)
+    script_run = write_run_dir(tmp_path / "script", ports)
+    demo_run = write_run_dir(tmp_path / "demo", ports, command=[sys.executable, "-m", "dpwa.tools.demo"], demo=True)
+    result = CliRunner().invoke(cli.main, ["run", "--resume", str(script_run), "--evaluate", "missing.py:evaluate"])
+    assert result.exit_code == 2 and "no file missing.py" in result.stderr, result.output
+    result = CliRunner().invoke(cli.main, ["run", "--resume", str(demo_run), "--evaluate", "json:dumps"])
+    assert result.exit_code == 2 and "the demo evaluates itself" in result.stderr, result.output
+    result = CliRunner().invoke(cli.main, ["run", "--resume", str(script_run), "--evaluate", "json:dumps"])
+    assert result.exit_code == 0, result.output
+    assert specs == ["json:dumps"]
+
+
 @pytest.mark.parametrize(("field", "value"), [("threads", "Infinity"), ("command", "[]"), ("threads", "1e400")])
 def test_a_corrupt_launch_record_is_an_error_not_a_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: str

@@ -311,10 +311,12 @@ def _resume(
     """``--resume``: run the job recorded in ``directory`` again and exit; ``stop`` (``average``), when not None,
     overrides the recorded ``--stop-on-failure`` (``--evaluate``)."""
     config, nodes, command, directory, evaluate, per_node, recorded, spec = _resume_plan(directory, steps, threads)
+    _check_average(None if command[1:3] == ["-m", DEMO_MODULE] else command[-1], average)  # as a new run does
+    average = _average_here(config, nodes, average if average is not None else spec)
     _check_ports(config, nodes)  # an `-n` run's ports too: nothing holds them for it any more
     stop = recorded if stop is None else stop
     _start(config, nodes, command, directory, evaluate, per_node, timeout_s, stop, restart_failed, True,
-           quiet, tensorboard, average if average is not None else spec)  # fmt: skip
+           quiet, tensorboard, average)  # fmt: skip
 
 
 def _cluster(
