@@ -63,6 +63,9 @@ def test_host_lists_expand_as_slurm_does(text: str, hosts: list[str]) -> None:
         ("gpu[3-1]", "range '3-1' runs backwards"),
         ("a,,b", "an empty name"),
         ("gp u1", "a character a host name cannot have"),
+        # sizes checked before expanding: these ran out of memory (or time) before
+        ("n[0-9999999999]", "more than 100000 hosts"),
+        ("a[0-999]b[0-999]", "more than 100000 hosts"),
     ],
 )
 def test_malformed_host_lists_are_one_clear_error(text: str, says: str) -> None:
@@ -76,6 +79,11 @@ def test_malformed_host_lists_are_one_clear_error(text: str, says: str) -> None:
 )
 def test_tasks_per_node_expand(text: str, counts: list[int]) -> None:
     assert expand_tasks_per_node(text) == counts
+
+
+def test_a_tasks_per_node_of_too_many_hosts_is_refused_before_it_is_expanded() -> None:
+    with pytest.raises(SlurmError, match="more than 100000 hosts"):
+        expand_tasks_per_node("1(x9999999999)")
 
 
 @pytest.mark.parametrize("text", ["", "0", "2(x0)", "x", "2(3)", "2(x3", "-1"])

@@ -16,6 +16,7 @@ ranges whose lower bound's digits set the zero-padding, several bracket groups m
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import shutil
 import subprocess
@@ -43,6 +44,8 @@ locks; a step's nodes take no lock) and so below Linux's ephemeral range (no out
 PORT_BLOCK = 64
 """The ports of one step on one host: a derived base port starts a block of this many."""
 SCONTROL_TIMEOUT_S = 10.0
+MAX_STEP_TASKS = 100_000
+"""The most hosts a step's variables may expand to: checked before expanding (``n[0-9999999999]`` would not end)."""
 _STEP_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
 
 
@@ -91,6 +94,8 @@ def _range_values(text: str, spec: str) -> list[str]:
             continue
         if int(hi) < int(lo):
             raise SlurmError(f"host list {text!r}: range {item!r} runs backwards")
+        if int(hi) - int(lo) + len(out) >= MAX_STEP_TASKS:
+            raise SlurmError(f"host list {clipped(text)}: more than {MAX_STEP_TASKS} hosts")
         out += [str(v).zfill(len(lo)) for v in range(int(lo), int(hi) + 1)]
     return out
 
@@ -107,6 +112,8 @@ def expand_hostlist(text: str) -> list[str]:
         choices = [[pieces[i]] if i % 2 == 0 else _range_values(text, pieces[i]) for i in range(len(pieces))]
         if any(not re.fullmatch(r"[A-Za-z0-9._-]*", pieces[i]) for i in range(0, len(pieces), 2)):
             raise SlurmError(f"host list {text!r}: {part!r} has a character a host name cannot have")
+        if len(hosts) + math.prod(len(c) for c in choices) > MAX_STEP_TASKS:
+            raise SlurmError(f"host list {clipped(text)}: more than {MAX_STEP_TASKS} hosts")
         hosts += ["".join(combo) for combo in itertools.product(*choices)]
     return hosts
 
@@ -118,6 +125,8 @@ def expand_tasks_per_node(text: str) -> list[int]:
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if match is None or int(match.group(1)) < 1 or (match.group(2) is not None and int(match.group(2)) < 1):
             raise SlurmError(f"tasks per node {text!r}: {item!r} is not N or N(xM) with N, M >= 1")
+        if len(counts) + int(match.group(2) or 1) > MAX_STEP_TASKS:
+            raise SlurmError(f"tasks per node {clipped(text)}: more than {MAX_STEP_TASKS} hosts")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
 
