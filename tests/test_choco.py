@@ -329,6 +329,30 @@ def test_checkpoint_round_trip_restores_the_public_copies(compressor: str) -> No
     assert not fresh.load_state_arrays(saved, [np.zeros(7)])
 
 
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_restore_whose_copies_do_not_fit_keeps_the_fresh_epoch_and_number_too(fits: bool) -> None:
+    """The checkpoint's epoch and message number (extras) go with its public copies (arrays): restored together
+    when the copies fit the parameters, both fresh otherwise. Before, a restore whose copies did not fit (or came
+    without parameters) took the checkpoint's number and sent a fresh rule's message 0 under it: a neighbour
+    added Q(x) on top of its old copy and mixed about twice the model once."""
+    from dpwa.checkpoint import DpwaState
+    from dpwa.node.recovery import export_state, restore_state
+
+    sim = make_sim("int8", seed=3, dim=50, nodes=3)
+    for _ in range(5):
+        sim.run_round(1.0)
+    saved = export_state(sim["w1"].state, 5, sim["w1"].rule)
+    assert isinstance(saved, DpwaState) and saved.arrays and saved.extras["choco_n"] == 5
+    fresh = make_rule("choco", {"compressor": "int8"}, 0.0)
+    own = NodeState("w1", extras=fresh.initial_extras("w1", sim.names))
+    fresh_extras = dict(own.extras)
+    restore_state(own, fresh, saved, sim["w1"].arrays if fits else [np.zeros(7)])
+    if fits:
+        assert own.extras["choco_n"] == 5 and own.extras["choco_epoch"] == saved.extras["choco_epoch"]
+    else:
+        assert own.extras == fresh_extras
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("compressor", COMPRESSORS)
 def test_compressed_messages_over_the_network_keep_the_copies_exact(tmp_path: Path, compressor: str) -> None:

@@ -73,7 +73,8 @@ def restore_state(own: NodeState, rule: Rule, saved: DpwaState, params: Sequence
     was taken with the same rule -- and return the step to go on from.
 
     Only extras the rule already has as numbers are restored (push-sum's ``weight``); the rule's arrays
-    (GEM's proxy) only when ``params`` is given and they fit it (else they start afresh, with a warning).
+    (GEM's proxy, CHOCO's public copies) only when ``params`` is given and they fit it, else they start afresh
+    (with a warning), and so do the extras that go with them.
     CheckpointError, and nothing changed, when ``saved`` holds values the node cannot take.
     """
     if not (math.isfinite(saved.clock) and math.isfinite(saved.loss)) or saved.step < 0:
@@ -87,11 +88,15 @@ def restore_state(own: NodeState, rule: Rule, saved: DpwaState, params: Sequence
         )
     else:
         numeric = scalar_extras(own.extras)
-        own.extras.update({key: float(value) for key, value in saved.extras.items() if key in numeric})
-        if params is not None and not rule.load_state_arrays(saved.arrays, params):
+        restored = {key: float(value) for key, value in saved.extras.items() if key in numeric}
+        if saved.arrays and (params is None or not rule.load_state_arrays(saved.arrays, params)):
+            # the rule's extras go with its arrays (CHOCO's epoch and message number with its public copies):
+            # both start afresh, or a fresh copy's first message would go out under the checkpoint's number
             log.warning(
                 "node %s: the checkpoint's %s arrays do not fit the parameters; starting afresh", own.name, rule.name
             )
+        else:
+            own.extras.update(restored)
     own.clock = float(saved.clock)
     own.loss = float(saved.loss)
     if isinstance(rule, OuterRule):  # its boundaries are the schedule's, which reads the node's step
