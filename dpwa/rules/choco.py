@@ -415,7 +415,8 @@ class ChocoRule(Rule):
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray], params: Sequence[np.ndarray]) -> bool:
         """Take back the public copies when they fit ``params`` (True): a cluster resumed from its checkpoints
-        goes on with the same copies on both ends; False, nothing changed, when they do not fit."""
+        taken at the same message goes on with the same copies on both ends (one node restored alone from an older
+        one does not: docs/rules.md's known limit); False, nothing changed, when they do not fit."""
         own = load_model_arrays(HAT_KEY, arrays, params, compute_dtype)
         if own is None:
             return True
