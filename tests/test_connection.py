@@ -343,6 +343,22 @@ def test_a_ctrl_c_while_closing_still_closes_the_node(two_ports, where: str) -> 
     assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-") and "w1" in t.name]
 
 
+@pytest.mark.timing  # the member must answer within announce_s (0.5 s), as the test below
+def test_the_leave_is_announced_to_a_member_flow_control_holds_down(two_ports) -> None:
+    """w1 holds w2 down (three failures: w2 was slow, not dead) when it closes: w2 still gets the announcement and
+    lists w1 as left. Before, only members held up were told: w2 listed w1 alive until it found it down itself --
+    never, on a schedule that does not fetch w1 -- its table and order differing from everyone else's."""
+    _, cfg = two_ports
+    with DpwaConnection("w2", cfg) as b:
+        a = DpwaConnection("w1", cfg)
+        for _ in range(3):
+            a._node.flow.failure("w2")
+        assert not a._node.flow.is_up("w2")
+        a.close()
+        assert a.stats()["leave_acknowledged"] == 1
+        assert b._node.membership.get("w1").state == "left"  # type: ignore[union-attr]
+
+
 @pytest.mark.timing  # the member must answer within announce_s (0.5 s); 20 stressed runs passed
 def test_a_hand_off_that_takes_its_whole_budget_still_leaves_the_announcement_its_own(two_ports) -> None:
     """A leave whose hand-off waits out its deadline (a push-sum target that stopped answering) still announces

@@ -15,7 +15,6 @@ transport's control plane (:class:`~dpwa.node.transport.ControlPlane`). Trainer'
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Protocol
@@ -24,7 +23,6 @@ from dpwa.config import ConfigError, JoinAddress, NodeSpec
 from dpwa.node import wire
 from dpwa.node.members import JoinRefused, Member
 from dpwa.node.membership import Membership
-from dpwa.node.peers import FlowControl
 from dpwa.node.stats import NodeStats
 from dpwa.node.timeouts import Timeouts
 from dpwa.node.transfers import TransferPattern
@@ -49,8 +47,6 @@ class Contacting(Protocol):
     timeouts: Timeouts
     transport: Transport
     security: NodeSecurity | None
-    flow: FlowControl
-    flow_lock: threading.Lock
     schedule: Schedule
     """Sent the cluster file's nodes once a JOIN is answered (AD-PSGD's roles come from their order)."""
     transfer: TransferPattern
@@ -160,13 +156,14 @@ def leave(node: Contacting, timeout_s: float, final_mix: bool = False) -> None:
 
 
 def announce(node: Contacting, deadline: float) -> None:
-    """Send ``node``'s table (which says it left) to every member flow control thinks up, and wait until
-    ``deadline`` (time.monotonic seconds) for their answers (counted ``leave_acknowledged``); a member whose
-    connection is refused (a dead node on a live host) is not waited for. Each message carries the verdict on
-    that member's latest push here."""
+    """Send ``node``'s table (which says it left) to every member, and wait until ``deadline`` (time.monotonic
+    seconds) for their answers (counted ``leave_acknowledged``); a member whose connection is refused (a dead node
+    on a live host) is not waited for. Also the members flow control holds down: one that is only slow, left out,
+    would list this node alive until it found it down itself -- never, when its schedule never fetches it (a ring),
+    and its table and order would differ from everyone else's for good. Each message carries the verdict on that
+    member's latest push here."""
     news = node.membership.full_news()
-    with node.flow_lock:
-        members = [m for m in node.membership.peers() if node.flow.is_up(m.name)]
+    members = list(node.membership.peers())
 
     def message(member: Member) -> bytes:
         return wire.encode_members(node.name, next(node.requests), news, settled=node.transfer.verdict_for(member.name))
