@@ -170,7 +170,8 @@ def test_job_variables_stand_in_for_the_steps_and_uneven_hosts_work() -> None:
     ("change", "says"),
     [
         ({"SLURM_PROCID": "2", "SLURM_NODEID": "0", "SLURM_LOCALID": "1"}, "SLURM_PROCID=2 is not task 1 of host 0"),
-        ({"SLURM_DISTRIBUTION": "cyclic"}, "SLURM_DISTRIBUTION='cyclic': only block placement"),
+        # cyclic over 2 hosts x 2 tasks: task 1 is host 1's first (block order would make it host 0's second)
+        ({"SLURM_DISTRIBUTION": "cyclic", "SLURM_NODEID": "1", "SLURM_LOCALID": "0"}, "(a cyclic or arbitrary"),
         ({"SLURM_HET_SIZE": "2"}, "SLURM_HET_SIZE='2': a heterogeneous job"),
         ({"SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, "gives 3 hosts but SLURM_STEP_NODELIST has 2"),
         ({"SLURM_STEP_NUM_TASKS": "5"}, "SLURM_STEP_NUM_TASKS='5' but SLURM_STEP_TASKS_PER_NODE='2(x2)' sums to 4"),
@@ -189,6 +190,14 @@ def test_layouts_dpwa_cannot_derive_are_one_line_naming_the_variable(change: dic
     with pytest.raises(SlurmError) as info:
         slurm_nodes(env, use_scontrol=False)
     assert says in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("distribution", ["block", "block,Pack", "*:block", "block:cyclic", ""])
+def test_a_distribution_that_is_block_in_effect_is_taken(distribution: str) -> None:
+    """The tasks' numbers decide, not the variable: ``block,Pack`` and ``*:block`` were refused before."""
+    env = step_env(3, SLURM_DISTRIBUTION=distribution)
+    nodes, mine = slurm_nodes(env, 5000, use_scontrol=False)
+    assert len(nodes) == 4 and mine == nodes[3].name
 
 
 def test_scontrol_expands_the_host_list_when_it_is_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -171,9 +171,8 @@ def slurm_nodes(
     for name in ("SLURM_HET_SIZE", "SLURM_PACK_SIZE"):
         if env.get(name):
             raise SlurmError(f"{name}={env[name]!r}: a heterogeneous job; list the nodes in the cluster file")
-    distribution = env.get("SLURM_DISTRIBUTION", "")
-    if distribution.split(":")[0] not in ("", "block"):
-        raise SlurmError(f"SLURM_DISTRIBUTION={distribution!r}: only block placement; srun -m block, or list the nodes")
+    # SLURM_DISTRIBUTION is not read: the tasks' own numbers say whether they lie in block order (the PROCID check
+    # below), which also takes what is block in effect ("block,Pack", "*:block", cyclic with one task per host)
     procid, localid, nodeid = (env_int(env, name, SlurmError) for name in _STEP_VARIABLES)
     list_name, list_text = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
     tasks_name, tasks_text = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
