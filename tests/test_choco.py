@@ -329,8 +329,8 @@ def test_checkpoint_round_trip_restores_the_public_copies(compressor: str) -> No
     assert not fresh.load_state_arrays(saved, [np.zeros(7)])
 
 
-@pytest.mark.parametrize("fits", [True, False])
-def test_a_restore_whose_copies_do_not_fit_keeps_the_fresh_epoch_and_number_too(fits: bool) -> None:
+@pytest.mark.parametrize("fits", [True, False, None])
+def test_a_restore_whose_copies_do_not_fit_keeps_the_fresh_epoch_and_number_too(fits: bool | None) -> None:
     """The checkpoint's epoch and message number (extras) go with its public copies (arrays): restored together
     when the copies fit the parameters, both fresh otherwise. Before, a restore whose copies did not fit (or came
     without parameters) took the checkpoint's number and sent a fresh rule's message 0 under it: a neighbour
@@ -346,11 +346,16 @@ def test_a_restore_whose_copies_do_not_fit_keeps_the_fresh_epoch_and_number_too(
     fresh = make_rule("choco", {"compressor": "int8"}, 0.0)
     own = NodeState("w1", extras=fresh.initial_extras("w1", sim.names))
     fresh_extras = dict(own.extras)
-    restore_state(own, fresh, saved, sim["w1"].arrays if fits else [np.zeros(7)])
+    restore_state(own, fresh, saved, {True: sim["w1"].arrays, False: [np.zeros(7)], None: None}[fits])
     if fits:
         assert own.extras["choco_n"] == 5 and own.extras["choco_epoch"] == saved.extras["choco_epoch"]
-    else:
+    else:  # not loaded (not fitting, or no parameters given)
         assert own.extras == fresh_extras
+    # a rule's other extras are restored with or without its arrays (push-sum's weight under the outer rule)
+    pushsum = make_rule("pushsum", {}, 0.0)
+    state = NodeState("w1", extras=pushsum.initial_extras("w1", sim.names))
+    restore_state(state, pushsum, DpwaState(rule="pushsum", extras={"weight": 0.375}, arrays={"x": np.zeros(1)}), None)
+    assert state.extras["weight"] == 0.375
 
 
 @pytest.mark.integration

@@ -222,6 +222,9 @@ def test_a_forged_claim_at_the_largest_version_leaves_a_file_node_its_versions()
     w1 = Membership(FILE[0], FILE, 8, 10.0, lambda: None)
     w1.observe(fetch_with("mallory", MemberNews("x", (Member("w1", "127.0.0.1", 4001, "suspected", 2**53 - 1),))))
     assert w1.get("w1").version <= FILE_LEAVE_JUMP  # type: ignore[union-attr]
+    # a restarted node (version 0) still outbids a claim far above its own: its former incarnation's leave
+    w1.observe(fetch_with("w2", MemberNews("y", (Member("w1", "127.0.0.1", 4001, "left", 5000),))))
+    assert w1.get("w1").state == "alive" and w1.get("w1").version == 5001  # type: ignore[union-attr]
     near = w1.get("w1").version + 10  # type: ignore[union-attr]
     w1.observe(fetch_with("w2", MemberNews("y", (Member("w1", "127.0.0.1", 4001, "suspected", near),))))
     assert w1.get("w1").state == "alive" and w1.get("w1").version == near + 1  # type: ignore[union-attr]

@@ -170,8 +170,9 @@ def test_job_variables_stand_in_for_the_steps_and_uneven_hosts_work() -> None:
     ("change", "says"),
     [
         ({"SLURM_PROCID": "2", "SLURM_NODEID": "0", "SLURM_LOCALID": "1"}, "SLURM_PROCID=2 is not task 1 of host 0"),
-        # cyclic over 2 hosts x 2 tasks: task 1 is host 1's first (block order would make it host 0's second)
-        ({"SLURM_DISTRIBUTION": "cyclic", "SLURM_NODEID": "1", "SLURM_LOCALID": "0"}, "(a cyclic or arbitrary"),
+        # every task refuses, also one a cyclic layout puts where block order would (a half-started cluster else)
+        ({"SLURM_DISTRIBUTION": "cyclic"}, "SLURM_DISTRIBUTION='cyclic': only block placement"),
+        ({"SLURM_DISTRIBUTION": "plane=2"}, "SLURM_DISTRIBUTION='plane=2': only block placement"),
         ({"SLURM_HET_SIZE": "2"}, "SLURM_HET_SIZE='2': a heterogeneous job"),
         ({"SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, "gives 3 hosts but SLURM_STEP_NODELIST has 2"),
         ({"SLURM_STEP_NUM_TASKS": "5"}, "SLURM_STEP_NUM_TASKS='5' but SLURM_STEP_TASKS_PER_NODE='2(x2)' sums to 4"),
@@ -194,10 +195,27 @@ def test_layouts_dpwa_cannot_derive_are_one_line_naming_the_variable(change: dic
 
 @pytest.mark.parametrize("distribution", ["block", "block,Pack", "*:block", "block:cyclic", ""])
 def test_a_distribution_that_is_block_in_effect_is_taken(distribution: str) -> None:
-    """The tasks' numbers decide, not the variable: ``block,Pack`` and ``*:block`` were refused before."""
+    """The hosts' level of the distribution decides: ``block,Pack`` and ``*:block`` were refused before."""
     env = step_env(3, SLURM_DISTRIBUTION=distribution)
     nodes, mine = slurm_nodes(env, 5000, use_scontrol=False)
     assert len(nodes) == 4 and mine == nodes[3].name
+
+
+def test_a_step_of_more_tasks_than_a_member_table_carries_is_one_engine_error() -> None:
+    """1,000 tasks on hosts of long names: the step's cluster is refused as a file's would be, one line (a
+    ConfigError traceback out of dpwa run and dpwa validate before)."""
+    from dpwa.config import ClusterConfig
+    from dpwa.engines import EngineError, engine_nodes
+
+    env = step_env(0, hosts="gpu-node-of-the-cluster-[0001-1000]", tasks="1(x1000)")
+    with pytest.raises(EngineError, match="SLURM: the step's 1000 tasks: 1000 nodes take") as info:
+        engine_nodes(ClusterConfig(base_port=5000), env)
+    assert "\n" not in str(info.value)
+
+
+def test_a_cyclic_layout_of_one_task_per_host_is_block_and_taken() -> None:
+    env = step_env(1, hosts="127.0.0.[2-3]", tasks="1(x2)", SLURM_DISTRIBUTION="cyclic")
+    assert slurm_nodes(env, 5000, use_scontrol=False)[1] == "127.0.0.3-0"
 
 
 def test_scontrol_expands_the_host_list_when_it_is_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dpwa.config import ClusterConfig
+from dpwa.config import ClusterConfig, ConfigError
 from dpwa.engines.local import PortReservation, local_nodes, reserve_ports
 from dpwa.engines.slurm import SlurmError, in_slurm_step, slurm_nodes
 
@@ -42,9 +42,12 @@ def engine_nodes(config: ClusterConfig, env: Mapping[str, str]) -> tuple[Cluster
     if in_slurm_step(env):
         try:
             nodes, mine = slurm_nodes(env, config.base_port)
+            resolved = config.with_nodes(nodes)
         except SlurmError as err:
             raise EngineError(f"SLURM: {err}") from None
-        return config.with_nodes(nodes), mine, f"the SLURM step ({len(nodes)} tasks)"
+        except ConfigError as err:  # the step's nodes as a cluster (e.g. more than a member table carries)
+            raise EngineError(f"SLURM: the step's {len(nodes)} tasks: {err.reason}") from None
+        return resolved, mine, f"the SLURM step ({len(nodes)} tasks)"
     raise EngineError(
         f"no `nodes` in the file and no engine gave any: run `dpwa run -n N --config {config.source}` for local "
         "nodes, start it with srun, or list the nodes"

@@ -171,8 +171,7 @@ def slurm_nodes(
     for name in ("SLURM_HET_SIZE", "SLURM_PACK_SIZE"):
         if env.get(name):
             raise SlurmError(f"{name}={env[name]!r}: a heterogeneous job; list the nodes in the cluster file")
-    # SLURM_DISTRIBUTION is not read: the tasks' own numbers say whether they lie in block order (the PROCID check
-    # below), which also takes what is block in effect ("block,Pack", "*:block", cyclic with one task per host)
+    distribution = env.get("SLURM_DISTRIBUTION", "").split(":")[0].split(",")[0]  # the hosts' level: "block,Pack"
     procid, localid, nodeid = (env_int(env, name, SlurmError) for name in _STEP_VARIABLES)
     list_name, list_text = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
     tasks_name, tasks_text = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
@@ -183,6 +182,11 @@ def slurm_nodes(
     for total_name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
         if env.get(total_name) and env_int(env, total_name, SlurmError) != sum(counts):
             raise SlurmError(f"{total_name}={env[total_name]!r} but {tasks_name}={tasks_text!r} sums to {sum(counts)}")
+    if distribution not in ("", "block", "*") and max(counts) > 1:  # every task refuses, not only those out of place
+        raise SlurmError(
+            f"SLURM_DISTRIBUTION={env['SLURM_DISTRIBUTION']!r}: only block placement (or one task per host); "
+            "srun -m block, or list the nodes"
+        )
     if base_port is None:
         if max(counts) > PORT_BLOCK:
             raise SlurmError(

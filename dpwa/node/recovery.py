@@ -89,14 +89,16 @@ def restore_state(own: NodeState, rule: Rule, saved: DpwaState, params: Sequence
     else:
         numeric = scalar_extras(own.extras)
         restored = {key: float(value) for key, value in saved.extras.items() if key in numeric}
-        if saved.arrays and (params is None or not rule.load_state_arrays(saved.arrays, params)):
-            # the rule's extras go with its arrays (CHOCO's epoch and message number with its public copies):
-            # both start afresh, or a fresh copy's first message would go out under the checkpoint's number
+        loaded = params is not None and rule.load_state_arrays(saved.arrays, params)
+        if params is not None and not loaded:
             log.warning(
                 "node %s: the checkpoint's %s arrays do not fit the parameters; starting afresh", own.name, rule.name
             )
-        else:
-            own.extras.update(restored)
+        if not loaded:
+            # the extras that describe the arrays (CHOCO's epoch and number) go with them: a fresh copy's first
+            # message would otherwise go out under the checkpoint's number
+            restored = {k: v for k, v in restored.items() if k not in rule.array_extras}
+        own.extras.update(restored)
     own.clock = float(saved.clock)
     own.loss = float(saved.loss)
     if isinstance(rule, OuterRule):  # its boundaries are the schedule's, which reads the node's step

@@ -184,6 +184,9 @@ class Rule(ABC):
     file then refuses a narrowing ``wire_dtype``; empty: any wire dtype will do."""
     overlap: int = 0
     """``push`` rules: how many pushes may still await their ACK when ``update_wait`` returns (OSGP's tau)."""
+    array_extras: ClassVar[frozenset[str]] = frozenset()
+    """The extras that describe :meth:`state_arrays` (CHOCO's epoch and message number): a restore takes them
+    only with the arrays, both or neither."""
 
     def __init__(self, divergence_threshold: float = 0.0) -> None:
         t = float(divergence_threshold)

@@ -111,6 +111,7 @@ class ChocoRule(Rule):
     allowed_schedules = ("neighbours",)
     default_schedule = "neighbours"
     wire_exact = "receivers keep exact copies of its public copy"
+    array_extras = frozenset({EPOCH_KEY, COUNT_KEY, WINDOW_KEY})
 
     def __init__(
         self,
