@@ -221,6 +221,15 @@ class SnapshotPool:
 
     def _new(self) -> Snapshot:
         segment = Segment(self._name, self.wire.total_bytes) if self.shared else None
+        try:
+            return self._around(segment)
+        except BaseException:  # ENOMEM allocating its plain buffer: the segment made for it goes now
+            if segment is not None:
+                segment.unmap()
+            raise
+
+    def _around(self, segment: Segment | None) -> Snapshot:
+        """A snapshot around ``segment`` (its wire or plain buffer; None: buffers of this process's memory)."""
         direct = self.wire is self.layout
         if self.wire_only:  # the wire buffer alone, always whole once published
             wire = segment.payload if segment is not None else self.wire.allocate()

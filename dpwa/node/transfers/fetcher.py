@@ -88,8 +88,12 @@ class Fetcher:
         self._collected = 0.0
         """When the collected job's loans were checked (monotonic s)."""
         self.longest_hold_s = 0.0
-        """The longest this node held loans from :meth:`collect` to :meth:`give_back` (the mix reading them); from
-        :meth:`allocate` on at least the model's bytes over FIRST_MIX_BYTES_PER_S."""
+        """The longest this node held loans from :meth:`collect` to :meth:`give_back` (the mix reading them); before
+        the first, from :meth:`allocate` on, the model's bytes over FIRST_MIX_BYTES_PER_S."""
+        self._held = False
+        """A hold was measured: ``longest_hold_s`` is measured, no more the first estimate."""
+        self._measure = False
+        """The collected job had a lent reply (mixed in place or copied out): :meth:`give_back` measures the mix."""
 
     def allocate(self, layout: Layout, count: int) -> None:
         """Allocate ``count`` receive buffers in ``layout`` (once, at the first publish; 0: a node that never
@@ -97,7 +101,8 @@ class Fetcher:
         self._layout = layout
         # before any loan was held, a mix is assumed to read FIRST_MIX_BYTES_PER_S: a model of a few GB is not
         # mixed straight from a segment whose loan ends within the second of LEND_MARGIN_S (it is copied out)
-        self.longest_hold_s = max(self.longest_hold_s, layout.total_bytes / FIRST_MIX_BYTES_PER_S)
+        if not self._held:
+            self.longest_hold_s = layout.total_bytes / FIRST_MIX_BYTES_PER_S
         for _ in range(count):
             self._add_slot(layout)
 
@@ -170,6 +175,8 @@ class Fetcher:
         job, self._waited = self._waited, None
         targets, req = (job.targets, job.req) if job is not None else ([], 0)
         self._collected = time.monotonic()
+        # a mix of a lent reply, in place or copied out, measures how long a hold lasts
+        self._measure = any(t.status == FetchStatus.OK and t.loan is not None for t in targets)
         peers = []
         for t in targets:
             if t.status != FetchStatus.OK or t.header is None:
@@ -208,8 +215,11 @@ class Fetcher:
         """The rule is done with the collected job's lent replies: check each segment still held what was mixed
         (else counted ``shm_torn`` and logged: a loan outlived), then RELEASE each (TX thread)."""
         lent, self._lent = self._lent, []
-        if lent:
-            self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - self._collected)
+        if self._measure:
+            self._measure = False
+            held = time.monotonic() - self._collected
+            self.longest_hold_s = max(self.longest_hold_s, held) if self._held else held
+            self._held = True
         for target, req in lent:
             loan, target.loan, target.views = target.loan, None, []
             if loan is None:  # pragma: no cover - given back already
