@@ -19,7 +19,7 @@ from test_slurm import step_env
 
 from dpwa.cli import app as cli
 from dpwa.cli import run as run_command
-from dpwa.launcher.launchrecord import launcher_key, merge_launch, nodes_to_resume
+from dpwa.launcher.launchrecord import launcher_key, merge_launch, nodes_to_resume, threads_to_resume
 from dpwa.launcher.rundir import RunDir
 
 RECORD = {"version": 1, "command": ["python", "t.py"], "threads": 1, "evaluate": False, "demo": False}
@@ -47,6 +47,18 @@ def test_launchers_merge_their_nodes_and_a_launcher_run_again_replaces_only_its_
     assert moved["started_by"] == {"a1": "host a", "b0": "host c"} and moved["command"] == RECORD["command"]
     damaged = merge_launch(launched(["x"], started_by=["x"]), launched(["a0"]), "host a")
     assert damaged["started_by"] == {"a0": "host a"}
+
+
+def test_each_launcher_resumes_with_the_threads_it_gave_its_nodes() -> None:
+    """A host of 3 nodes gave each 10 threads, one of 1 node 32: the last writer's `threads` must not be every
+    launcher's (3 x 32 threads on 32 cores)."""
+    record = merge_launch(merge_launch(None, launched(["a0", "a1", "a2"], threads=10), "host a"),
+                          launched(["b0"], threads=32), "host b")  # fmt: skip
+    assert record["threads_of"] == {"host a": 10, "host b": 32}
+    assert threads_to_resume(record, "host a") == 10 and threads_to_resume(record, "host b") == 32
+    assert threads_to_resume(launched(["a0"], threads=4), "host a") == 4  # an older record
+    gone = merge_launch(record, launched(["a0", "a1", "a2", "b0"], threads=8), "host a")  # a runs them all now
+    assert gone["threads_of"] == {"host a": 8}
 
 
 def test_resume_starts_the_launchers_own_nodes_or_all_of_a_single_launchers_run() -> None:

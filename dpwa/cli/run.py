@@ -20,7 +20,7 @@ from dpwa.engines import EngineError, engine_nodes
 from dpwa.engines.join import joining_host, joining_nodes
 from dpwa.engines.local import LOCAL_HOST, PortReservation, local_nodes, reserve_ports
 from dpwa.launcher.job import DEMO_MODULE, Job, run_job, runs_every_node
-from dpwa.launcher.launchrecord import launcher_key, nodes_to_resume
+from dpwa.launcher.launchrecord import launcher_key, nodes_to_resume, threads_to_resume
 from dpwa.launcher.placement import LocalHosts, select_nodes, threads_per_node
 from dpwa.launcher.ports import busy_ports, busy_ports_message
 from dpwa.launcher.progress import Progress
@@ -548,8 +548,9 @@ def _resume_plan(
         config = load_config(directory.config_path)
     except ConfigError as err:
         fail(err)
+    launcher = launcher_key(os.environ, socket.gethostname())
     try:
-        names = nodes_to_resume(record, launcher_key(os.environ, socket.gethostname()))
+        names = nodes_to_resume(record, launcher)
     except (KeyError, TypeError) as err:
         fail(f"{directory.launch_path}: unreadable launch record: {err}")
     except ValueError as err:
@@ -559,7 +560,8 @@ def _resume_plan(
         command = [str(arg) for arg in record["command"]]
         if not command:
             raise ValueError("the command is empty")
-        evaluate, demo, per_node = bool(record["evaluate"]), bool(record["demo"]), int(record["threads"])
+        evaluate, demo = bool(record["evaluate"]), bool(record["demo"])
+        per_node = int(threads_to_resume(record, launcher))
         stop_on_failure = record.get("stop_on_failure", False)
         if not isinstance(stop_on_failure, bool):
             raise TypeError(f"stop_on_failure must be true or false, got {stop_on_failure!r}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from dpwa.engines.slurm import in_slurm_step
 
-__all__ = ["launcher_key", "merge_launch", "nodes_to_resume"]
+__all__ = ["launcher_key", "merge_launch", "nodes_to_resume", "threads_to_resume"]
 
 
 def launcher_key(env: Mapping[str, str], hostname: str) -> str:
@@ -50,7 +50,19 @@ def merge_launch(old: Mapping[str, Any] | None, record: Mapping[str, Any], key: 
     ours = list(record["nodes"])
     started = {node: by for node, by in kept.items() if by != key and node not in ours}
     started.update(dict.fromkeys(ours, key))
-    return {**record, "nodes": list(started), "started_by": started}
+    threads = old.get("threads_of") if old is not None else None  # each host's share of its cores is its own
+    threads_of = {by: n for by, n in (threads if isinstance(threads, dict) else {}).items() if by in started.values()}
+    threads_of[key] = record["threads"]
+    return {**record, "nodes": list(started), "started_by": started, "threads_of": threads_of}
+
+
+def threads_to_resume(record: Mapping[str, Any], key: str) -> Any:
+    """The threads per node the launcher ``key`` gave its nodes (``threads_of``), else the record's ``threads``
+    (one launcher's run, or an older record): the caller checks the value."""
+    threads_of = record.get("threads_of")
+    if isinstance(threads_of, dict) and key in threads_of:
+        return threads_of[key]
+    return record["threads"]
 
 
 def nodes_to_resume(record: Mapping[str, Any], key: str) -> list[str]:
