@@ -188,6 +188,23 @@ def test_push_sum_keeps_its_mass_through_lost_messages_a_full_inbox_and_a_clean_
     assert sim.members["w5"].phase is Phase.LEFT and all("w5" not in m.names for m in sim.live())
 
 
+@pytest.mark.parametrize("loss", [0.0, 0.2])
+def test_push_sum_mass_ends_in_the_members_weights_with_stragglers_and_a_late_leave(loss: float) -> None:
+    """Two stragglers (4x slower), lost messages, and w2 leaving after it finished: once the run ends every unit of
+    mass is in a member's weight -- nothing left in a finished node's inbox or among its refused pushes. Before, a
+    push refused back to a finished node, and w2's hand-off (named after a round its heir never reached), stayed
+    there, and the weights summed short of 8 (with loss 0.2 here)."""
+    settings = ClusterSettings(timeout_s=0.1, inbox_slots=1, inbox_per_sender=1)
+    sim = _engine("pushsum", 8, steps=40, link=LinkModel(loss=loss), settings=settings,
+                  step_s=lambda m: 0.2 if m.name in ("w3", "w4") else 0.05)  # fmt: skip
+    sim.start()
+    sim.at(4.0, sim.leave, "w2")  # w2 finished its 40 steps of 0.05 s at about 2 s
+    assert sim.run()
+    held = sum(float(m.state.extras["weight"]) for m in sim.members.values() if m.phase is not Phase.LEFT)
+    assert held == pytest.approx(8.0, abs=1e-9)
+    assert not any(m.inbox for m in sim.members.values() if m.phase is not Phase.LEFT)
+
+
 def test_adpsgd_keeps_the_sum_of_the_models_through_lost_messages() -> None:
     """Both ends of an exchange move by opposite amounts, and a lost reply aborts it on both: with no local steps
     the sum of the models is what it was, while they meet."""

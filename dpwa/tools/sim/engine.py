@@ -359,7 +359,19 @@ class EventSimulation(ChurnActions):
             push.ms = (self.now - push.started) * 1000.0
             effect = PUSH_FLOW_EFFECT[status]
             m.flow.record(push.peer, effect)
+        if m.phase is Phase.FINISHED:  # trains no more: what comes back is folded in, as a node does at its close
+            self._fold_finished(m)
         self._try_mix(m)
+
+    def _fold_finished(self, m: Member) -> None:
+        """A member that trains no more folds what it still holds -- the pushes in its inbox (those of rounds it
+        never reached too) and the refused pushes that came back -- as a real node's close folds them before it
+        hands its mass on: else that mass would sit there, counted nowhere, when the run ends."""
+        held = self._drain(m, everything=True) + [
+            m.push_of(p) for p in m.ledger.collect() if p.status is PushStatus.REFUSED
+        ]
+        if held:
+            m.rule.mix(m.state, m.arrays, held)
 
     def _push_deadline(self, m: Member, push: Push, epoch: int) -> None:
         """No verdict by the deadline: unknown; the receiver is asked (a query, answered where it lands) every
@@ -491,6 +503,8 @@ class EventSimulation(ChurnActions):
             self._hand_off(m, self.now)
         elif m.step >= self.steps:
             m.move(Phase.FINISHED)
+            if m.rule.transfer is Transfer.PUSH:
+                self._fold_finished(m)
         else:
             self._send(m, m.epoch)
 

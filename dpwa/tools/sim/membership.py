@@ -36,6 +36,7 @@ class ChurnActions:
         def at(self, time: float, action: Any, *args: Any) -> None: ...
         def _send(self, m: Member, epoch: int) -> None: ...
         def _drain(self, m: Member, everything: bool = False) -> list[PeerSnapshot]: ...
+        def _fold_finished(self, m: Member) -> None: ...
         def _add(self, name: str, params: list[np.ndarray]) -> Member: ...
         def snapshot_bytes(self, arrays: Any) -> int: ...
 
@@ -94,7 +95,8 @@ class ChurnActions:
             message = PeerSnapshot(
                 NodeState(m.name, m.state.clock, m.state.loss, extras), [np.array(a) for a in m.arrays]
             )
-            self._deliver(m, self.members[heir[0]], InboxEntry(m.name, message, m.step).move(SlotState.FULL))
+            # no round: taken at the heir's next step, whatever round that is (a real hand-off names none)
+            self._deliver(m, self.members[heir[0]], InboxEntry(m.name, message, -1).move(SlotState.FULL))
         m.move(Phase.LEFT)
         self.names = tuple(n for n in self.names if n != m.name)
         for other in self.members.values():
@@ -115,6 +117,8 @@ class ChurnActions:
     def _handed(self, target: Member, entry: InboxEntry) -> None:
         if target.alive:  # one that crashed meanwhile loses it, as any push-sum loses a dead member's mass
             target.inbox.append(entry)
+            if target.phase is Phase.FINISHED:  # it trains no more: folded at once, as its close would
+                self._fold_finished(target)
 
     def join(self, name: str, params: list[np.ndarray]) -> Member:
         """A new member ``name`` with ``params`` (the caller copies a live node's: a bootstrap) starts training now;
