@@ -378,12 +378,17 @@ def test_the_command_writes_a_run_dpwa_plot_reads_and_prints_the_table(tmp_path:
         (["--bandwidth", "fast"], "rate"),
         (["--partition", "sideways"], "partition"),
         (["--nodes", "1"], "at least 2"),
+        # said before the run (before: when the event's time came, minutes into a large run, after progress lines)
+        (["--nodes", "4", "--churn", "crash:w99@0.01s"], "churn crash:w99: no node w99"),
+        (["--nodes", "4", "--churn", "join:w2@1s"], "churn join:w2: w2 is a node already"),
+        (["--nodes", "4", "--lr", "inf"], "--lr must be a finite number above 0"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "dpwa.cli", "simulate", *args], capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr  # nothing ran first
 
 
 def test_a_bad_config_names_the_file_key_and_line(tmp_path: Path) -> None:

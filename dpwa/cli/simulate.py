@@ -13,7 +13,7 @@ import click
 from dpwa.cli.common import fail
 from dpwa.config import ClusterConfig, ConfigError, load_config
 from dpwa.launcher.rundir import default_run_dir
-from dpwa.tools.sim.churn import parse_churn
+from dpwa.tools.sim.churn import check_churn, parse_churn
 from dpwa.tools.sim.links import LINK_MODES, LinkModel
 from dpwa.tools.sim.problems import MODELS
 from dpwa.tools.sim.runner import Evaluation, SimOptions, SimResult, simulate
@@ -93,6 +93,7 @@ def _options(
         share, factor = parse_straggler(straggler)
         link = LinkModel(parse_duration(latency), parse_rate(bandwidth), per, loss)
         events = tuple(parse_churn(churn))
+        check_churn(events, nodes)
         times = StepTimes(base, sigma, share, factor)
     except ValueError as err:
         fail(err)

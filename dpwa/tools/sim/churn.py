@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections.abc import Sequence
 
 from dpwa.tools.sim.units import parse_duration
 
-__all__ = ["ChurnEvent", "ChurnKind", "parse_churn"]
+__all__ = ["ChurnEvent", "ChurnKind", "check_churn", "parse_churn"]
 
 
 class ChurnKind(enum.StrEnum):
@@ -46,3 +47,17 @@ def parse_churn(text: str) -> list[ChurnEvent]:
             raise ValueError(f"churn {item!r}: expected KIND:NODE@TIME with KIND one of {', '.join(ChurnKind)}")
         events.append(ChurnEvent(ChurnKind(match.group(1)), match.group(2), parse_duration(match.group(3))))
     return sorted(events, key=lambda e: e.at_s)
+
+
+def check_churn(events: Sequence[ChurnEvent], nodes: int) -> None:
+    """ValueError naming the first event that cannot happen to the simulation's nodes w1..w``nodes`` and those
+    the earlier events joined: a crash, restart or leave of no such node, a join of a name already taken -- said
+    before the run, not when its time comes (minutes into a large one)."""
+    names = {f"w{i + 1}" for i in range(nodes)}
+    for event in events:
+        if event.kind is ChurnKind.JOIN:
+            if event.node in names:
+                raise ValueError(f"churn {event.kind}:{event.node}: {event.node} is a node already")
+            names.add(event.node)
+        elif event.node not in names:
+            raise ValueError(f"churn {event.kind}:{event.node}: no node {event.node} (w1..w{nodes} and the joined)")
