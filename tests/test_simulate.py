@@ -220,6 +220,18 @@ def test_adpsgd_keeps_the_sum_of_the_models_through_lost_messages() -> None:
     assert sim.network.lost > 0
 
 
+def test_an_exchange_whose_request_lands_after_the_fetchers_deadline_is_aborted_when_the_reply_comes() -> None:
+    """A 0.15 s link against a 0.1 s deadline: every exchange's request lands after its fetcher gave up, so the
+    abort cannot go at the deadline; it goes when the late reply comes, as the TX thread's verdict does, and the
+    server frees the slot then. Before, nothing was sent: each slot (and its snapshot's one exchange) stayed held
+    until it expired, 8 timeouts later."""
+    sim = _engine("adpsgd", 4, steps=20, link=LinkModel(latency_s=0.15))
+    sim.start()
+    assert sim.run()
+    assert sum(m.counters.get("exchanges_aborted", 0.0) for m in sim.members.values()) > 0
+    assert sum(m.counters.get("mixes", 0.0) for m in sim.members.values()) == 0  # every reply came too late
+
+
 def test_adpsgd_with_stragglers_at_64_nodes_stays_together() -> None:
     """A straggler's snapshot pairs with one exchange; when it paired with every fast peer that asked (up to the
     inbox's four) it applied each one's half-way move against that one snapshot and the models diverged: this

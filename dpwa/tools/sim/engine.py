@@ -316,11 +316,15 @@ class EventSimulation(ChurnActions):
     def _aborted(self, s: Member, entry: InboxEntry, epoch: int) -> None:
         if epoch == s.epoch and entry in s.inbox and entry.state is SlotState.SERVED:
             s.inbox.remove(entry.move(SlotState.FREE))
+            s.count("exchanges_aborted")
 
     # ------------------------------------------------------------ the fetcher's side
 
     def _replied(self, m: Member, fetch: Fetch, reply: PeerSnapshot, gen: int, epoch: int) -> None:
         server = self.members[fetch.peer]
+        if epoch == m.epoch and fetch.status is FetchStatus.TIMEOUT and fetch.held is not None and not fetch.settled:
+            fetch.settled = True  # its request landed after the deadline: the late reply's verdict is an abort,
+            self._settle_exchange(m, server, fetch.held, commit=False)  # as the TX thread's, freeing the slot
         if epoch != m.epoch or fetch.status is not FetchStatus.PENDING:
             return  # too late: the fetcher gave up (and aborted an exchange at its deadline), or it crashed
         fetch.arrived = self.now
@@ -330,6 +334,7 @@ class EventSimulation(ChurnActions):
         st = reply.state
         fetch.reply = PeerSnapshot(NodeState(st.name, st.clock, st.loss, dict(st.extras)), reply.arrays, repeat=repeat)
         if fetch.held is not None:
+            fetch.settled = True
             self._settle_exchange(m, server, fetch.held, commit=True)
         self._try_mix(m)
 
@@ -349,6 +354,7 @@ class EventSimulation(ChurnActions):
                 m.count("timeouts")
                 if fetch.held is not None:
                     server = self.members[fetch.peer]
+                    fetch.settled = True
                     self._settle_exchange(m, server, fetch.held, commit=False)
         self._try_mix(m)
 

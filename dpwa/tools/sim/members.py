@@ -65,6 +65,8 @@ class Fetch:
     arrived: float = 0.0
     held: InboxEntry | None = None
     """An exchange: the server's inbox entry holding this fetcher's snapshot until the commit."""
+    settled: bool = False
+    """An exchange: its one SETTLE (commit or abort) was sent."""
 
     def end(self, status: FetchStatus, code: str = "") -> FlowEffect:
         """The fetch's one verdict (the node's :data:`~dpwa.node.states.FETCH_MOVES`); what it does to the peer's
