@@ -282,17 +282,21 @@ def _run(
     progress: Callable[[Evaluation, int, int, bool], None] | None,
     recorder: _Recorder,
 ) -> list[Evaluation]:
-    """Run in slices of simulated time, evaluating after each; the evaluations."""
+    """Run in slices of simulated time, evaluating after each in which a node stepped (and at the end); the
+    evaluations. A slice without a step (every node finished, their pushes still settling over a lossy link)
+    changed no model: evaluating it again and again made a 2-node run at 99 % loss take 36,766 evaluations."""
     slice_s = options.step_times.base_s * max(1, options.steps // max(1, options.evaluations))
     total = options.nodes * options.steps
     evaluations = []
-    until = 0.0
+    until, evaluated_at = 0.0, -1
     while True:
         finished = sim.run(until)
-        evaluation = _evaluate(sim, problem, params, metrics, until if not finished else sim.now)
-        evaluations.append(evaluation)
-        if progress is not None:
-            progress(evaluation, recorder.steps, total, finished)
+        if finished or recorder.steps != evaluated_at:
+            evaluated_at = recorder.steps
+            evaluation = _evaluate(sim, problem, params, metrics, until if not finished else sim.now)
+            evaluations.append(evaluation)
+            if progress is not None:
+                progress(evaluation, recorder.steps, total, finished)
         if finished:
             return evaluations
         until += slice_s
