@@ -232,6 +232,20 @@ def test_a_forged_claim_at_the_largest_version_leaves_a_file_node_its_versions()
     assert left is not None and left.state == "left" and left.version == near + 2
 
 
+def test_a_member_takes_the_clusters_word_that_a_node_it_suspects_left_however_far_its_versions_went() -> None:
+    """w2 restarted (it knows w1 at version 0) and finds w1 down: the others' "left" of w1 at version 5000 (w1's
+    former incarnation refuted many suspicions) is taken. Before, it was refused as beyond FILE_LEAVE_JUMP for good:
+    w2 probed w1 forever and its table never matched the others'. A forged claim at the largest version is still
+    refused (w1 could never outbid it)."""
+    w2 = Membership(FILE[1], FILE, 8, 10.0, lambda: None)
+    w2.suspect("w1")
+    assert w2.get("w1").state == "suspected"  # type: ignore[union-attr]
+    w2.observe(fetch_with("mallory", MemberNews("x", (Member("w1", "127.0.0.1", 4001, "left", 2**53 - 1),))))
+    assert w2.get("w1").state == "suspected"  # type: ignore[union-attr]
+    w2.observe(fetch_with("w3", MemberNews("y", (Member("w1", "127.0.0.1", 4001, "left", 5000),))))
+    assert w2.get("w1").state == "left" and "w1" not in w2.order()  # type: ignore[union-attr]
+
+
 def test_a_file_node_is_left_only_on_its_own_word_and_a_restarted_one_outbids_the_old_claim() -> None:
     me = NodeSpec("w1", "127.0.0.1", 4001)
     w2 = Membership(FILE[1], FILE, 8, 10.0, lambda: None)

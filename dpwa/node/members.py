@@ -34,6 +34,7 @@ from dpwa.config.tablesize import TABLE_BUDGET_BYTES
 from dpwa.config.tablesize import entry_bytes as named_entry_bytes
 
 __all__ = [
+    "CLAIM_CEILING",
     "FILE_LEAVE_JUMP",
     "MAX_MEMBER_NAME",
     "MAX_WIRE_MEMBERS",
@@ -55,6 +56,9 @@ MAX_VERSION = 2**53
 FILE_LEAVE_JUMP = 1024
 """How far above its known version a claim that a file node is down (suspected, left) may be taken: its own leave
 is its version + 1, the slack covers refutations this node missed, and the node can outbid any such claim."""
+CLAIM_CEILING = MAX_VERSION - FILE_LEAVE_JUMP - 1
+"""The highest claim about a file node that is outbid (by the node itself) or taken beyond the jump (a relayed leave
+of a node this one suspects): above it the node would have no version left to refute or leave with."""
 MAX_WIRE_MEMBERS = 4096
 """A member list on the wire longer than this is malformed (the table's own bound is the capacity setting)."""
 MAX_MEMBER_NAME = 128
@@ -222,7 +226,10 @@ class MemberTable:
                 relayed_leave = entry.state == "left" and sender != entry.name
                 if relayed_leave and (known is None or known.state != "suspected"):
                     continue  # this node still reaches it: its own announcement reached those it could
-                if known is not None and entry.version > known.version + FILE_LEAVE_JUMP:
+                beyond = known is not None and entry.version > known.version + FILE_LEAVE_JUMP
+                # a node found down itself takes the cluster's word that it left, however far its former
+                # incarnation's versions went (a restarted member knows it at version 0)
+                if beyond and not (relayed_leave and entry.version <= CLAIM_CEILING):
                     self.refused += 1
                     continue
             tomb = self._tombstones.get(entry.name) if known is None else None

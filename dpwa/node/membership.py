@@ -22,14 +22,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dpwa.config import NodeSpec
-from dpwa.node.members import FILE_LEAVE_JUMP, MAX_VERSION, JoinRefused, Member, MemberTable
+from dpwa.node.members import CLAIM_CEILING, JoinRefused, Member, MemberTable
 from dpwa.node.wire import MemberNews, WithNews
 
 log = logging.getLogger(__name__)
 
-CEILING = MAX_VERSION - FILE_LEAVE_JUMP - 1
-"""The highest claim about itself a node outbids: above it a forged claim would leave it no version to refute a
-suspicion or announce its leave with (a restarted node outbids any claim below it, however far above its own)."""
 
 __all__ = ["MAX_CLASHES_LOGGED", "MAX_EVENTS", "MemberEvent", "Membership"]
 
@@ -177,11 +174,12 @@ class Membership:
         if before is not None and (before.host, before.port) != (self.me.host, self.me.port):
             self._name_clash(before, own)
         current = self._table.get(self.me.name)
-        claims = [e.version for e in entries if e.name == self.me.name and e.state != state and e.version <= CEILING]
+        mine = [e for e in entries if e.name == self.me.name and e.state != state]
+        claims = [e.version for e in mine if e.version <= CLAIM_CEILING]
         if own is None and current is not None and claims and max(claims) >= current.version:
             # a claim about this node the table did not take (a file node's relayed "left", or one far above what
             # a restarted node knows of itself): outbid it anyway, so whoever holds it learns better -- below
-            # CEILING: outbidding a forged claim at the largest version would leave no version to refute or leave
+            # CLAIM_CEILING: outbidding a forged claim at the largest version would leave no version to refute with
             own = (self._table.merge([replace(current, state=state, version=max(claims) + 1)], now, self.me.name)
                    or [None])[0]  # fmt: skip
         if own is not None:
