@@ -336,6 +336,27 @@ def test_an_exchange_committed_after_the_last_update_wait_is_mixed_by_close_with
             c.close()
 
 
+@pytest.mark.parametrize("final_mix", [False, True])
+def test_a_node_closed_with_its_own_exchange_in_flight_mixes_or_counts_it(final_mix: bool) -> None:
+    """w2 (at 1) starts an exchange with w1 (at 0) and closes before its update_wait: the reply comes and is
+    committed, so w1 mixes its half at its next wait (0 -> 0.5). w2 waits for its own exchange and mixes its half
+    with final_mix (1 -> 0.5: the pair's sum stays 1), or counts it in exchanges_unmixed. Before, without final_mix
+    it was neither: the commit went out as the node closed, and the half was lost unseen."""
+    conns, params = two_nodes("adpsgd", 10)
+    try:
+        round_of(conns, params, "w1")  # publishes w1's snapshot (its own fetch finds w2 not ready)
+        conns["w2"].update_send(params["w2"], 1.0)  # its exchange with w1, in flight
+        conns["w2"].close(final_mix=final_mix)
+        assert float(params["w2"][0][0]) == (0.5 if final_mix else 1.0)
+        assert conns["w2"].stats()["exchanges_unmixed"] == (0 if final_mix else 1)
+        wait_until(lambda: conns["w1"].stats()["exchanges_committed"] == 1, 10, message="w2's commit in")
+        round_of(conns, params, "w1")  # mixes its half of w2's exchange
+        assert float(params["w1"][0][0]) == 0.5
+    finally:
+        for c in conns.values():
+            c.close()
+
+
 def test_dpwa_average_of_named_nodes_leaves_other_files_out(tmp_path: Path) -> None:
     run_dir = run_dir_of(tmp_path, "run", {"w1": ([1.0], 1.0), "w2": ([2.0], 1.0), "w3": ([9.0], 1.0)})  # w3: stale
     result = CliRunner().invoke(cli, ["average", str(run_dir), "--node", "w1", "--node", "w2"])

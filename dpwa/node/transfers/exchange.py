@@ -116,7 +116,9 @@ class ExchangeTransfer(InboxTransfer):
         """The node leaves: refuse new exchanges, wait (until ``deadline``) for the ones it served to settle, then
         mix the committed ones, whose fetchers applied their halves already (``final_mix``), or leave the arrays
         as the trainer last saw them and count each in ``exchanges_unmixed``: the pair's sum then moves by the
-        half this node never applied (an exchange committed after its last ``update_wait``)."""
+        half this node never applied (an exchange committed after its last ``update_wait``). So for its own
+        exchange still in flight (an ``update_send`` with no ``update_wait`` after it): waited for (bounded by its
+        deadline) and mixed, or counted if the peer took it."""
         self.inbox.closing = True
         if self.host.params is None:
             return
@@ -129,6 +131,10 @@ class ExchangeTransfer(InboxTransfer):
                     break
             return
         unmixed = self.inbox.slots_in(SlotState.COMMITTED)
+        if self.fetcher.pending is not None:  # its own exchange: the peer mixes its half once the reply is taken
+            self.fetcher.wait()
+            unmixed += len(self.fetcher.collect()[1])
+            self.fetcher.give_back()
         if unmixed:
             self.host.stats.add("exchanges_unmixed", unmixed)
             log.info(
