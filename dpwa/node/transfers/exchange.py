@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from typing import ClassVar
 
 from dpwa.node.pushes import Push
@@ -122,13 +121,9 @@ class ExchangeTransfer(InboxTransfer):
         self.inbox.closing = True
         if self.host.params is None:
             return
-        while self.inbox.slots_in(SlotState.SERVED) and time.monotonic() < deadline:
-            time.sleep(0.01)  # a served exchange is committed or aborted within one exchange timeout
+        self._wait_out(SlotState.SERVED, deadline)
         if final_mix:
-            for _ in range(self.host.config.inbox_slots + 1):  # one exchange per sender per mix: mix until none
-                self.host.wait_and_mix(None)
-                if not self.inbox.slots_in(SlotState.COMMITTED):
-                    break
+            self._mix_out(SlotState.COMMITTED)
             return
         unmixed = self.inbox.slots_in(SlotState.COMMITTED)
         if self.fetcher.pending is not None:  # its own exchange: the peer mixes its half once the reply is taken

@@ -302,12 +302,8 @@ class PushTransfer(InboxTransfer):
         with host.flow_lock:
             up = set(host.flow.up_peers())
         self.ledger.wait_settled(max(0.0, deadline - time.monotonic()), waited=lambda peer: peer in up)
-        while self.inbox.slots_in(SlotState.RECEIVING) and time.monotonic() < deadline:
-            time.sleep(0.01)  # a push already arriving completes or expires within one exchange timeout
-        for _ in range(host.config.inbox_slots + 1):  # one push per sender per fold: fold until empty
-            host.wait_and_mix(None)  # the inbox, and the pushes that came back
-            if not self.inbox.occupied():
-                break
+        self._wait_out(SlotState.RECEIVING, deadline)
+        self._mix_out(*(set(SlotState) - {SlotState.FREE}))  # until empty: the inbox, and the pushes that came back
 
     def _hand_over(self, deadline: float) -> None:
         """Push the rule's hand-off to one up member after another until one takes it (or ``deadline``)."""

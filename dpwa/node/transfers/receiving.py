@@ -8,11 +8,13 @@ the inbox who the members are, and accounts for what the inbox holds.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from dpwa.node.inbox import InboxSlot, PushReceiver
 from dpwa.node.snapshots import Snapshot
+from dpwa.node.states import SlotState
 from dpwa.node.transfers.base import Arrival, Refusal, TransferPattern
 from dpwa.node.transfers.fetcher import Fetcher
 from dpwa.node.transfers.host import Host
@@ -83,6 +85,20 @@ class InboxTransfer(TransferPattern):
         reference = slot.served.readonly if slot.served is not None else None
         state = NodeState(slot.sender, header.clock, header.loss, dict(header.extras))
         return PeerSnapshot(state, slot.views, reference, difference=slot.difference)
+
+    def _wait_out(self, state: SlotState, deadline: float) -> None:
+        """Leaving: wait until no slot is in ``state`` (a push arriving, an exchange awaiting its SETTLE), at most
+        until ``deadline``; each ends within one exchange timeout (completed, or expired)."""
+        while self.inbox.slots_in(state) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _mix_out(self, *states: SlotState) -> None:
+        """Leaving: mix until no slot is in ``states`` (update_wait takes one push or exchange per sender): at most
+        one more time than the inbox has slots."""
+        for _ in range(self.host.config.inbox_slots + 1):
+            self.host.wait_and_mix(None)
+            if not self.inbox.slots_in(*states):
+                break
 
     def fields(self, arrival: Arrival) -> dict[str, Any]:
         return {"received": len(arrival.received)}

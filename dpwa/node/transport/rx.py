@@ -158,13 +158,7 @@ class RxServer(SocketThread):
             self._port.count("requests_rejected", 1)
             return
         if header.kind in (Kind.JOIN, Kind.MEMBERS):
-            try:
-                answer = self._port.answer_membership(header, user_id(head))
-            except Exception:  # pragma: no cover - a bug in the membership code must not kill the server
-                log.exception("membership message from %s failed", header.node)
-                self._port.count("requests_failed", 1)
-                answer = None
-            self._answer(sock, identity, answer)
+            self._answer(sock, identity, self._membership(header, user_id(head)))
             return
         if header.kind is Kind.RELEASE:
             self._port.give_back(header, user_id(head))
@@ -251,17 +245,23 @@ class RxServer(SocketThread):
             return
         user = user_id(head)
         if header.kind is Kind.PUSH:
-            try:
-                self._port.answer_membership(header, user)  # the member news it carries
-            except Exception:  # pragma: no cover - a bug in the membership code must not kill the server
-                log.exception("the member news of a push from %s failed", header.node)
-                self._port.count("requests_failed", 1)
+            self._membership(header, user)  # the member news it carries
         if whole:
             self._answer(sock, identity, self._pushes.whole(identity, header, user, sock))
         elif header.kind is Kind.PUSH:
             self._answer(sock, identity, self._pushes.begin(identity, header, user))
         else:
             self._answer(sock, identity, self._pushes.settle(identity, header, user))
+
+    def _membership(self, header: wire.Push | wire.Join | wire.Members, user: str | None) -> bytes | None:
+        """:meth:`NodePort.answer_membership`, guarded: a bug in the membership code is logged and counted
+        (``requests_failed``) and answered with nothing, never kills the server."""
+        try:
+            return self._port.answer_membership(header, user)
+        except Exception:  # pragma: no cover - a bug, not a network fault
+            log.exception("the membership news of a %s from %s failed", header.kind.name, header.node)
+            self._port.count("requests_failed", 1)
+            return None
 
     def _payload_frame(self, reply: Reply, index: int, frames: list[zmq.Frame]) -> zmq.Frame:
         if reply.prepare is not None:
