@@ -44,6 +44,7 @@ from dpwa.rules.schedules import SCHEDULES
 from dpwa.security.keyfiles import KeyFileError, public_path, read_key_file, secret_path
 from dpwa.utils.dtypes import WIRE_DTYPES
 from dpwa.utils.settings import (
+    AutoOrCount,
     Flag,
     HostName,
     NodeName,
@@ -204,6 +205,7 @@ class _Security(Spec):
 
 SHARED_MEMORY_MODES = ("auto", "off")  # transport.shared_memory
 MEMORY_MODES = ("normal", "low")  # transport.memory
+MAX_MIX_THREADS = 64  # transport.mix_threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +214,10 @@ class TransportConfig:
     its snapshot's shared-memory segment instead of sending it (dpwa/node/sharedmem.py); with ``security.curve``
     on, only a peer that authenticated as the node it names. ``off``: sockets only.
 
+    ``mix_threads: auto`` (the default): a large mix (an array of 1M elements or more) splits over the node's share
+    of the cores (:func:`dpwa.utils.cores.mix_thread_count`; the same bits as one thread: dpwa/rules/workers.py);
+    ``N``: N threads.
+
     ``memory: normal`` (the default): a pool of snapshot buffers (3, more while all are busy), so publishing never
     waits for a peer. ``low``: one snapshot buffer, rewritten in place once the sends of the last one ended (the
     trainer waits for them at most ``timeout_ms``, else peers keep the last snapshot); a co-located reader copies
@@ -219,6 +225,7 @@ class TransportConfig:
 
     shared_memory: str = choice("auto", SHARED_MEMORY_MODES)
     memory: str = choice("normal", MEMORY_MODES, omit_default=True)
+    mix_threads: str | int = setting("auto", spec=AutoOrCount(1, MAX_MIX_THREADS), omit_default=True)
 
     def __post_init__(self) -> None:
         validate(self, error_in_memory)

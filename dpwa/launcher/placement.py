@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dpwa.config import ClusterConfig, NodeSpec
 from dpwa.engines.slurm import in_slurm_step
+from dpwa.utils.cores import ENV_TORCH_THREADS, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ __all__ = [
 ENV_NODE = "DPWA_NODE"
 ENV_CONFIG = "DPWA_CONFIG"
 ENV_RUN_DIR = "DPWA_RUN_DIR"
-ENV_TORCH_THREADS = "DPWA_TORCH_THREADS"
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", ENV_TORCH_THREADS)
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
@@ -183,14 +183,6 @@ def _slurm_node(config: ClusterConfig, procid: str, ntasks: str) -> NodeSpec:
 
 
 # --------------------------------------------------------------------------- environment
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask, e.g. a SLURM allocation), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - macOS
-        return max(1, os.cpu_count() or 1)
 
 
 def threads_per_node(local_nodes: int, cores: int | None = None) -> int:

@@ -52,7 +52,9 @@ from dpwa.node.wiring import open_transport, raise_if_dead
 from dpwa.rules import MixOutcome, NodeState, PeerSnapshot, Rule
 from dpwa.rules.mixing import relative_distance
 from dpwa.rules.schedules import Schedule
+from dpwa.rules.workers import MixWorkers
 from dpwa.security.curve import NodeSecurity
+from dpwa.utils.cores import mix_thread_count
 
 __all__ = ["Node", "request_ids"]
 
@@ -182,6 +184,8 @@ class Node:
         self.in_round = False  # an update_send started a round that its update_wait has not ended yet
         self.started_with: set[str] = set()  # the peers that answered wait_for_peers: in-neighbours from round 0
         self.recovery = recovery.Recovery(self.name, rule, self.config.bootstrap_gap, self.stats.add)
+        threads = mix_thread_count(self.config.transport.mix_threads)
+        self.mix_workers = MixWorkers(threads, name=f"dpwa-mix-{self.name}")
         self.mixing = False
         self.last_exchange: dict[str, Any] | None = None
         self.distance_due = 1  # the first mix measures the distance, then every DISTANCE_EVERY-th
@@ -358,10 +362,11 @@ class Node:
                     self.rule.on_reply_lost(self.state, lost_extras(t.header))
             distance = self.measure_distance(others)
             outcome = None
-            if others and not self.recovery.caught_up:
-                outcome = self.recovery.catch_up(self.state, self.params, peers)
-            if outcome is None:
-                outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track motion
+            with self.mix_workers.active():  # a large array's blocks split over the node's share of the cores
+                if others and not self.recovery.caught_up:
+                    outcome = self.recovery.catch_up(self.state, self.params, peers)
+                if outcome is None:
+                    outcome = self.rule.mix(self.state, self.params, peers)  # every step: some rules track motion
         if others and (outcome.peers or any(not p.repeat for p in others)):  # not only a skipped repeat
             self.stats.add("mixes")
         return clock_before, distance, outcome
@@ -501,6 +506,7 @@ def _stop(node: Node) -> None:
     node.closed = True
     node.transport.stop()
     node.loans.close()
+    node.mix_workers.close()
     stopped = False
     try:
         stopped = node.transport.close()

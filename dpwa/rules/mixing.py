@@ -22,13 +22,17 @@ of it is widened (exactly) into scratch as it is read, so the result is the bits
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from dpwa.rules.workers import run_ranges
 from dpwa.utils.bfloat16 import from_float32, is_bfloat16, to_float32
 
 __all__ = [
@@ -148,6 +152,24 @@ class Scratch:
         return buf[:n]
 
 
+def _for_blocks(
+    n: int, scratch: Scratch, block_fn: Callable[[int, int, Scratch], None], *, raise_overflow: bool = False
+) -> None:
+    """``block_fn(start, stop, scratch)`` for every block of ``[0, n)``, in order within each range of
+    :func:`~dpwa.rules.workers.run_ranges` (the whole array, or its split over the active mix workers: the same
+    blocks either way, so the same bits). A range run by a worker gets a scratch of its own; ``raise_overflow``:
+    each range runs under ``np.errstate(over="raise")`` (a thread's error state is its own)."""
+    caller = threading.get_ident()
+
+    def span(lo: int, hi: int) -> None:
+        sc = scratch if threading.get_ident() == caller else Scratch()
+        with np.errstate(over="raise") if raise_overflow else contextlib.nullcontext():
+            for start in range(lo, hi, BLOCK):
+                block_fn(start, min(start + BLOCK, hi), sc)
+
+    run_ranges(n, BLOCK, span)
+
+
 def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) -> None:
     """In place, array by array: ``x <- (1-f)*x + f*peer``, for a scalar ``f`` in [0, 1].
 
@@ -176,9 +198,8 @@ def interpolate_(x: Sequence[np.ndarray], peer: Sequence[np.ndarray], f: float) 
         if mean:
             _mean_(xv, pv, scratch)
             continue
-        for start in range(0, xv.size, BLOCK):
-            stop = min(start + BLOCK, xv.size)
-            _interpolate_block(xv[start:stop], pv[start:stop], fg, kinds, scratch)
+        block = functools.partial(_interpolate_slice, xv, pv, fg, kinds)
+        _for_blocks(xv.size, scratch, block)
 
 
 def _interpolation_plan(
@@ -190,6 +211,19 @@ def _interpolation_plan(
     c, half = compute_dtype(a.dtype), is_half(a.dtype)
     kinds = (half, narrower(a.dtype, b.dtype), b.flags.writeable and not half)
     return (c.type(f), c.type(1.0 - f)), kinds, f == 0.5 and not half
+
+
+def _interpolate_slice(
+    xv: np.ndarray,
+    pv: np.ndarray,
+    fg: tuple[Any, Any],
+    kinds: tuple[bool, bool, bool],
+    start: int,
+    stop: int,
+    sc: Scratch,
+) -> None:
+    """:func:`_interpolate_block` on elements ``[start, stop)`` of the flat arrays (a :func:`_for_blocks` body)."""
+    _interpolate_block(xv[start:stop], pv[start:stop], fg, kinds, sc)
 
 
 def _interpolate_block(
@@ -252,30 +286,34 @@ def add_differences_(
             continue
         xv, rv = _flat(xa), None if reference is None else _flat(reference[i])
         pvs = [_flat(peer[i]) for peer in peers]
-        c = compute_dtype(xa.dtype)
-        ac = c.type(a)
-        half = is_half(xa.dtype)
-        for start in range(0, xv.size, BLOCK):
-            stop = min(start + BLOCK, xv.size)
-            n = stop - start
-            acc, tmp = scratch.get(c, n, 0), scratch.get(c, n, 1)
-            ref = None if rv is None else (widen(rv[start:stop], scratch.get(c, n, 2)) if half else rv[start:stop])
-            for j, pv in enumerate(pvs):
-                term = widen(pv[start:stop], tmp) if half else pv[start:stop]
-                if j == 0 and ref is not None:
-                    np.subtract(term, ref, out=acc)
-                elif j == 0:
-                    np.copyto(acc, term)
-                else:
-                    if ref is not None:
-                        term = np.subtract(term, ref, out=tmp)
-                    np.add(acc, term, out=acc)
-            np.multiply(acc, ac, out=acc)
-            if half:
-                np.add(widen(xv[start:stop], tmp), acc, out=acc)
-                narrow(acc, xv[start:stop], tmp)
-            else:
-                np.add(xv[start:stop], acc, out=xv[start:stop])
+        ac = compute_dtype(xa.dtype).type(a)
+        _for_blocks(xv.size, scratch, functools.partial(_differences_slice, xv, pvs, rv, ac))
+
+
+def _differences_slice(
+    xv: np.ndarray, pvs: list[np.ndarray], rv: np.ndarray | None, ac: Any, start: int, stop: int, scratch: Scratch
+) -> None:
+    """One block of :func:`add_differences_`: ``xv[start:stop] += ac * sum_j (pvs[j] - rv)`` (flat arrays; ``ac``
+    in the compute dtype; ``rv`` None: each peer holds a difference)."""
+    c, n, half = ac.dtype, stop - start, is_half(xv.dtype)
+    acc, tmp = scratch.get(c, n, 0), scratch.get(c, n, 1)
+    ref = None if rv is None else (widen(rv[start:stop], scratch.get(c, n, 2)) if half else rv[start:stop])
+    for j, pv in enumerate(pvs):
+        term = widen(pv[start:stop], tmp) if half else pv[start:stop]
+        if j == 0 and ref is not None:
+            np.subtract(term, ref, out=acc)
+        elif j == 0:
+            np.copyto(acc, term)
+        else:
+            if ref is not None:
+                term = np.subtract(term, ref, out=tmp)
+            np.add(acc, term, out=acc)
+    np.multiply(acc, ac, out=acc)
+    if half:
+        np.add(widen(xv[start:stop], tmp), acc, out=acc)
+        narrow(acc, xv[start:stop], tmp)
+    else:
+        np.add(xv[start:stop], acc, out=xv[start:stop])
 
 
 def scale_motion_(x: Sequence[np.ndarray], reference: Sequence[np.ndarray], s: float) -> None:
@@ -295,9 +333,7 @@ def scale_motion_(x: Sequence[np.ndarray], reference: Sequence[np.ndarray], s: f
             continue
         xv, rv = _flat(xa), _flat(ra)
         sc, half = compute_dtype(xa.dtype).type(s), is_half(xa.dtype)
-        for start in range(0, xv.size, BLOCK):
-            stop = min(start + BLOCK, xv.size)
-            _scale_block(xv[start:stop], rv[start:stop], sc, half, scratch)
+        _for_blocks(xv.size, scratch, functools.partial(_scale_slice, xv, rv, sc, half))
 
 
 def scale_motion_and_interpolate_(
@@ -320,15 +356,29 @@ def scale_motion_and_interpolate_(
         xv, rv, pv = _flat(a), _flat(r), _flat(b)
         sc = compute_dtype(a.dtype).type(s)
         fg, kinds, mean = _interpolation_plan(a, b, f)
-        half, wide, _ = kinds
-        for start in range(0, xv.size, BLOCK):
-            stop = min(start + BLOCK, xv.size)
-            _scale_block(xv[start:stop], rv[start:stop], sc, half, scratch)
-            if mean:
-                with np.errstate(over="raise"):  # the mean's own overflow check; the scaling's stays as it was
-                    _mean_block(xv[start:stop], pv[start:stop], wide, scratch)
-            else:
-                _interpolate_block(xv[start:stop], pv[start:stop], fg, kinds, scratch)
+        _for_blocks(xv.size, scratch, functools.partial(_scale_and_interpolate_slice, xv, rv, pv, sc, fg, kinds, mean))
+
+
+def _scale_and_interpolate_slice(
+    xv: np.ndarray,
+    rv: np.ndarray,
+    pv: np.ndarray,
+    sc: Any,
+    fg: tuple[Any, Any],
+    kinds: tuple[bool, bool, bool],
+    mean: bool,
+    start: int,
+    stop: int,
+    scratch: Scratch,
+) -> None:
+    """One block of :func:`scale_motion_and_interpolate_` (flat arrays): scaled, then mixed, while in cache."""
+    half, wide, _ = kinds
+    _scale_block(xv[start:stop], rv[start:stop], sc, half, scratch)
+    if mean:
+        with np.errstate(over="raise"):  # the mean's own overflow check; the scaling's stays as it was
+            _mean_block(xv[start:stop], pv[start:stop], wide, scratch)
+    else:
+        _interpolate_block(xv[start:stop], pv[start:stop], fg, kinds, scratch)
 
 
 def _check_scale(s: float) -> float:
@@ -336,6 +386,11 @@ def _check_scale(s: float) -> float:
     if not (math.isfinite(s) and s > 0.0):
         raise ValueError(f"motion scale must be finite and > 0, got {s!r}")
     return s
+
+
+def _scale_slice(xv: np.ndarray, rv: np.ndarray, sc: Any, half: bool, start: int, stop: int, s: Scratch) -> None:
+    """:func:`_scale_block` on elements ``[start, stop)`` of the flat arrays (a :func:`_for_blocks` body)."""
+    _scale_block(xv[start:stop], rv[start:stop], sc, half, s)
 
 
 def _scale_block(xb: np.ndarray, rb: np.ndarray, sc: Any, half: bool, scratch: Scratch) -> None:
@@ -375,10 +430,11 @@ def _mean_(xv: np.ndarray, pv: np.ndarray, scratch: Scratch) -> None:
     as ``0.5*x + 0.5*p`` instead. ``pv`` is only read (a narrower one widened block by block).
     """
     wide = narrower(xv.dtype, pv.dtype)
-    with np.errstate(over="raise"):
-        for start in range(0, xv.size, BLOCK):
-            stop = min(start + BLOCK, xv.size)
-            _mean_block(xv[start:stop], pv[start:stop], wide, scratch)
+
+    def block(start: int, stop: int, sc: Scratch) -> None:
+        _mean_block(xv[start:stop], pv[start:stop], wide, sc)
+
+    _for_blocks(xv.size, scratch, block, raise_overflow=True)
 
 
 def _mean_block(xb: np.ndarray, pb: np.ndarray, wide: bool, scratch: Scratch) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "CLIP_CHARS",
+    "AutoOrCount",
     "Choice",
     "Flag",
     "HostName",
@@ -158,6 +159,20 @@ class Choice(Spec):
             yield "", f"must be one of: {', '.join(names)}, got {show_value(value)}"
         elif value not in names:
             yield "", f"unknown value {clipped(value)}{suggest(value, names)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoOrCount(Spec):
+    """``auto`` (the program decides) or a whole number in ``[lo, hi]`` (never a bool)."""
+
+    lo: int = 1
+    hi: int = 64
+
+    def check(self, value: object) -> Iterator[tuple[str, str]]:
+        if value == "auto":
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not self.lo <= value <= self.hi:
+            yield "", f"must be auto or an integer in [{self.lo}, {self.hi}], got {show_value(value)}"
 
 
 @dataclasses.dataclass(frozen=True)
