@@ -3,6 +3,12 @@ once, an error in any range is raised after all have ended, and a closed pool le
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -27,9 +33,22 @@ from dpwa.utils.cores import MAX_AUTO_MIX_THREADS, auto_threads, mix_thread_coun
 SIZES = (PARALLEL_MIN + 12_345, 3 * PARALLEL_MIN + BLOCK // 3)  # neither a whole number of blocks
 
 
+class CountingWorkers(MixWorkers):
+    """Mix workers that count the ranges handed to a worker thread (so a test knows the mix was split)."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads)
+        self.handed = 0
+
+    def submit(self, fn):  # type: ignore[no-untyped-def]
+        future = super().submit(fn)
+        self.handed += future is not None
+        return future
+
+
 @pytest.fixture(scope="module")
-def workers() -> MixWorkers:
-    pool = MixWorkers(3)
+def workers() -> CountingWorkers:
+    pool = CountingWorkers(3)
     yield pool
     pool.close()
 
@@ -41,18 +60,21 @@ def _arrays(n: int, dtype: str, seed: int) -> np.ndarray:
     return values.astype(dtype)
 
 
-def _both(kernel, workers: MixWorkers, x: list[np.ndarray], *rest: list[np.ndarray]) -> tuple[list, list]:
+def _both(kernel, workers: CountingWorkers, x: list[np.ndarray], *rest: list[np.ndarray]) -> tuple[list, list]:
+    """``kernel`` on copies of the arrays, on one thread and then split over ``workers`` (checked to be split)."""
     serial, split = [a.copy() for a in x], [a.copy() for a in x]
     kernel(serial, *[[b.copy() for b in r] for r in rest])
+    handed = workers.handed
     with workers.active():
         kernel(split, *[[b.copy() for b in r] for r in rest])
+    assert workers.handed > handed  # a worker thread did mix part of it
     return serial, split
 
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("f", [0.5, 0.3])
-def test_a_split_interpolation_gives_the_serial_bits(workers: MixWorkers, n: int, dtype: str, f: float) -> None:
+def test_a_split_interpolation_gives_the_serial_bits(workers: CountingWorkers, n: int, dtype: str, f: float) -> None:
     x, peer = [_arrays(n, dtype, 1), _arrays(1000, dtype, 2)], [_arrays(n, dtype, 3), _arrays(1000, dtype, 4)]
     serial, split = _both(lambda a, b: interpolate_(a, b, f), workers, x, peer)
     for s, p, before in zip(serial, split, x):
@@ -61,7 +83,7 @@ def test_a_split_interpolation_gives_the_serial_bits(workers: MixWorkers, n: int
 
 
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
-def test_a_split_mix_with_a_narrower_peer_gives_the_serial_bits(workers: MixWorkers, wire: str) -> None:
+def test_a_split_mix_with_a_narrower_peer_gives_the_serial_bits(workers: CountingWorkers, wire: str) -> None:
     n = SIZES[1]
     for f in (0.5, 0.25):
         serial, split = _both(
@@ -70,7 +92,7 @@ def test_a_split_mix_with_a_narrower_peer_gives_the_serial_bits(workers: MixWork
         assert np.array_equal(serial[0].view(np.uint32), split[0].view(np.uint32))
 
 
-def test_a_split_mean_keeps_the_overflow_fallback_in_every_range(workers: MixWorkers) -> None:
+def test_a_split_mean_keeps_the_overflow_fallback_in_every_range(workers: CountingWorkers) -> None:
     """A block whose sum overflows lies in a worker's range: it is halved first there too (the error state that
     catches the overflow is the worker thread's own), so the mean is finite and bit-equal to the serial one."""
     n = SIZES[1]
@@ -83,7 +105,7 @@ def test_a_split_mean_keeps_the_overflow_fallback_in_every_range(workers: MixWor
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_other_split_kernels_give_the_serial_bits(workers: MixWorkers, dtype: str) -> None:
+def test_the_other_split_kernels_give_the_serial_bits(workers: CountingWorkers, dtype: str) -> None:
     n = SIZES[0]
     x, r = [_arrays(n, dtype, 9)], [_arrays(n, dtype, 10)]
     p1, p2 = [_arrays(n, dtype, 11)], [_arrays(n, dtype, 12)]
@@ -112,7 +134,7 @@ def test_split_ranges_cover_the_array_in_whole_blocks() -> None:
         assert max(sizes) - min(sizes) <= block
 
 
-def test_the_ranges_run_once_each_on_the_caller_and_the_workers(workers: MixWorkers) -> None:
+def test_the_ranges_run_once_each_on_the_caller_and_the_workers(workers: CountingWorkers) -> None:
     seen: list[tuple[int, int, str]] = []
     lock = threading.Lock()
 
@@ -135,7 +157,7 @@ def test_the_ranges_run_once_each_on_the_caller_and_the_workers(workers: MixWork
     assert threading.current_thread().name in names and any(n.startswith("dpwa-mix") for n in names)
 
 
-def test_an_error_in_a_range_is_raised_once_every_range_has_ended(workers: MixWorkers) -> None:
+def test_an_error_in_a_range_is_raised_once_every_range_has_ended(workers: CountingWorkers) -> None:
     ended: list[int] = []
     release = threading.Event()
 
@@ -220,3 +242,64 @@ def test_a_node_splits_its_mix_over_its_threads_and_stops_them_on_close(tmp_path
         a.close()
         b.close()
     assert not workers[0].is_alive()
+
+
+def test_a_split_kernel_keeps_the_callers_numpy_error_state(workers: CountingWorkers) -> None:
+    """An overflow in a worker's range raises as it would on the caller's thread when the caller asked numpy to
+    raise (a worker thread's own error state is numpy's default: a warning)."""
+    n = SIZES[1]
+    x, reference = _arrays(n, "float32", 30), np.zeros(n, np.float32)
+    x[-3] = 3e38  # in the last range: a worker's
+    for threads in (None, workers):
+        with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+            with threads.active() if threads is not None else contextlib.nullcontext():
+                scale_motion_([x.copy()], [reference], 1.7)
+
+
+def test_an_interrupted_wait_still_waits_for_every_range(workers: CountingWorkers) -> None:
+    """A Ctrl-C while the caller waits for a worker's range is raised only once that range ended: the caller's
+    cleanup (the peers' buffers given back, a leave's mix) never runs beside a worker still writing."""
+    ended: list[float] = []
+    last = split_ranges(SIZES[1], workers.threads, BLOCK)[-1][0]
+
+    def body(lo: int, hi: int) -> None:
+        if lo == last:
+            time.sleep(0.5)  # seconds: the range waited for last still runs when the interrupt comes
+        ended.append(time.monotonic())
+
+    timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with workers.active(), pytest.raises(KeyboardInterrupt):
+        run_ranges(SIZES[1], BLOCK, body)
+    raised = time.monotonic()
+    timer.join(5.0)
+    assert len(ended) == 3 and max(ended) <= raised
+
+
+def test_a_mix_at_interpreter_exit_runs_on_the_caller(tmp_path: Path) -> None:
+    """A node closed at exit (its finalizer) still mixes: once the interpreter stops taking new work for threads,
+    the ranges run on the caller, with the serial bits."""
+    script = tmp_path / "exit_mix.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import atexit, numpy as np
+            from dpwa.rules.mixing import interpolate_
+            from dpwa.rules.workers import MixWorkers
+            n = {SIZES[0]}
+            rng = np.random.default_rng(1)
+            x, p = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+            expected = x.copy()
+            interpolate_([expected], [p.copy()], 0.3)  # a writable peer is the kernel's scratch
+            workers = MixWorkers(2)
+            def at_exit():
+                with workers.active():
+                    interpolate_([x], [p], 0.3)
+                print("same" if np.array_equal(x.view(np.uint32), expected.view(np.uint32)) else "differs")
+            atexit.register(at_exit)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "same"

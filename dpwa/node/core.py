@@ -506,11 +506,11 @@ def _stop(node: Node) -> None:
     node.closed = True
     node.transport.stop()
     node.loans.close()
-    node.mix_workers.close()
     stopped = False
     try:
         stopped = node.transport.close()
     finally:
+        node.mix_workers.close()
         if node.pool is not None:
             node.pool.close(timeout=node.timeouts.thread_join_s, release=stopped)
     if stopped:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.rules.workers import run_ranges
+from dpwa.rules.workers import PARALLEL_MIN, current_workers, run_ranges
 from dpwa.utils.bfloat16 import from_float32, is_bfloat16, to_float32
 
 __all__ = [
@@ -157,13 +157,19 @@ def _for_blocks(
 ) -> None:
     """``block_fn(start, stop, scratch)`` for every block of ``[0, n)``, in order within each range of
     :func:`~dpwa.rules.workers.run_ranges` (the whole array, or its split over the active mix workers: the same
-    blocks either way, so the same bits). A range run by a worker gets a scratch of its own; ``raise_overflow``:
-    each range runs under ``np.errstate(over="raise")`` (a thread's error state is its own)."""
+    blocks either way, so the same bits). A range run by a worker gets a scratch of its own and the caller's numpy
+    error state (a thread's is its own); ``raise_overflow``: every range runs under ``np.errstate(over="raise")``."""
+    if n < PARALLEL_MIN or current_workers() is None:  # the common case, many small arrays: no split, no closure
+        with np.errstate(over="raise") if raise_overflow else contextlib.nullcontext():
+            for start in range(0, n, BLOCK):
+                block_fn(start, min(start + BLOCK, n), scratch)
+        return
     caller = threading.get_ident()
+    errors = {**np.geterr(), **({"over": "raise"} if raise_overflow else {})}
 
     def span(lo: int, hi: int) -> None:
         sc = scratch if threading.get_ident() == caller else Scratch()
-        with np.errstate(over="raise") if raise_overflow else contextlib.nullcontext():
+        with np.errstate(**errors):
             for start in range(lo, hi, BLOCK):
                 block_fn(start, min(start + BLOCK, hi), sc)
 

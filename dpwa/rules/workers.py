@@ -60,13 +60,17 @@ class MixWorkers:
             _local.workers = previous
 
     def submit(self, fn: Callable[[], None]) -> Future[None] | None:
-        """Run ``fn`` on a worker; None when there is none (one thread, or closed): the caller runs it itself."""
+        """Run ``fn`` on a worker; None when there is none -- one thread, closed, or the interpreter shutting down
+        (a node closed at exit still mixes): the caller runs it itself."""
         with self._lock:
             if self._closed or self.threads == 1:
                 return None
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=self._name)
-            return self._pool.submit(fn)
+            try:
+                return self._pool.submit(fn)
+            except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown": nothing was queued
+                return None
 
     def close(self) -> None:
         """Stop the worker threads, after the ranges they were given (mixes after this run on the caller)."""
@@ -92,25 +96,34 @@ def run_ranges(n: int, block: int, body: Callable[[int, int], None]) -> None:
             body(0, n)
         return
     ranges = split_ranges(n, workers.threads, block)
-    futures: list[Future[None] | None] = []
-    local: list[tuple[int, int]] = [ranges[0]]
-    for start, stop in ranges[1:]:
-        future = workers.submit(lambda a=start, b=stop: body(a, b))
-        futures.append(future)
-        if future is None:
-            local.append((start, stop))
+    futures: list[Future[None]] = []
     error: BaseException | None = None
-    for start, stop in local:
-        try:
+    try:
+        local: list[tuple[int, int]] = [ranges[0]]
+        for start, stop in ranges[1:]:
+            future = workers.submit(lambda a=start, b=stop: body(a, b))
+            if future is None:
+                local.append((start, stop))
+            else:
+                futures.append(future)
+        for start, stop in local:
             body(start, stop)
-        except BaseException as exc:  # noqa: BLE001 - re-raised once the workers' ranges have ended
-            error = error or exc
+    except BaseException as exc:  # noqa: BLE001 - re-raised once the workers' ranges have ended
+        error = exc
     for future in futures:
-        if future is None:
-            continue
-        try:
-            future.result()
-        except BaseException as exc:  # noqa: BLE001 - the first one is re-raised below
-            error = error or exc
+        error = _wait_for(future, error)
     if error is not None:
         raise error
+
+
+def _wait_for(future: Future[None], error: BaseException | None) -> BaseException | None:
+    """Wait until ``future`` is done, even through an interrupt (a Ctrl-C while waiting is kept, not let out
+    while the range still writes); the first error seen so far, or the range's own."""
+    while True:
+        try:
+            future.result()
+            return error
+        except BaseException as exc:  # noqa: BLE001 - the range's error, or an interrupt of the wait
+            error = error or exc
+            if future.done():
+                return error

@@ -27,14 +27,15 @@ def usable_cores() -> int:
 
 
 def auto_threads(environ: Mapping[str, str] | None = None, cores: int | None = None) -> int:
-    """The threads ``auto`` stands for: the node's share of the cores (``DPWA_TORCH_THREADS``, set by ``dpwa
-    run``) when set to a positive integer, else the usable cores; at most :data:`MAX_AUTO_MIX_THREADS`."""
+    """The threads ``auto`` stands for: the process's share of the cores -- ``DPWA_TORCH_THREADS`` (set by ``dpwa
+    run``), else ``OMP_NUM_THREADS`` (torchrun sets it to 1 for several processes a host), when a positive integer
+    -- else the usable cores; at most :data:`MAX_AUTO_MIX_THREADS`."""
     environ = os.environ if environ is None else environ
-    share = environ.get(ENV_TORCH_THREADS, "").strip()
-    if share.isascii() and share.isdigit() and int(share) > 0:
-        threads = int(share)
-    else:
-        threads = usable_cores() if cores is None else cores
+    for name in (ENV_TORCH_THREADS, "OMP_NUM_THREADS"):
+        share = environ.get(name, "").strip()
+        if share.isascii() and share.isdigit() and int(share) > 0:
+            return min(MAX_AUTO_MIX_THREADS, int(share))
+    threads = usable_cores() if cores is None else cores
     return max(1, min(MAX_AUTO_MIX_THREADS, threads))
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import zmq
 
+from dpwa.rules.mixing import interpolate_
+from dpwa.rules.workers import MixWorkers
 from dpwa.tools.bench.exchange.control import PeerProcess
 from dpwa.tools.bench.exchange.fetch import FetchNodes
 from dpwa.tools.bench.exchange.gloo import timed_all_reduce, to_tensor
@@ -28,12 +30,25 @@ from dpwa.tools.bench.exchange.push import PushNode
 from dpwa.tools.bench.exchange.raw import RawClient, TcpClient
 from dpwa.tools.bench.exchange.table import push_key, table_row
 from dpwa.tools.bench.procs import free_ports
+from dpwa.utils.cores import mix_thread_count
 
 __all__ = ["WARMUP_ROUNDS", "measure_size"]
 
 WARMUP_ROUNDS = 3
 """Untimed rounds first: every snapshot buffer and receive buffer gets its pages."""
-COMMON_KEYS = ("memcpy_ms", "a_ms", "a2_ms", "a3_ms", "c_ms", "push_ms", "fold_ms", "shm_push_ms", "shm_fold_ms")
+COMMON_KEYS = (
+    "memcpy_ms",
+    "mix1_ms",
+    "mixn_ms",
+    "a_ms",
+    "a2_ms",
+    "a3_ms",
+    "c_ms",
+    "push_ms",
+    "fold_ms",
+    "shm_push_ms",
+    "shm_fold_ms",
+)
 """The samples measured once per round for the whole size, shown in each of its rows."""
 PER_WIRE_KEYS = ("send_ms", "fetch_ms", "mix_ms", "step_ms", "wait_ms", "bytes", "ready_ms")
 """The samples measured once per round and wire dtype."""
@@ -49,6 +64,10 @@ class _Size:
         self.timeout_s = max(10.0, self.nbytes / 1e6)
         self.src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
         self.dst = np.empty_like(self.src)
+        self.mix_threads = mix_thread_count("auto")
+        """The threads the trainer's nodes mix on (``mix_threads: auto``), and the kernel rows' second figure."""
+        self.workers = MixWorkers(self.mix_threads, name="dpwa-bench-mix")
+        self.mix_x, self.mix_peer = make_model(n, seed=3), make_model(n, seed=4)
         push_variants = [w for w in ("float32", SHARED) if w in wires and "float32" in wires]
         ports = free_ports(2 + 2 * (len(wires) + len(push_variants)))  # (a), (a3), then two per pair
         pairs = [ports[2 + 2 * i : 4 + 2 * i] for i in range(len(wires) + len(push_variants))]
@@ -80,6 +99,14 @@ class _Size:
         np.copyto(self.dst, self.src)
         return (time.perf_counter() - t0) * 1000.0
 
+    def kernel_mix(self, split: bool) -> float:
+        """The mix kernel alone (``interpolate_`` at f = 0.5, the trainer's model layout) on one thread, or
+        (``split``) over ``mix_threads``; its milliseconds."""
+        t0 = time.perf_counter()
+        with self.workers.active() if split else contextlib.nullcontext():
+            interpolate_(self.mix_x, self.mix_peer, 0.5)
+        return (time.perf_counter() - t0) * 1000.0
+
     def gloo(self) -> float:
         """(c): one all-reduce of the model's tensor with the peer; its milliseconds."""
         return timed_all_reduce(self.peer, self.tensor, self.timeout_s)
@@ -87,6 +114,7 @@ class _Size:
     def close(self) -> None:
         """Close the trainer's nodes and sockets, and have the peer drop its side (if it still runs)."""
         self.fetch.close()
+        self.workers.close()
         for node in self.pushes.values():
             node.close()
         self.pushes = {}
@@ -105,6 +133,7 @@ def _warm_up(size: _Size, wires: Sequence[str], gloo: bool) -> None:
     """One untimed round of every method (the overlap aside)."""
     assert size.raw is not None and size.tcp is not None
     size.memcpy()
+    size.kernel_mix(True)
     size.raw.fetch()
     size.raw.fetch_chunked()
     size.tcp.fetch()
@@ -131,7 +160,7 @@ class _Rounds:
         self.busy = busy
         self.common: dict[str, list[float]] = {k: [] for k in COMMON_KEYS}
         self.per: dict[str, dict[str, list[float]]] = {w: {k: [] for k in PER_WIRE_KEYS} for w in wires}
-        self.tasks: list[Callable[[], None]] = [self.memcpy, self.raw, self.raw_chunked, self.tcp]
+        self.tasks: list[Callable[[], None]] = [self.memcpy, self.kernel_mix, self.raw, self.raw_chunked, self.tcp]
         self.tasks += [functools.partial(self.push, w) for w in size.pushes]
         self.tasks += [functools.partial(self.fetch, w) for w in wires]
         self.tasks += [functools.partial(self.overlap, w) for w in wires]
@@ -149,6 +178,11 @@ class _Rounds:
     def memcpy(self) -> None:
         """The memcpy reference."""
         self.common["memcpy_ms"].append(self.size.memcpy())
+
+    def kernel_mix(self) -> None:
+        """The mix kernel on one thread, then split over the node's mix threads."""
+        self.common["mix1_ms"].append(self.size.kernel_mix(False))
+        self.common["mixn_ms"].append(self.size.kernel_mix(True))
 
     def raw(self) -> None:
         """(a): one frame."""
@@ -209,6 +243,6 @@ def measure_size(
         for _ in range(WARMUP_ROUNDS):
             _warm_up(size, wires, gloo)
         rounds.run(repeat)
-        return [table_row(n, w, rounds.per[w], rounds.common) for w in wires]
+        return [table_row(n, w, rounds.per[w], rounds.common) | {"mix_threads": size.mix_threads} for w in wires]
     finally:
         size.close()
