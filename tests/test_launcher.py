@@ -36,7 +36,7 @@ from dpwa.cli import run as run_command
 from dpwa.cli.lazy import EXIT_INTERRUPTED, LazyGroup
 from dpwa.cli.run import _split_at_script, _with_option
 from dpwa.config import ClusterConfig, parse_config
-from dpwa.launcher import placement, restarts
+from dpwa.launcher import lifeline, placement, restarts
 from dpwa.launcher import supervisor as supervisor_module
 from dpwa.launcher.job import _watch
 from dpwa.launcher.placement import THREAD_VARIABLES, LocalHosts, node_env, select_nodes, threads_per_node, usable_cores
@@ -945,6 +945,51 @@ def test_nodes_do_not_outlive_a_killed_launcher(tmp_path: Path, node_script: Pat
     wait_until(lambda: all(port_is_free(p) for p in ports), 2, message="ports freed")
 
 
+@pytest.mark.timing
+def test_a_node_that_ignores_sigterm_and_what_a_node_started_do_not_outlive_a_killed_launcher(
+    tmp_path: Path, node_script: Path, reaper: list[int]
+) -> None:
+    """The parent-death signal reaches only the direct child, and only as SIGTERM: ``w1`` ignores it and ``w2``'s
+    helper never gets it. The launcher's guard process (dpwa/launcher/lifeline.py) sees the launcher die and stops
+    both groups -- SIGTERM, then SIGKILL after the grace period -- then exits itself."""
+    ports = free_ports(2)
+    run_dir = tmp_path / "run"
+    proc = launch(tmp_path, "-q", "--run-dir", str(run_dir), str(cluster(tmp_path / "c.yaml", ports)),
+                  str(node_script), "--steps", "0", "--sleep", "0.02", "--ignore-term", "w1",
+                  "--grandchild", "w2")  # fmt: skip
+    reaper.append(proc.pid)
+    logs = [run_dir / f"w{i}.log" for i in (1, 2)]
+    wait_until(lambda: all(log.exists() and log_values(log, "PID") for log in logs), 30, 0.05, "nodes started")
+    pids = [int(log_values(log, "PID")[0]) for log in logs]
+    pids += [int(v) for v in wait_until(lambda: log_values(logs[1], "CHILD"), 30, 0.05)]
+    reaper.extend(pids)
+    guards = wait_until(lambda: _children_running(proc.pid, "lifeline.py"), 10, 0.05, "the guard process started")
+    reaper.extend(guards)
+    proc.kill()
+    proc.wait(timeout=10)
+    limit_s = lifeline.GRACE_S + lifeline.KILL_WAIT_S + 10.0
+    wait_until(lambda: not any(alive(pid) for pid in pids), limit_s, 0.05, "nodes and helper gone")
+    wait_until(lambda: not any(alive(pid) for pid in guards), 10, 0.05, "the guard exited")
+    wait_until(lambda: all(port_is_free(p) for p in ports), 2, message="ports freed")
+    assert "the launcher died; stopping the process groups" in (tmp_path / "launcher.err").read_text()
+
+
+def _children_running(parent: int, needle: str) -> list[int]:
+    """The pids of ``parent``'s child processes whose command line holds ``needle``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and needle.encode() in command:
+            found.append(int(entry.name))
+    return found
+
+
 def _demo_runnable() -> bool:
     return importlib.util.find_spec("dpwa.tools.demo") is not None and importlib.util.find_spec("torch") is not None
 
@@ -1087,6 +1132,7 @@ def test_a_helper_that_outlives_its_node_and_ignores_sigterm_is_killed(tmp_path:
         wait_until(lambda: not sup.poll() and not sup.left_behind("w1"), 10.0, message="helper SIGKILLed")
     finally:
         sup.stop(grace_s=0.5, kill_wait_s=5.0)
+        sup.close()
     assert not sup.left_behind("w1") and child.returncode == 3
 
 

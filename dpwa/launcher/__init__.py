@@ -8,6 +8,7 @@
   and ``dpwa validate`` before anything starts);
 * :mod:`~dpwa.launcher.supervisor` -- child processes: start, watch, stop (only its own, by pid
   and process group);
+* :mod:`~dpwa.launcher.lifeline` -- the guard process that stops them should the launcher die first;
 * :mod:`~dpwa.launcher.restarts` -- the ``--restart-failed`` policy;
 * :mod:`~dpwa.launcher.rundir` -- the run directory's files;
 * :mod:`~dpwa.launcher.launchrecord` -- which launcher started which node (``--resume`` in each one's place);

@@ -121,6 +121,7 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
             status = "failed"
         finally:
             stop_quietly(supervisor, trap)
+            supervisor.close()
             if progress is not None:
                 progress.close()
         signum = trap.first

@@ -6,7 +6,9 @@
   again -- every wait has a deadline. It only ever signals the process groups of children it
   started, and only while that group still has members (its id cannot have been reused then).
 * On Linux each child also asks for SIGTERM should the launcher die without cleaning up (even by
-  SIGKILL): ``prctl(PR_SET_PDEATHSIG)``.
+  SIGKILL): ``prctl(PR_SET_PDEATHSIG)``. And a guard process (:mod:`~dpwa.launcher.lifeline`, started with the
+  first child, ended by :meth:`Supervisor.close`) stops the children's process groups -- SIGTERM, then SIGKILL --
+  should the launcher die first: a node that ignores SIGTERM, and what a node started, do not outlive it.
 * :class:`SignalTrap` turns SIGINT/SIGTERM into a flag while children run and restores the
   previous handlers on exit.
 """
@@ -28,14 +30,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from dpwa.launcher.lifeline import GRACE_S, KILL_WAIT_S, Lifeline, groups_with_live_members
+
 log = logging.getLogger(__name__)
 
 __all__ = ["KILL_WAIT_S", "POLL_S", "STOP_GRACE_S", "Child", "SignalTrap", "Supervisor", "stop_quietly"]
 
-STOP_GRACE_S = 3.0
-"""How long stopped children get to exit after SIGTERM before SIGKILL."""
-KILL_WAIT_S = 1.5
-"""How long to wait for SIGKILLed process groups to disappear."""
+STOP_GRACE_S = GRACE_S
+"""How long stopped children get to exit after SIGTERM before SIGKILL (the guard's too)."""
 POLL_S = 0.05
 
 
@@ -94,6 +96,7 @@ class Supervisor:
         self._killed: set[int] = set()  # groups already sent SIGKILL
         self._leftovers: dict[int, float] = {}  # groups an exited child left behind -> when SIGKILL follows SIGTERM
         self._preexec = _die_with_parent()
+        self._lifeline: Lifeline | None = None
 
     def start(
         self,
@@ -129,6 +132,9 @@ class Supervisor:
             self.previous.setdefault(name, []).append(old)
         self.children[name] = child
         self._groups.add(popen.pid)
+        if self._lifeline is None:
+            self._lifeline = Lifeline()
+        self._lifeline.add(popen.pid)
         log.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
         return child
 
@@ -227,10 +233,24 @@ class Supervisor:
         live = {pgid for pgid in wanted if self._leader_running(pgid)}
         orphaned = wanted - live
         if orphaned:
-            found = _groups_with_live_members(orphaned)
-            self._groups -= orphaned - found
+            found = groups_with_live_members(orphaned)
+            self._forget(orphaned - found)
             live |= found
         return live
+
+    def _forget(self, pgids: Iterable[int]) -> None:
+        """Groups found without a live member: never signalled again (by this supervisor, nor by its guard)."""
+        for pgid in pgids:
+            if pgid in self._groups:
+                self._groups.discard(pgid)
+                if self._lifeline is not None:
+                    self._lifeline.remove(pgid)
+
+    def close(self) -> None:
+        """End the guard process (:mod:`~dpwa.launcher.lifeline`): the launcher has stopped its children itself.
+        Call it after :meth:`stop`; a supervisor closed while children run leaves them unguarded."""
+        if self._lifeline is not None:
+            self._lifeline.close()
 
     def _signal_group(self, pgid: int, sig: signal.Signals) -> None:
         if pgid not in self._groups:
@@ -239,41 +259,11 @@ class Supervisor:
             os.killpg(pgid, sig)
             log.debug("sent %s to process group %d", sig.name, pgid)
         except ProcessLookupError:
-            self._groups.discard(pgid)
+            self._forget([pgid])
         except OSError as err:  # pragma: no cover
             if err.errno != errno.EPERM:
                 raise
             log.warning("not allowed to signal process group %d", pgid)
-
-
-def _groups_with_live_members(pgids: set[int]) -> set[int]:
-    """Those of ``pgids`` with at least one member that is not a zombie (from /proc; else by signal 0)."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # pragma: no cover - no /proc (macOS): zombies count as members here
-        return {pgid for pgid in pgids if _probe_group(pgid)}
-    found = set()
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-        if len(fields) > 2 and fields[0] not in ("Z", "X") and int(fields[2]) in pgids:
-            found.add(int(fields[2]))
-    return found
-
-
-def _probe_group(pgid: int) -> bool:  # pragma: no cover - used without /proc only
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _die_with_parent() -> Callable[[], None] | None:

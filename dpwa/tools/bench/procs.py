@@ -218,6 +218,7 @@ def run_workers(
                 time.sleep(POLL_S)
         finally:
             stop_quietly(supervisor, trap)
+            supervisor.close()
     children = supervisor.children
     return WorkerRun(
         pids={name: children[name].pid for name in names},
