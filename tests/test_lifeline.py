@@ -5,6 +5,7 @@ without ``done`` -- SIGTERM, then SIGKILL for a process that ignores it -- and n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -78,9 +79,11 @@ def test_done_leaves_the_groups_alone(stubborn: subprocess.Popen[bytes]) -> None
     assert result == [0] and stubborn.poll() is None
 
 
-def test_a_group_that_emptied_is_forgotten_and_never_signalled(tmp_path: Path) -> None:
+def test_a_group_of_zombies_only_is_forgotten_and_never_signalled(tmp_path: Path) -> None:
+    """The group's leader has exited and is not reaped yet (a zombie holds its id, so no other process can take
+    it): the guard counts the group empty and leaves it alone."""
     done = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
-    done.wait(timeout=30)
+    os.waitid(os.P_PID, done.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
     read, write = os.pipe()
     result: list[int] = []
     thread = _run_guard(read, result)
@@ -89,6 +92,7 @@ def test_a_group_that_emptied_is_forgotten_and_never_signalled(tmp_path: Path) -
     thread.join(15.0)
     os.close(read)
     assert result == [0]  # nothing was left to stop
+    assert done.wait(timeout=5) == 0
 
 
 def test_a_supervisor_starts_its_guard_with_its_first_child_and_close_ends_it(tmp_path: Path) -> None:
@@ -105,3 +109,34 @@ def test_a_supervisor_starts_its_guard_with_its_first_child_and_close_ends_it(tm
     assert child.returncode is not None
     wait_until(lambda: not _alive(guard), 5.0, message="the guard exited")
     sup.close()  # idempotent
+
+
+def test_the_guard_never_takes_group_0_1_or_its_own() -> None:
+    assert not any(lifeline._may_signal(pgid) for pgid in (0, 1, os.getpgrp()))
+    assert lifeline._may_signal(os.getpgrp() + 1)
+
+
+def test_a_guard_whose_stderr_nobody_reads_still_stops_the_groups(stubborn: subprocess.Popen[bytes]) -> None:
+    """The launcher's stderr is a pipe its parent stopped reading, full: the guard still stops the groups and
+    exits (its line is lost), and the pipe's write end, shared with the launcher, stays blocking."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_end, b"x" * 65536)
+    os.set_blocking(write_end, True)
+    guard = subprocess.Popen(
+        [sys.executable, "-I", "-S", lifeline.__file__], stdin=subprocess.PIPE, stderr=write_end, start_new_session=True
+    )
+    os.close(write_end)
+    try:
+        assert guard.stdin is not None
+        guard.stdin.write(f"+{stubborn.pid}\n".encode())
+        guard.stdin.close()  # the launcher died
+        assert guard.wait(timeout=lifeline.GRACE_S + lifeline.KILL_WAIT_S + 10) == 1
+        assert stubborn.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if guard.poll() is None:
+            guard.kill()
+            guard.wait(timeout=10)
+        os.close(read_end)

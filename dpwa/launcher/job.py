@@ -30,7 +30,7 @@ from dpwa.launcher.placement import node_env, usable_cores
 from dpwa.launcher.progress import NodeView, Progress, summary_table
 from dpwa.launcher.restarts import Restarter, resume_env
 from dpwa.launcher.rundir import NodeMetrics, RunDir, tail_lines
-from dpwa.launcher.supervisor import POLL_S, SignalTrap, Supervisor, stop_quietly
+from dpwa.launcher.supervisor import POLL_S, SignalTrap, Supervisor, stop_and_close, stop_quietly
 from dpwa.metrics import MetricsTail
 from dpwa.modelfile import average_models, disagreement, read_model
 
@@ -120,10 +120,11 @@ def run_job(job: Job, *, progress: Progress | None, env: Mapping[str, str] | Non
             click.echo(f"error: cannot start a node process: {err}", err=True)
             status = "failed"
         finally:
-            stop_quietly(supervisor, trap)
-            supervisor.close()
-            if progress is not None:
-                progress.close()
+            try:
+                stop_and_close(supervisor, trap)
+            finally:
+                if progress is not None:
+                    progress.close()
         signum = trap.first
     if signum is not None:
         status = "interrupted"

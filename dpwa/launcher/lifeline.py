@@ -7,10 +7,11 @@ So a :class:`~dpwa.launcher.supervisor.Supervisor` starts one guard process with
 (``-PGID``), and ``done`` once it has stopped them itself. When the pipe ends without ``done`` -- the launcher died
 -- the guard stops every group it still knows as the launcher would have: SIGTERM, up to :data:`GRACE_S` seconds,
 SIGKILL, up to :data:`KILL_WAIT_S` more; then it exits. It signals only groups the launcher started, and forgets a
-group once it has no live member (checked every :data:`CHECK_S` seconds), so a group id the kernel handed out again
-is never signalled.
+group once it has no live member (checked every :data:`CHECK_S` seconds, and told by the supervisor as soon as it
+sees one empty): a group id the kernel could hand out again is dropped as the supervisor drops it, the same short
+check-then-signal window aside. A process a node moved out of its group (``setsid``) is not the guard's to stop.
 
-The guard runs this file as a script (``python -I lifeline.py``), importing nothing but the standard library: it
+The guard runs this file as a script (``python -I -S lifeline.py``), importing nothing but the standard library: it
 starts in milliseconds and holds little memory. :func:`groups_with_live_members` is shared with the supervisor.
 """
 
@@ -43,10 +44,13 @@ _POLL_S = 0.05
 
 
 def groups_with_live_members(pgids: Iterable[int]) -> set[int]:
-    """Those of ``pgids`` with at least one member that is not a zombie (from /proc; else by signal 0)."""
+    """Those of ``pgids`` with at least one member that is not a zombie (from /proc; else by signal 0). A group
+    whose leader still runs is found without reading the rest of /proc."""
     wanted = set(pgids)
+    led = {pgid for pgid in wanted if _leads_live_group(pgid)}
+    wanted -= led
     if not wanted:
-        return set()
+        return led
     try:
         entries = os.listdir("/proc")
     except OSError:  # pragma: no cover - no /proc (macOS): zombies count as members here
@@ -62,7 +66,17 @@ def groups_with_live_members(pgids: Iterable[int]) -> set[int]:
             continue  # exited meanwhile
         if len(fields) > 2 and fields[0] not in ("Z", "X") and int(fields[2]) in wanted:
             found.add(int(fields[2]))
-    return found
+    return found | led
+
+
+def _leads_live_group(pgid: int) -> bool:
+    """Whether process ``pgid`` runs (not a zombie) and leads group ``pgid`` (False when unknown: no /proc)."""
+    try:
+        with open(f"/proc/{pgid}/stat", encoding="utf-8", errors="replace") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return len(fields) > 2 and fields[0] not in ("Z", "X") and fields[2] == str(pgid)
 
 
 def _probe_group(pgid: int) -> bool:  # pragma: no cover - used without /proc only
@@ -93,15 +107,22 @@ def guard(fd: int, check_s: float = CHECK_S, grace_s: float = GRACE_S, kill_wait
             for line in lines:
                 if line == b"done":
                     return 0
-                if line[:1] in (b"+", b"-") and line[1:].isdigit():
+                if line[:1] in (b"+", b"-") and line[1:].isdigit() and _may_signal(int(line[1:])):
                     (groups.add if line[:1] == b"+" else groups.discard)(int(line[1:]))
         groups &= groups_with_live_members(groups)
     live = groups_with_live_members(groups)
     if not live:
         return 0
-    log.warning("dpwa lifeline: the launcher died; stopping the process groups it left: %s", sorted(live))
-    stop_groups(live, grace_s, kill_wait_s)
+    left = stop_groups(live, grace_s, kill_wait_s)  # first: a log line may block on a stderr nobody reads
+    log.warning("dpwa lifeline: the launcher died; stopped the process groups it left: %s", sorted(live))
+    if left:  # pragma: no cover - the kernel did not deliver SIGKILL in time
+        log.error("dpwa lifeline: process groups %s still alive after SIGKILL", sorted(left))
     return 1
+
+
+def _may_signal(pgid: int) -> bool:
+    """A group id the guard may take: never 0 or 1 (kernel threads, init), nor its own group."""
+    return pgid > 1 and pgid != os.getpgrp()
 
 
 def stop_groups(groups: set[int], grace_s: float, kill_wait_s: float) -> set[int]:
@@ -134,14 +155,14 @@ class Lifeline:
         self._pipe: IO[bytes] | None = None
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", os.path.abspath(__file__)],
+                [sys.executable, "-I", "-S", os.path.abspath(__file__)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,
                 close_fds=True,
             )
             self._pipe = self._proc.stdin
-        except OSError as err:
+        except (OSError, TypeError, ValueError) as err:  # TypeError: no sys.executable (an embedded interpreter)
             log.warning(
                 "cannot start the launcher's lifeline (%s): a SIGKILLed launcher leaves its nodes to SIGTERM", err
             )
@@ -165,8 +186,11 @@ class Lifeline:
         try:
             self._pipe.write(line.encode() + b"\n")
             self._pipe.flush()
-        except OSError as err:  # the guard died
-            log.warning("the launcher's lifeline is gone (%s): a SIGKILLed launcher leaves its nodes to SIGTERM", err)
+        except OSError as err:  # the guard died: killed, or signalled with the launcher's whole cgroup
+            level = logging.DEBUG if line == "done" else logging.WARNING
+            log.log(
+                level, "the launcher's lifeline is gone (%s): a SIGKILLed launcher leaves its nodes to SIGTERM", err
+            )
             self._pipe = None
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
@@ -182,16 +206,28 @@ class Lifeline:
                 self._proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 self._proc.kill()  # our own child, by pid
-                self._proc.wait(timeout=wait_s)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=wait_s)
             self._proc = None
 
 
 def _main() -> int:
     """The guard process: no signal of the launcher's terminal or session reaches it (its own session); a SIGTERM
     sent to it ends it at once, leaving the groups alone."""
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=_stderr_without_blocking())
     logging.raiseExceptions = False  # a launcher's stderr gone with it: the groups are still stopped
     return guard(sys.stdin.fileno())
+
+
+def _stderr_without_blocking() -> IO[str]:
+    """The launcher's stderr opened anew, non-blocking: a full pipe nobody reads loses the guard's line rather than
+    hang it, and the launcher's own descriptor stays as it was (O_NONBLOCK is a property of an open file, which a
+    new open does not share); plain stderr where it cannot be reopened (a socket)."""
+    try:
+        fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return sys.stderr
+    return os.fdopen(fd, "w", buffering=1)
 
 
 if __name__ == "__main__":

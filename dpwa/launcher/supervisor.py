@@ -34,7 +34,16 @@ from dpwa.launcher.lifeline import GRACE_S, KILL_WAIT_S, Lifeline, groups_with_l
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KILL_WAIT_S", "POLL_S", "STOP_GRACE_S", "Child", "SignalTrap", "Supervisor", "stop_quietly"]
+__all__ = [
+    "KILL_WAIT_S",
+    "POLL_S",
+    "STOP_GRACE_S",
+    "Child",
+    "SignalTrap",
+    "Supervisor",
+    "stop_and_close",
+    "stop_quietly",
+]
 
 STOP_GRACE_S = GRACE_S
 """How long stopped children get to exit after SIGTERM before SIGKILL (the guard's too)."""
@@ -115,6 +124,8 @@ class Supervisor:
         old = self.children.get(name)
         if old is not None and (not replace or old.returncode is None):
             raise ValueError(f"a child named {name!r} was already started")
+        if self._lifeline is None:  # before the first child: a launcher killed right after it still has its guard
+            self._lifeline = Lifeline()
         with open(log_path, "ab" if append else "wb") as log_file:
             popen = subprocess.Popen(
                 list(argv),
@@ -124,7 +135,7 @@ class Supervisor:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=self._preexec,  # safe: the launcher forks from its only thread
+                preexec_fn=self._preexec,  # only prctl, getppid and kill run between fork and exec
                 close_fds=True,
             )
         child = Child(name, popen, log_path, time.monotonic())
@@ -132,8 +143,6 @@ class Supervisor:
             self.previous.setdefault(name, []).append(old)
         self.children[name] = child
         self._groups.add(popen.pid)
-        if self._lifeline is None:
-            self._lifeline = Lifeline()
         self._lifeline.add(popen.pid)
         log.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
         return child
@@ -269,8 +278,8 @@ class Supervisor:
 def _die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` asking Linux to SIGTERM the child if the launcher dies (even by SIGKILL).
 
-    Best effort: None where ``prctl`` is not available. The launcher starts children from its only
-    thread, so running Python between fork and exec is safe here.
+    Best effort: None where ``prctl`` is not available. Between fork and exec the child runs only ``prctl`` (resolved
+    before the fork), ``getppid`` and ``kill``: no lock another thread of the launcher (numpy's BLAS workers) holds.
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -330,6 +339,15 @@ def stop_quietly(supervisor: Supervisor, trap: SignalTrap | None = None) -> None
     """:meth:`Supervisor.stop`, hurried by a second signal on ``trap``; never raises OSError."""
     with contextlib.suppress(OSError):
         supervisor.stop(hurry=(lambda: len(trap.received) >= 2) if trap is not None else (lambda: False))
+
+
+def stop_and_close(supervisor: Supervisor, trap: SignalTrap | None = None) -> None:
+    """The end of a run: :func:`stop_quietly`, then :meth:`Supervisor.close` (the guard ends) even if stopping
+    raised."""
+    try:
+        stop_quietly(supervisor, trap)
+    finally:
+        supervisor.close()
 
 
 # --------------------------------------------------------------------------- the run

@@ -25,7 +25,7 @@ from dpwa.config import ClusterConfig, NodeSpec, yaml12
 from dpwa.engines.local import PortReservation, reserve_ports
 from dpwa.launcher.placement import node_env, threads_per_node
 from dpwa.launcher.rundir import tail_lines
-from dpwa.launcher.supervisor import POLL_S, SignalTrap, Supervisor, stop_quietly
+from dpwa.launcher.supervisor import POLL_S, SignalTrap, Supervisor, stop_and_close
 from dpwa.rules.pairwise import ConstantSettings
 
 log = logging.getLogger(__name__)
@@ -217,8 +217,7 @@ def run_workers(
                     raise WorkerFailed(_failure(late.name, f"still running after {timeout_s:g} s", late.log_path))
                 time.sleep(POLL_S)
         finally:
-            stop_quietly(supervisor, trap)
-            supervisor.close()
+            stop_and_close(supervisor, trap)
     children = supervisor.children
     return WorkerRun(
         pids={name: children[name].pid for name in names},
