@@ -469,3 +469,26 @@ def test_the_simulator_predicts_a_real_4_node_run(tmp_path: Path, record_propert
     assert c.steps == list(range(10, 101, 10))
     assert c.loss_error < LOSS_ERROR_BOUND, (c.real_loss, c.sim_loss)
     assert CONSENSUS_BOUNDS[0] < c.consensus_ratio < CONSENSUS_BOUNDS[1], (c.real_consensus, c.sim_consensus)
+
+
+def test_a_node_that_crashes_while_it_waits_trains_each_batch_once() -> None:
+    """w2 crashes after its step's local update, while its fetch is on the wire, and restarts: that step counts
+    (its update stays applied), so every node trains exactly ``steps`` batches -- it used to redo the step and
+    train the batch a second time."""
+    trained: dict[str, int] = {}
+
+    def train(members: list[Any]) -> list[float]:
+        for m in members:
+            trained[m.name] = trained.get(m.name, 0) + 1
+        return [1.0 for _ in members]
+
+    sim = _engine("constant", 2, steps=5, train=train, link=LinkModel(latency_s=0.03))
+    phases: list[Phase] = []
+    sim.start()
+    sim.at(0.055, lambda: phases.append(sim.members["w2"].phase))  # its step ended at 0.05; the reply lands at 0.06
+    sim.at(0.055, sim.crash, "w2")
+    sim.at(0.2, sim.restart, "w2")
+    sim.run()
+    assert phases == [Phase.WAITING]
+    assert trained == {"w1": 5, "w2": 5}
+    assert sim.members["w2"].step == 5 and sim.members["w2"].phase is Phase.FINISHED

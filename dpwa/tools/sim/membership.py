@@ -41,11 +41,13 @@ class ChurnActions:
         def snapshot_bytes(self, arrays: Any) -> int: ...
 
     def crash(self, name: str) -> None:
-        """``name`` stops at once: it answers nothing; its inbox and its pushes in flight are lost with it."""
+        """``name`` stops at once: it answers nothing; its inbox and its pushes in flight are lost with it. A step
+        still computing is lost (trained again after a restart); one that waited for its exchange had its local
+        update applied already, and counts (trained once: its batch is not trained twice)."""
         m = self.members[name]
         if not m.alive and m.phase is not Phase.IDLE:
             return
-        if m.phase in (Phase.COMPUTING, Phase.WAITING) and not m.leaving:  # the step under way is lost: redone
+        if m.phase is Phase.COMPUTING and not m.leaving:  # the step under way is lost: redone
             m.step -= 1
             m.state.clock -= 1
         m.move(Phase.DOWN)
@@ -58,8 +60,8 @@ class ChurnActions:
         m.fetches = []
 
     def restart(self, name: str) -> None:
-        """``name`` comes back with the parameters and rule state it had at the crash (its step under way, if any,
-        not counted: it trains it again), and trains on."""
+        """``name`` comes back with the parameters and rule state it had at the crash (a step it was computing not
+        counted: it trains it again), and trains on."""
         m = self.members[name]
         if m.phase is Phase.DOWN and m.step >= self.steps:
             m.move(Phase.FINISHED)  # it had trained all its steps: it lingers again
