@@ -25,7 +25,7 @@ from dpwa.rules.schedules import make_schedule
 from dpwa.tools.plot import series
 from dpwa.tools.sim.churn import ChurnKind, parse_churn
 from dpwa.tools.sim.engine import HEADER_BYTES, ClusterSettings, EventSimulation
-from dpwa.tools.sim.links import LinkModel, Network
+from dpwa.tools.sim.links import Downlink, LinkModel, Network
 from dpwa.tools.sim.members import Member, Phase
 from dpwa.tools.sim.problems import make_problem
 from dpwa.tools.sim.runner import SimOptions, simulate
@@ -67,6 +67,22 @@ def test_step_times_stragglers_and_lognormal() -> None:
     assert np.array_equal(noisy[:3], StepTimes(0.05, 0.5).table(3, 50, seed=0))  # a node's row: its own stream
 
 
+def test_a_downlink_booked_late_leaves_the_gap_before_it_to_a_message_that_fits() -> None:
+    """0's uplink is busy, so its message to 1 reaches 1's downlink only at 0.101: 2's message, sent later but
+    landing at 0.002, takes the gap before it when it fits whole (it used to queue behind the booking, a delay no NIC
+    makes); one that does not fit waits for the first gap after."""
+    net = Network(LinkModel(latency_s=0.001, bandwidth=1000.0, per="node"), np.random.default_rng(0), 3)
+    assert net.send(0, 2, 100, 0.0) == pytest.approx(0.101)
+    assert net.send(0, 1, 100, 0.0) == pytest.approx(0.201)  # 0.1-0.2 on 0's uplink; 1's downlink 0.101-0.201
+    assert net.send(2, 1, 50, 0.001) == pytest.approx(0.052)  # lands at 0.002, done by 0.052: before 0.101
+    assert net.send(2, 1, 150, 0.052) == pytest.approx(0.351)  # 0.053-0.203 does not fit: after 0.201
+    downlink = Downlink()
+    assert downlink.book(1.0, 0.5, 0.0) == 1.5 and downlink.book(0.2, 0.3, 0.1) == 0.5
+    assert downlink.book(0.4, 0.7, 0.1) == 2.2  # 0.5-1.0 is too short: after 1.5
+    assert downlink.busy == [(0.2, 0.5), (1.0, 1.5), (1.5, 2.2)]
+    assert downlink.book(3.0, 0.1, 2.5) == pytest.approx(3.1) and downlink.busy == [(3.0, 3.1)]  # the past dropped
+
+
 def test_a_node_link_queues_the_senders_messages_a_pair_link_does_not() -> None:
     rng = np.random.default_rng(0)
     node = Network(LinkModel(latency_s=0.001, bandwidth=1000.0, per="node"), rng, 3)
@@ -77,6 +93,7 @@ def test_a_node_link_queues_the_senders_messages_a_pair_link_does_not() -> None:
     assert link.send(0, 1, 100, 0.0) == link.send(0, 2, 100, 0.0) == link.send(2, 1, 100, 0.0) == pytest.approx(0.101)
     assert link.send(0, 1, 100, 0.0) == pytest.approx(0.201)  # the same pair: queued
     assert node.bytes_sent.tolist() == [200, 0, 100] and node.messages == 3
+    assert node.send(1, 2, 50, 0.0) == pytest.approx(0.051)  # 2's downlink is free until 0's message lands at 0.101
     lossy = Network(LinkModel(loss=0.25), np.random.default_rng(1), 2)
     arrived = [lossy.send(0, 1, 10, 0.0) is not None for _ in range(4000)]
     assert lossy.lost == arrived.count(False) and 0.22 < lossy.lost / 4000 < 0.28

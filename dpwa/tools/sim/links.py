@@ -2,19 +2,23 @@
 
 ``per="node"``: every node has one uplink and one downlink of ``bandwidth`` bytes/s (its NIC); a message holds
 the sender's uplink for ``n / bandwidth`` from when it is free, then, ``latency_s`` later, the receiver's downlink
-for as long (from when that is free): messages to or from one node queue behind each other. ``per="link"``: each
-directed pair of nodes has its own link of that bandwidth (a switch fabric with no shared port). Every message is
-lost with probability ``loss`` (its bandwidth is spent all the same).
+for as long: messages to or from one node queue behind each other. A downlink is booked when a message is sent,
+for the time it will reach it: a message that reaches it earlier than one booked before it (whose sender's uplink
+was busy) takes the gap before that one if it fits whole, else the first gap after (:class:`Downlink`; the booked
+one keeps its time -- a real NIC would take them in the order they come and delay the later one instead).
+``per="link"``: each directed pair of nodes has its own link of that bandwidth (a switch fabric with no shared
+port). Every message is lost with probability ``loss`` (its bandwidth is spent all the same).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
 import numpy as np
 
-__all__ = ["HEADER_BYTES", "LINK_MODES", "LinkModel", "Network"]
+__all__ = ["HEADER_BYTES", "LINK_MODES", "Downlink", "LinkModel", "Network"]
 
 LINK_MODES = ("node", "link")
 HEADER_BYTES = 250
@@ -41,6 +45,28 @@ class LinkModel:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
 
 
+class Downlink:
+    """The times one node's downlink is booked: disjoint ``[start, end)`` intervals, sorted."""
+
+    def __init__(self) -> None:
+        self.busy: list[tuple[float, float]] = []
+
+    def book(self, landing: float, wire: float, now: float) -> float:
+        """Book ``wire`` seconds from the first time at or after ``landing`` that is free for that long; when the
+        message has arrived whole. Intervals that ended by ``now`` are dropped (nothing lands before ``now``)."""
+        busy = self.busy
+        while busy and busy[0][1] <= now:
+            busy.pop(0)
+        start, i = landing, bisect.bisect_left(busy, (landing, -math.inf))
+        if i > 0 and busy[i - 1][1] > start:  # the interval before it still runs at ``landing``
+            start = busy[i - 1][1]
+        while i < len(busy) and busy[i][0] < start + wire:  # does not fit before the next one: after it
+            start = max(start, busy[i][1])
+            i += 1
+        busy.insert(i, (start, start + wire))
+        return start + wire
+
+
 class Network:
     """The links of a cluster of up to ``capacity`` nodes (grows on demand); counts bytes and messages."""
 
@@ -48,7 +74,7 @@ class Network:
         self.model = model
         self._rng = rng
         self._up = np.zeros(capacity)
-        self._down = np.zeros(capacity)
+        self._down = [Downlink() for _ in range(capacity)]
         self._links: dict[tuple[int, int], float] = {}
         self.bytes_sent = np.zeros(capacity, dtype=np.int64)
         self.messages = 0
@@ -58,10 +84,8 @@ class Network:
         """Room for nodes up to index ``capacity - 1``."""
         extra = capacity - len(self._up)
         if extra > 0:
-            self._up, self._down = (
-                np.concatenate([self._up, np.zeros(extra)]),
-                np.concatenate([self._down, np.zeros(extra)]),
-            )
+            self._up = np.concatenate([self._up, np.zeros(extra)])
+            self._down += [Downlink() for _ in range(extra)]
             self.bytes_sent = np.concatenate([self.bytes_sent, np.zeros(extra, dtype=np.int64)])
 
     def send(self, src: int, dst: int, nbytes: int, now: float) -> float | None:
@@ -73,9 +97,7 @@ class Network:
         if model.per == "node":
             start = max(now, self._up[src])
             self._up[src] = start + wire
-            landing = max(start + model.latency_s, self._down[dst])
-            arrival = landing + wire
-            self._down[dst] = arrival
+            arrival = self._down[dst].book(start + model.latency_s, wire, now)
         else:
             start = max(now, self._links.get((src, dst), 0.0))
             self._links[(src, dst)] = start + wire
