@@ -509,3 +509,28 @@ def test_a_node_that_crashes_while_it_waits_trains_each_batch_once() -> None:
     assert phases == [Phase.WAITING]
     assert trained == {"w1": 5, "w2": 5}
     assert sim.members["w2"].step == 5 and sim.members["w2"].phase is Phase.FINISHED
+
+
+def test_the_mean_model_weighs_each_member_by_its_push_sum_weight() -> None:
+    """Push-sum's consensus point is sum(w x) / sum(w): a member holding three units of mass counts three times
+    (as ``dpwa average`` weighs the saved models); every other rule has no weight, and the mean is the plain one."""
+    from dpwa.tools.sim import runner
+
+    rows = np.array([[0.0, 4.0], [4.0, 0.0]])
+    assert runner.mean_model(rows, np.array([1.0, 3.0])).tolist() == [3.0, 1.0]
+    assert runner.mean_model(rows, np.array([1.0, 1.0])).tolist() == [2.0, 2.0]
+    assert runner.mean_model(rows, np.array([0.0, 0.0])).tolist() == [2.0, 2.0]  # no mass held: the plain mean
+    sim = _engine("pushsum", 2)
+    for m in sim.members.values():
+        m.move(Phase.COMPUTING)  # both training: both evaluated
+    sim.members["w1"].state.extras["weight"], sim.members["w2"].state.extras["weight"] = 0.5, 1.5
+    seen: list[np.ndarray] = []
+
+    class Problem:
+        def evaluate(self, mean: np.ndarray) -> tuple[float, None]:
+            seen.append(mean)
+            return 0.0, None
+
+    params = np.array([[0.0, 0.0, 0.0], [4.0, 4.0, 4.0]])
+    runner._evaluate(sim, Problem(), params, runner._Metrics(None), 0.0)
+    assert seen[0].tolist() == [3.0, 3.0, 3.0]  # (0.5 * 0 + 1.5 * 4) / 2

@@ -30,7 +30,7 @@ from dpwa.tools.sim.members import Member
 from dpwa.tools.sim.problems import make_problem
 from dpwa.tools.sim.timing import StepTimes
 
-__all__ = ["Evaluation", "SimOptions", "SimResult", "simulate"]
+__all__ = ["Evaluation", "SimOptions", "SimResult", "mean_model", "simulate"]
 
 WIRE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
 """Bytes per float element on the wire for each ``wire_dtype`` (int8's block scales, under 2 %, left out)."""
@@ -302,14 +302,24 @@ def _run(
         until += slice_s
 
 
+def mean_model(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The members' mean model: ``sum_i w_i x_i / sum_i w_i`` with their push-sum weights (1 under every other rule,
+    the plain mean) -- push-sum's consensus point of the mass the members hold, as ``dpwa average`` weighs the
+    saved models; the plain mean when the weights are not finite or sum to 0."""
+    total = float(weights.sum())
+    if not (np.all(np.isfinite(weights)) and total > 0):
+        return rows.mean(axis=0)
+    return (weights @ rows) / total
+
+
 def _evaluate(sim: EventSimulation, problem: Any, params: np.ndarray, metrics: _Metrics, at: float) -> Evaluation:
-    """The mean model of the live members and their consensus distance; each one's distance to the mean, relative
-    to the mean's norm, goes into its next metrics line (``distance``)."""
+    """The mean model of the live members (:func:`mean_model`) and their consensus distance; each one's distance to
+    the mean, relative to the mean's norm, goes into its next metrics line (``distance``)."""
     live = [m for m in sim.members.values() if m.alive]
     if not live:
         return Evaluation(at, sim.rounds_done(), float("nan"), None, float("nan"))
     rows = params[[m.index for m in live]].astype(np.float64)
-    mean = rows.mean(axis=0)
+    mean = mean_model(rows, np.array([float(m.state.extras.get("weight", 1.0)) for m in live]))
     distances = np.linalg.norm(rows - mean, axis=1)
     scale = float(np.linalg.norm(mean)) or 1.0  # a node's line: relative, as the network's distance
     metrics.distance.update({m.name: float(d) / scale for m, d in zip(live, distances)})
