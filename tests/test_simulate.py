@@ -79,7 +79,8 @@ def test_a_downlink_booked_late_leaves_the_gap_before_it_to_a_message_that_fits(
     downlink = Downlink()
     assert downlink.book(1.0, 0.5, 0.0) == 1.5 and downlink.book(0.2, 0.3, 0.1) == 0.5
     assert downlink.book(0.4, 0.7, 0.1) == 2.2  # 0.5-1.0 is too short: after 1.5
-    assert downlink.busy == [(0.2, 0.5), (1.0, 1.5), (1.5, 2.2)]
+    assert downlink.busy == [(0.2, 0.5), (1.0, 2.2)]  # back to back: one interval
+    assert downlink.book(0.5, 0.5, 0.1) == 1.0 and downlink.busy == [(0.2, 2.2)]  # fills the gap exactly
     assert downlink.book(3.0, 0.1, 2.5) == pytest.approx(3.1) and downlink.busy == [(3.0, 3.1)]  # the past dropped
 
 
@@ -499,7 +500,8 @@ def test_a_node_that_crashes_while_it_waits_trains_each_batch_once() -> None:
             trained[m.name] = trained.get(m.name, 0) + 1
         return [1.0 for _ in members]
 
-    sim = _engine("constant", 2, steps=5, train=train, link=LinkModel(latency_s=0.03))
+    records: list[Any] = []
+    sim = _engine("constant", 2, steps=5, train=train, link=LinkModel(latency_s=0.03), records=records)
     phases: list[Phase] = []
     sim.start()
     sim.at(0.055, lambda: phases.append(sim.members["w2"].phase))  # its step ended at 0.05; the reply lands at 0.06
@@ -509,6 +511,34 @@ def test_a_node_that_crashes_while_it_waits_trains_each_batch_once() -> None:
     assert phases == [Phase.WAITING]
     assert trained == {"w1": 5, "w2": 5}
     assert sim.members["w2"].step == 5 and sim.members["w2"].phase is Phase.FINISHED
+    assert [step for name, step, _, _ in records if name == "w2"] == [1, 2, 3, 4, 5]  # the cut-short step recorded
+
+
+def test_a_crash_while_waiting_lets_the_rule_finish_the_step() -> None:
+    """Under an outer optimizer (every 2 steps) the rule counts its rounds by its mixes and its boundaries by the
+    node's step: the cut-short ``update_wait`` mixes nothing, so both stay equal after the crash. A crash in the
+    last step's wait, restarted: the node lingers and serves its model again."""
+    from dpwa.rules import RULES, OuterSettings
+    from dpwa.rules.outer import with_outer
+
+    sim = _engine("constant", 2, steps=4, link=LinkModel(latency_s=0.03))
+    for m in sim.members.values():  # before the start: each under an outer optimizer
+        base = make_schedule(RULES["constant"].default_schedule, None)
+        settings = OuterSettings(every=2, lr=0.7, momentum=0.0)
+        m.rule, m.schedule = with_outer(make_rule("constant", None, 0.0), base, settings)
+    sim.start()
+    sim.at(0.055, sim.crash, "w2")  # waiting in step 1
+    sim.at(0.1, sim.restart, "w2")
+    sim.run()
+    w2 = sim.members["w2"]
+    assert w2.step == 4 and w2.rule.round == 4
+    sim = _engine("constant", 2, steps=2, link=LinkModel(latency_s=0.03))
+    sim.start()
+    sim.at(0.115, lambda: sim.members["w2"].phase is Phase.WAITING and sim.crash("w2"))  # in its last step's wait
+    sim.at(0.3, sim.restart, "w2")
+    sim.run()
+    w2 = sim.members["w2"]
+    assert w2.phase is Phase.FINISHED and w2.published is not None and w2.step == 2
 
 
 def test_the_mean_model_weighs_each_member_by_its_push_sum_weight() -> None:

@@ -1,12 +1,12 @@
 """Churn: nodes that crash, restart, join and leave at given simulated times.
 
 ``--churn crash:w3@2s,restart:w3@5s,leave:w7@4s,join:w65@3s``. A crash stops a node at once: it answers
-nothing, what its inbox held and its pushes in flight are lost with it, and its peers find out as on the network
-(timeouts, then flow control marks it down). A restart brings it back with the state it had at the crash: a
-step it was computing is trained again, one whose local update was applied (it waited for its exchange) counts.
-A leave is clean: the node hands what its rule holds to a member (push-sum: its whole weight, one last push) and
-every member forgets it. A join adds a member that copies a live node's
-model (a bootstrap) and starts training; every member adds it.
+nothing, what its inbox held and the verdicts of its pushes in flight are lost with it (the pushes still land), and
+its peers find out as on the network (timeouts, then flow control marks it down). A restart brings it back with the
+state it had at the crash: a step it was computing is trained again, one whose local update was applied (it waited
+for its exchange) counts, its ``update_wait`` cut short with nothing arrived. A leave is clean: the node hands what
+its rule holds to a member (push-sum: its whole weight, one last push) and every member forgets it. A join adds a
+member that copies a live node's model (a bootstrap) and starts training; every member adds it.
 """
 
 from __future__ import annotations

@@ -182,13 +182,7 @@ class EventSimulation(ChurnActions):
             return
         m.move(Phase.COMPUTING)
         m.state.clock += 1
-        public = m.rule.public_arrays(m.arrays)
-        m.published = [np.array(a, copy=True) for a in public]
-        for a in m.published:  # read-only: every reply, push and exchange of this snapshot shares these arrays (a rule
-            a.flags.writeable = False  # uses scratch for read-only peers), as the node lends one snapshot to all
-        m.published_state = NodeState(m.name, m.state.clock, m.state.loss, dict(m.state.extras))
-        m.gen += 1
-        m.rule.on_publish(m.state, m.published)
+        self._publish(m)
         m.fetches, m.pushed = [], 0
         if m.rng.random() < self.settings.fetch_probability:
             chosen, _ = round_peers(m)
@@ -200,6 +194,26 @@ class EventSimulation(ChurnActions):
         self.at(self.now + self._step_time(m), self._computed, m, m.epoch)
         if m.fetches:
             self.at(self.now + self.settings.timeout_s, self._fetch_deadline, m, m.step, m.epoch)
+
+    def _publish(self, m: Member) -> None:
+        """``m``'s snapshot of its arrays now: what it serves and pushes until the next one."""
+        public = m.rule.public_arrays(m.arrays)
+        m.published = [np.array(a, copy=True) for a in public]
+        for a in m.published:  # read-only: every reply, push and exchange of this snapshot shares these arrays (a rule
+            a.flags.writeable = False  # uses scratch for read-only peers), as the node lends one snapshot to all
+        m.published_state = NodeState(m.name, m.state.clock, m.state.loss, dict(m.state.extras))
+        m.gen += 1
+        m.rule.on_publish(m.state, m.published)
+
+    def _cut_short(self, m: Member) -> None:
+        """``m`` crashes while it waits for its step's exchange: its ``update_wait`` ends at once with nothing
+        arrived -- the rule finishes the step (push-sum scales the local step, an outer optimizer counts it) and the
+        step is recorded (status ``crashed``) -- and the node stops (the caller's part)."""
+        outcome = m.rule.mix(m.state, m.arrays, [])
+        if self._on_step is not None:
+            push = {"pushed": float(m.pushed), "delivered": 0.0, "returned": 0.0, "push_ms": 0.0}
+            push = push if m.rule.transfer is Transfer.PUSH else {}
+            self._on_step(StepRecord(m, self.now, self.now - m.waiting_since, outcome, (), "crashed", push))
 
     def snapshot_bytes(self, arrays: Sequence[np.ndarray]) -> int:
         """Bytes of ``arrays`` on the wire (the wire dtype's itemsize for floating arrays, when one is set)."""

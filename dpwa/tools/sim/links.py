@@ -5,7 +5,8 @@ the sender's uplink for ``n / bandwidth`` from when it is free, then, ``latency_
 for as long: messages to or from one node queue behind each other. A downlink is booked when a message is sent,
 for the time it will reach it: a message that reaches it earlier than one booked before it (whose sender's uplink
 was busy) takes the gap before that one if it fits whole, else the first gap after (:class:`Downlink`; the booked
-one keeps its time -- a real NIC would take them in the order they come and delay the later one instead).
+one keeps its time, where a NIC would take them in the order they come and delay the one booked first instead;
+and two messages of one pair of nodes may arrive out of order, a small one taking a gap a large one did not fit).
 ``per="link"``: each directed pair of nodes has its own link of that bandwidth (a switch fabric with no shared
 port). Every message is lost with probability ``loss`` (its bandwidth is spent all the same).
 """
@@ -45,6 +46,10 @@ class LinkModel:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
 
 
+def _end(interval: tuple[float, float]) -> float:
+    return interval[1]
+
+
 class Downlink:
     """The times one node's downlink is booked: disjoint ``[start, end)`` intervals, sorted."""
 
@@ -53,18 +58,27 @@ class Downlink:
 
     def book(self, landing: float, wire: float, now: float) -> float:
         """Book ``wire`` seconds from the first time at or after ``landing`` that is free for that long; when the
-        message has arrived whole. Intervals that ended by ``now`` are dropped (nothing lands before ``now``)."""
+        message has arrived whole. Intervals that ended by ``now`` are dropped (nothing lands before ``now``), and
+        back-to-back ones merged (a burst of messages to one node is one interval, not one each)."""
         busy = self.busy
-        while busy and busy[0][1] <= now:
-            busy.pop(0)
+        del busy[: bisect.bisect_right(busy, now, key=_end)]  # disjoint and sorted: their ends are sorted too
         start, i = landing, bisect.bisect_left(busy, (landing, -math.inf))
         if i > 0 and busy[i - 1][1] > start:  # the interval before it still runs at ``landing``
             start = busy[i - 1][1]
         while i < len(busy) and busy[i][0] < start + wire:  # does not fit before the next one: after it
             start = max(start, busy[i][1])
             i += 1
-        busy.insert(i, (start, start + wire))
-        return start + wire
+        end = start + wire
+        lo, hi = start, end
+        if i > 0 and busy[i - 1][1] == start:  # merged with the one it follows
+            lo = busy[i - 1][0]
+            i -= 1
+            del busy[i]
+        if i < len(busy) and busy[i][0] == end:  # and with the one it precedes
+            hi = busy[i][1]
+            del busy[i]
+        busy.insert(i, (lo, hi))
+        return end
 
 
 class Network:

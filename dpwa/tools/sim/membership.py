@@ -38,18 +38,23 @@ class ChurnActions:
         def _drain(self, m: Member, everything: bool = False) -> list[PeerSnapshot]: ...
         def _fold_finished(self, m: Member) -> None: ...
         def _add(self, name: str, params: list[np.ndarray]) -> Member: ...
+        def _publish(self, m: Member) -> None: ...
+        def _cut_short(self, m: Member) -> None: ...
         def snapshot_bytes(self, arrays: Any) -> int: ...
 
     def crash(self, name: str) -> None:
-        """``name`` stops at once: it answers nothing; its inbox and its pushes in flight are lost with it. A step
-        still computing is lost (trained again after a restart); one that waited for its exchange had its local
-        update applied already, and counts (trained once: its batch is not trained twice)."""
+        """``name`` stops at once: it answers nothing; its inbox is lost, and the verdicts of its pushes (which still
+        land). A step still computing is lost (trained again after a restart, unless the node was leaving); one
+        that waited for its exchange had its local update applied: its ``update_wait`` ends with nothing arrived
+        (:meth:`_cut_short`), and the step counts (its batch is never trained twice)."""
         m = self.members[name]
         if not m.alive and m.phase is not Phase.IDLE:
             return
         if m.phase is Phase.COMPUTING and not m.leaving:  # the step under way is lost: redone
             m.step -= 1
             m.state.clock -= 1
+        elif m.phase is Phase.WAITING:
+            self._cut_short(m)
         m.move(Phase.DOWN)
         m.epoch += 1
         m.inbox.clear()
@@ -64,7 +69,8 @@ class ChurnActions:
         counted: it trains it again), and trains on."""
         m = self.members[name]
         if m.phase is Phase.DOWN and m.step >= self.steps:
-            m.move(Phase.FINISHED)  # it had trained all its steps: it lingers again
+            m.move(Phase.FINISHED)  # it had trained all its steps: it lingers again, serving its model
+            self._publish(m)
         elif m.phase is Phase.DOWN:
             self.at(self.now, self._send, m, m.epoch)
 
