@@ -337,6 +337,25 @@ def test_a_leaving_node_mixes_its_last_step_once() -> None:
     assert steps == list(range(1, len(steps) + 1)) and sim.members["w2"].phase is Phase.LEFT
 
 
+def test_a_leaving_push_sum_node_takes_the_pushes_of_its_last_step_and_hands_them_on() -> None:
+    """w2 is told to leave during a step: it still takes the pushes that land before that step's update_wait (a
+    node closes its inbox when it closes, after it), folds them in, and hands its whole mass to w1 -- before, they
+    were refused at once and bounced back."""
+    records: list[tuple[str, int, tuple[str, ...]]] = []
+    sim = _engine("pushsum", 2, steps=20, link=LinkModel(latency_s=0.01))
+    sim._on_step = lambda r: records.append((r.member.name, r.member.step, r.peers))
+    sim.start()
+    phases: list[Phase] = []
+    sim.at(0.105, lambda: phases.append(sim.members["w2"].phase))
+    sim.at(0.105, sim.leave, "w2")  # in its third step (0.1-0.15), before w1's push of it lands (0.11)
+    assert sim.run()
+    w1, w2 = sim.members["w1"], sim.members["w2"]
+    assert phases == [Phase.COMPUTING] and w2.phase is Phase.LEFT
+    last = [r for r in records if r[0] == "w2"][-1]
+    assert last[1] == 3 and last[2] == ("w1",)  # its last step mixed w1's push of that step
+    assert float(w1.state.extras["weight"]) == pytest.approx(2.0, abs=1e-12)  # all the mass, in w1
+
+
 def test_churn_a_restart_resumes_a_join_trains_a_leave_stops() -> None:
     records: list[Any] = []
     sim = _engine("constant", 4, steps=40, records=records)

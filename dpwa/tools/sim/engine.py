@@ -306,7 +306,7 @@ class EventSimulation(ChurnActions):
         if not s.alive or push.seq in s.closed:
             return  # no answer (the sender settles it by a query), or a push its query already closed: stale
         s.latest_round[m.name] = max(s.latest_round.get(m.name, -1), int(push.given["round"]))
-        if s.closing or not self._admits(s, m.name):
+        if not s.takes_pushes or not self._admits(s, m.name):
             self._answer(s, m, self._verdict, m, push, PushStatus.REFUSED, "busy", epoch)
         else:
             s.inbox.append(InboxEntry(m.name, message, int(push.given["round"]), push.seq).move(SlotState.FULL))

@@ -158,8 +158,16 @@ class Member:
 
     @property
     def closing(self) -> bool:
-        """Takes no more pushes or exchanges (refused ``busy``): finished and lingering, or leaving."""
+        """Takes no more exchanges (refused ``busy``) and is no heir: finished and lingering, or leaving."""
         return self.phase is Phase.FINISHED or self.leaving
+
+    @property
+    def takes_pushes(self) -> bool:
+        """Takes pushes (else refused ``busy``): not finished, and -- leaving -- only during its last step, as a node
+        closes its inbox when it closes, after that step's ``update_wait`` (the hand-off folds what came)."""
+        if self.phase is Phase.FINISHED:
+            return False
+        return not self.leaving or self.phase in (Phase.COMPUTING, Phase.WAITING)
 
     @property
     def alive(self) -> bool:
