@@ -356,6 +356,20 @@ def test_a_leaving_push_sum_node_takes_the_pushes_of_its_last_step_and_hands_the
     assert float(w1.state.extras["weight"]) == pytest.approx(2.0, abs=1e-12)  # all the mass, in w1
 
 
+def test_a_node_told_to_leave_that_crashes_in_its_last_wait_leaves_once_restarted() -> None:
+    """w3 is told to leave, then crashes while it waits in its last step: restarted, it has trained all its steps,
+    so it hands its mass on and leaves at once (it used to linger for good, still a member everywhere)."""
+    sim = _engine("pushsum", 3, steps=3, link=LinkModel(latency_s=0.03))
+    sim.start()
+    sim.at(0.176, lambda: sim.members["w3"].phase is Phase.WAITING and sim.leave("w3"))  # in its last step's wait
+    sim.at(0.177, sim.crash, "w3")
+    sim.at(0.3, sim.restart, "w3")
+    assert sim.run()
+    w3 = sim.members["w3"]
+    assert w3.step == 3 and w3.leaving and w3.phase is Phase.LEFT and all("w3" not in m.names for m in sim.live())
+    assert float(w3.state.extras["weight"]) == 0.0  # its mass handed on (what its inbox held died with the crash)
+
+
 def test_churn_a_restart_resumes_a_join_trains_a_leave_stops() -> None:
     records: list[Any] = []
     sim = _engine("constant", 4, steps=40, records=records)

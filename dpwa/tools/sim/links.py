@@ -5,7 +5,8 @@ the sender's uplink for ``n / bandwidth`` from when it is free, then, ``latency_
 for as long: messages to or from one node queue behind each other. A downlink is booked when a message is sent,
 for the time it will reach it: a message that reaches it earlier than one booked before it (whose sender's uplink
 was busy) takes the gap before that one if it fits whole, else the first gap after (:class:`Downlink`; the booked
-one keeps its time, where a NIC would take them in the order they come and delay the one booked first instead;
+one keeps its time, where a NIC would take them in the order they come: the one that came first sooner, the
+booking later;
 and two messages of one pair of nodes may arrive out of order, a small one taking a gap a large one did not fit).
 ``per="link"``: each directed pair of nodes has its own link of that bandwidth (a switch fabric with no shared
 port). Every message is lost with probability ``loss`` (its bandwidth is spent all the same).

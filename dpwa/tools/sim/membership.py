@@ -44,13 +44,13 @@ class ChurnActions:
 
     def crash(self, name: str) -> None:
         """``name`` stops at once: it answers nothing; its inbox is lost, and the verdicts of its pushes (which still
-        land). A step still computing is lost (trained again after a restart, unless the node was leaving); one
-        that waited for its exchange had its local update applied: its ``update_wait`` ends with nothing arrived
-        (:meth:`_cut_short`), and the step counts (its batch is never trained twice)."""
+        land). A step still computing is lost (trained again after a restart); one that waited for its exchange had
+        its local update applied: its ``update_wait`` ends with nothing arrived (:meth:`_cut_short`), and the step
+        counts (its batch is never trained twice)."""
         m = self.members[name]
         if not m.alive and m.phase is not Phase.IDLE:
             return
-        if m.phase is Phase.COMPUTING and not m.leaving:  # the step under way is lost: redone
+        if m.phase is Phase.COMPUTING:  # the step under way is lost: redone
             m.step -= 1
             m.state.clock -= 1
         elif m.phase is Phase.WAITING:
@@ -71,6 +71,8 @@ class ChurnActions:
         if m.phase is Phase.DOWN and m.step >= self.steps:
             m.move(Phase.FINISHED)  # it had trained all its steps: it lingers again, serving its model
             self._publish(m)
+            if m.leaving:  # told to leave before it crashed: it leaves now
+                self._hand_off(m, self.now)
         elif m.phase is Phase.DOWN:
             self.at(self.now, self._send, m, m.epoch)
 
