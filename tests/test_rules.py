@@ -313,3 +313,25 @@ def test_a_repeated_snapshot_is_skipped_unless_repeats_mix(make):
     np.testing.assert_array_equal(x[0], [1.0, 2.0])
     with pytest.raises(ValueError, match="repeats"):
         make(repeats="sometimes")
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_a_restored_group_rule_counts_its_sync_steps_from_the_step_restored(outer: bool) -> None:
+    """The groups schedule reads the node's step for its sync steps; the rule counts its own publishes. A
+    checkpoint restored at step 7 (under an outer optimizer too) puts both at 7: the rule used to count from 0, and
+    mixed sync steps with a group step's weights (and the reverse) for the rest of the run."""
+    from dpwa.checkpoint import DpwaState
+    from dpwa.node.recovery import restore_state
+    from dpwa.rules.group import GroupRule
+    from dpwa.rules.outer import OuterRule
+
+    rule: rules.Rule = rules.make_rule("group", None, 0.0)
+    if outer:
+        rule = OuterRule(rule, every=2)
+    own = NodeState("w1", extras=rule.initial_extras("w1", ["w1", "w2"]))
+    restore_state(own, rule, DpwaState(clock=7.0, step=7, loss=1.0, rule=rule.name), None)
+    rule.on_publish(own, [])
+    group = rule.base if isinstance(rule, OuterRule) else rule
+    assert isinstance(group, GroupRule) and group.step == 7
+    with pytest.raises(ValueError):
+        group.follow(-1)

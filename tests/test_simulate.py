@@ -597,3 +597,30 @@ def test_the_mean_model_weighs_each_member_by_its_push_sum_weight() -> None:
     params = np.array([[0.0, 0.0, 0.0], [4.0, 4.0, 4.0]])
     runner._evaluate(sim, Problem(), params, runner._Metrics(None), 0.0)
     assert seen[0].tolist() == [3.0, 3.0, 3.0]  # (0.5 * 0 + 1.5 * 4) / 2
+
+
+def test_a_group_rule_follows_the_step_a_crash_undid() -> None:
+    """The group rule counts its steps by its publishes (sync steps every ``sync_every``); a crash while computing
+    undoes the step, and the rule follows, so its sync steps stay the schedule's."""
+    from dpwa.rules.group import GroupRule, GroupSettings
+
+    settings = GroupSettings(group_size=2, sync_every=2)
+    names = [f"w{i + 1}" for i in range(4)]
+    sim = EventSimulation(
+        names,
+        [[np.full(3, float(i))] for i in range(4)],
+        lambda: make_rule("group", settings, 0.0),
+        lambda: make_schedule("groups", settings, names),
+        network=Network(LinkModel(latency_s=0.001), np.random.default_rng([0, 1]), 4),
+        step_time=lambda m: 0.05,
+        train=lambda members: [1.0 for _ in members],
+        steps=6,
+        settings=FAST,
+        seed=0,
+    )
+    sim.start()
+    sim.at(0.06, sim.crash, "w2")  # computing its second step
+    sim.at(0.2, sim.restart, "w2")
+    assert sim.run()
+    for m in sim.members.values():
+        assert isinstance(m.rule, GroupRule) and m.rule.step == m.step - 1 == 5, m.name

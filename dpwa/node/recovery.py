@@ -7,8 +7,9 @@ they change state, and owns the sockets (it passes a ``fetch`` callable in).
 
 * :func:`export_state` / :func:`restore_state`: the node's :class:`~dpwa.checkpoint.DpwaState`
   (clock, step, loss, the rule's scalar extras such as push-sum's weight, and the rule's arrays
-  through :meth:`~dpwa.rules.base.Rule.state_arrays`, e.g. GEM's momentum proxy). An outer optimizer's
-  step count (:class:`~dpwa.rules.outer.OuterRule`) follows the step restored, and counts a catch-up's step.
+  through :meth:`~dpwa.rules.base.Rule.state_arrays`, e.g. GEM's momentum proxy). A rule that counts steps
+  (:meth:`~dpwa.rules.base.Rule.follow`: an outer optimizer's boundaries, a group's sync steps) follows the step
+  restored; an outer optimizer counts a catch-up's step.
 * :func:`ask_peers` -- bootstrap, before the first local step: ask one peer at a time (each
   attempt bounded by the caller's ``fetch``) until one answers or ``timeout_s`` passes; the node
   then copies that peer outright if :func:`is_ahead`.
@@ -101,8 +102,7 @@ def restore_state(own: NodeState, rule: Rule, saved: DpwaState, params: Sequence
         own.extras.update(restored)
     own.clock = float(saved.clock)
     own.loss = float(saved.loss)
-    if isinstance(rule, OuterRule):  # its boundaries are the schedule's, which reads the node's step
-        rule.follow(int(saved.step))
+    rule.follow(int(saved.step))  # a rule that counts steps (outer boundaries, a group's sync steps) agrees again
     log.info("node %s: restored clock %g, step %d", own.name, saved.clock, saved.step)
     return int(saved.step)
 

@@ -230,6 +230,11 @@ class Rule(ABC):
         alone may receive in it too. Default False: peers come in the parameters' dtypes."""
         return False
 
+    def follow(self, step: int) -> None:  # noqa: B027 - optional hook
+        """The node's step is ``step`` now (``update_send`` calls so far: a checkpoint restored it, or a simulated
+        crash undid a step): a rule that counts steps itself to agree with the schedule (an outer optimizer's
+        boundaries, a group's sync steps) takes it. Default no-op."""
+
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:  # noqa: B027 - optional hook
         """At ``update_send``: ``published`` are read-only views of the parameters just published (empty for a
         rule whose :meth:`reads_published` is False, when the node keeps its snapshot in the wire's dtype alone).

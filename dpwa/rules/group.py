@@ -126,6 +126,13 @@ class GroupRule(Rule):
         """Ranks follow the members' order (groups are recomputed from it every step)."""
         self._rank = {n: i for i, n in enumerate(names)}
 
+    def follow(self, step: int) -> None:
+        """The node's step is ``step``: the next publish starts step ``step`` (the schedule's sync steps and this
+        rule's agree after a restored checkpoint)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        self._sends = step
+
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         """Keep the views of ``x_pub`` (valid until the next ``update_send``) and count the step."""
         self._published = list(published)

@@ -347,6 +347,7 @@ class OuterRule(Rule):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         self.round = step
+        self.base.follow(step)
 
     def step_without_mix(self) -> None:
         """A step ended without :meth:`mix` (a catch-up copy of a peer took its place): count it."""

@@ -53,6 +53,7 @@ class ChurnActions:
         if m.phase is Phase.COMPUTING:  # the step under way is lost: redone
             m.step -= 1
             m.state.clock -= 1
+            m.rule.follow(m.step)  # a rule that counted the step's publish (a group's) counts it again
         elif m.phase is Phase.WAITING:
             self._cut_short(m)
         m.move(Phase.DOWN)
