@@ -624,3 +624,19 @@ def test_a_group_rule_follows_the_step_a_crash_undid() -> None:
     assert sim.run()
     for m in sim.members.values():
         assert isinstance(m.rule, GroupRule) and m.rule.step == m.step - 1 == 5, m.name
+
+
+def test_the_totals_count_the_nodes_that_left_and_the_steps_of_those_that_joined(tmp_path: Path) -> None:
+    """``mixes_per_step`` divides every node's steps by every node's mixes, a leaver's too (its mixes were left out
+    of the sum, its steps not); the progress total counts a joiner's steps (it ran past 100 %)."""
+
+    seen: list[tuple[int, int]] = []
+    options = _options(nodes=4, steps=10, model="quadratic", churn=tuple(parse_churn("leave:w2@0.2s,join:w5@0.1s")))
+    result = simulate(options, run_dir=tmp_path, progress=lambda e, done, total, finished: seen.append((done, total)))
+    mixed = 0
+    for name in ("w1", "w2", "w3", "w4", "w5"):
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.metrics.jsonl").read_text().splitlines()]
+        mixed += sum(1 for r in lines if r.get("peer"))
+    assert any(r for r in (tmp_path / "w2.metrics.jsonl").read_text().splitlines())  # w2 mixed before it left
+    assert result.mixes == mixed > 0
+    assert {total for _, total in seen} == {5 * 10} and max(done for done, _ in seen) <= 5 * 10
