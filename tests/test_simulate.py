@@ -640,3 +640,23 @@ def test_the_totals_count_the_nodes_that_left_and_the_steps_of_those_that_joined
     assert any(r for r in (tmp_path / "w2.metrics.jsonl").read_text().splitlines())  # w2 mixed before it left
     assert result.mixes == mixed > 0
     assert {total for _, total in seen} == {5 * 10} and max(done for done, _ in seen) <= 5 * 10
+
+
+@pytest.mark.parametrize(("at", "phase"), [(0.115, Phase.WAITING), (0.08, Phase.COMPUTING)])
+def test_a_node_told_to_leave_that_crashes_mid_run_leaves_at_restart_after_the_step_it_was_in(
+    at: float, phase: Phase
+) -> None:
+    """w3 is told to leave in step 2 of 10 and crashes. Waiting, that step counted: once restarted it leaves at once
+    (it used to train a third step first). Computing: the step is trained again, then it leaves."""
+    records: list[Any] = []
+    sim = _engine("pushsum", 3, steps=10, link=LinkModel(latency_s=0.03), records=records)
+    sim.start()
+    seen: list[Phase] = []
+    sim.at(at, lambda: seen.append(sim.members["w3"].phase))
+    sim.at(at, sim.leave, "w3")
+    sim.at(at + 0.001, sim.crash, "w3")
+    sim.at(0.5, sim.restart, "w3")
+    assert sim.run()
+    w3 = sim.members["w3"]
+    steps = [step for name, step, _, _ in records if name == "w3"]
+    assert seen == [phase] and w3.phase is Phase.LEFT and w3.step == 2 and steps == [1, 2], steps

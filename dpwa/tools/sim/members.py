@@ -122,6 +122,8 @@ class Member:
     """``update_send`` calls so far (the round a schedule sees is the one before the increment)."""
     leaving: bool = False
     """Asked to leave: it does after its current step (:meth:`EventSimulation.leave`)."""
+    redo: bool = False
+    """Its latest crash undid a step it was computing: a restart trains that step again."""
     epoch: int = 0
     """Raised at a crash: events scheduled before it are ignored."""
     published: list[np.ndarray] | None = None

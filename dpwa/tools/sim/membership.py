@@ -50,7 +50,8 @@ class ChurnActions:
         m = self.members[name]
         if not m.alive and m.phase is not Phase.IDLE:
             return
-        if m.phase is Phase.COMPUTING:  # the step under way is lost: redone
+        m.redo = m.phase is Phase.COMPUTING
+        if m.redo:  # the step under way is lost: redone
             m.step -= 1
             m.state.clock -= 1
             m.rule.follow(m.step)  # a rule that counted the step's publish (a group's) counts it again
@@ -69,9 +70,9 @@ class ChurnActions:
         """``name`` comes back with the parameters and rule state it had at the crash (a step it was computing not
         counted: it trains it again), and trains on."""
         m = self.members[name]
-        if m.phase is Phase.DOWN and m.step >= self.steps:
-            m.move(Phase.FINISHED)  # it had trained all its steps: it lingers again, serving its model
-            self._publish(m)
+        if m.phase is Phase.DOWN and (m.step >= self.steps or (m.leaving and not m.redo)):
+            m.move(Phase.FINISHED)  # its steps trained, or its current step when told to leave: it lingers again,
+            self._publish(m)  # serving its model
             if m.leaving:  # told to leave before it crashed: it leaves now
                 self._hand_off(m, self.now)
         elif m.phase is Phase.DOWN:
@@ -88,9 +89,14 @@ class ChurnActions:
         if m.phase not in (Phase.COMPUTING, Phase.WAITING):  # else: after this step's update_wait
             self._hand_off(m, self.now)
 
-    def _hand_off(self, m: Member, since: float) -> None:
+    def _hand_off(self, m: Member, since: float, epoch: int | None = None) -> None:
+        """``m`` leaves: once its pushes are settled (at most two timeouts), it folds in what arrived and hands its
+        rule's share to a member. ``epoch``: a retry scheduled then, dropped if ``m`` crashed since (a restart
+        hands off anew)."""
+        if epoch is not None and epoch != m.epoch:
+            return
         if m.alive and m.ledger.unresolved() and self.now < since + 2 * self.settings.timeout_s:
-            self.at(self.now + self.settings.timeout_s, self._hand_off, m, since)
+            self.at(self.now + self.settings.timeout_s, self._hand_off, m, since, m.epoch)
             return
         given = None
         if m.alive:
