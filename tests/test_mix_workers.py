@@ -18,7 +18,7 @@ import pytest
 from conftest import free_ports, write_cluster
 
 from dpwa import DpwaConnection
-from dpwa.config import ConfigError, load_config, parse_config
+from dpwa.config import ConfigError, load_config, parse_config, yaml12
 from dpwa.rules.mixing import (
     BLOCK,
     add_differences_,
@@ -303,3 +303,14 @@ def test_a_mix_at_interpreter_exit_runs_on_the_caller(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "same"
+
+
+def test_a_dumped_transport_map_leaves_out_the_keys_at_their_default() -> None:
+    """``mix_threads: auto`` (and ``memory: normal``) stay out of a dumped cluster file (``dpwa validate``, a run
+    directory's copy), so a file written by this dpwa still loads in one that predates the key."""
+    nodes = "nodes: [{name: a, host: 127.0.0.1, port: 5000}]\n"
+    dumped = parse_config(nodes + "transport: {shared_memory: off}\n").to_dict()
+    assert dumped["transport"] == {"shared_memory": "off"}
+    dumped = parse_config(nodes + "transport: {shared_memory: off, mix_threads: 2, memory: low}\n").to_dict()
+    assert dumped["transport"] == {"shared_memory": "off", "memory": "low", "mix_threads": 2}
+    assert parse_config(yaml12.dump(dumped)).transport.mix_threads == 2

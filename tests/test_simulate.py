@@ -621,7 +621,10 @@ def test_a_group_rule_follows_the_step_a_crash_undid() -> None:
     sim.start()
     sim.at(0.06, sim.crash, "w2")  # computing its second step
     sim.at(0.2, sim.restart, "w2")
+    sim.at(0.5, sim.crash, "w3")  # finished: restarted, it publishes again (no step), and its count follows
+    sim.at(0.6, sim.restart, "w3")
     assert sim.run()
+    assert sim.members["w3"].phase is Phase.FINISHED and sim.members["w3"].published is not None
     for m in sim.members.values():
         assert isinstance(m.rule, GroupRule) and m.rule.step == m.step - 1 == 5, m.name
 

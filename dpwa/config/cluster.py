@@ -267,7 +267,12 @@ class _SettingsMap(Spec):
             )
 
     def dump(self, value: object) -> object:
-        return None if value is None else dataclasses.asdict(value)  # type: ignore[call-overload]
+        """The map's fields, less those declared ``omit_default`` that hold their default (keys added after files
+        were written: a file dumped here stays readable by the dpwa that wrote the older ones)."""
+        if value is None:
+            return None
+        fields = dataclasses.fields(value)  # type: ignore[arg-type]
+        return {f.name: getattr(value, f.name) for f in fields if not omits_default(f, getattr(value, f.name))}
 
 
 @dataclasses.dataclass(frozen=True)

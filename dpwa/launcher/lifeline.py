@@ -28,7 +28,16 @@ import time
 from collections.abc import Iterable
 from typing import IO
 
-__all__ = ["CHECK_S", "GRACE_S", "KILL_WAIT_S", "Lifeline", "groups_with_live_members", "guard"]
+__all__ = [
+    "CHECK_S",
+    "CLOSE_WAIT_S",
+    "GRACE_S",
+    "KILL_WAIT_S",
+    "Lifeline",
+    "groups_with_live_members",
+    "guard",
+    "stop_groups",
+]
 
 log = logging.getLogger(__name__)
 

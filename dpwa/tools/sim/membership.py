@@ -72,7 +72,8 @@ class ChurnActions:
         m = self.members[name]
         if m.phase is Phase.DOWN and (m.step >= self.steps or (m.leaving and not m.redo)):
             m.move(Phase.FINISHED)  # its steps trained, or its current step when told to leave: it lingers again,
-            self._publish(m)  # serving its model
+            self._publish(m)  # serving its model (a publish, not a step: a rule that counts them counts it back)
+            m.rule.follow(m.step)
             if m.leaving:  # told to leave before it crashed: it leaves now
                 self._hand_off(m, self.now)
         elif m.phase is Phase.DOWN:

@@ -113,8 +113,8 @@ class _Size:
 
     def close(self) -> None:
         """Close the trainer's nodes and sockets, and have the peer drop its side (if it still runs)."""
-        self.fetch.close()
         self.workers.close()
+        self.fetch.close()
         for node in self.pushes.values():
             node.close()
         self.pushes = {}
