@@ -663,3 +663,20 @@ def test_a_node_told_to_leave_that_crashes_mid_run_leaves_at_restart_after_the_s
     w3 = sim.members["w3"]
     steps = [step for name, step, _, _ in records if name == "w3"]
     assert seen == [phase] and w3.phase is Phase.LEFT and w3.step == 2 and steps == [1, 2], steps
+
+
+def test_a_leaving_adpsgd_node_serves_the_exchanges_of_its_last_step_and_waits_for_their_commit() -> None:
+    """w2 is told to leave during a step: it still serves the exchange w1 asks for then (it used to refuse it at
+    once), waits for w1's commit before it leaves, and mixes its half: with no local steps, the sum of the two
+    models is what it was."""
+    start = [np.array([0.0, 1.0, 2.0]), np.array([4.0, -2.0, 8.0])]
+    sim = _engine("adpsgd", 2, steps=6, start=start, link=LinkModel(latency_s=0.02))
+    records: list[tuple[str, int, str]] = []
+    sim._on_step = lambda r: records.append((r.member.name, r.member.step, r.status))
+    sim.start()
+    sim.at(0.101, sim.leave, "w2")  # in its third step, before w1's request of that step lands
+    assert sim.run()
+    w1, w2 = sim.members["w1"], sim.members["w2"]
+    assert w2.phase is Phase.LEFT
+    assert [status for name, step, status in records if name == "w1" and step == 3] == ["ok"], records
+    assert np.allclose(w1.arrays[0] + w2.arrays[0], start[0] + start[1], atol=1e-12)

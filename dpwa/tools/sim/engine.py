@@ -270,7 +270,7 @@ class EventSimulation(ChurnActions):
             self._answer(s, m, self._refused, m, fetch, "not-ready", epoch)
             return
         exchange = m.rule.transfer is Transfer.EXCHANGE
-        if exchange and (s.closing or not self._admits(s, m.name)):
+        if exchange and (not s.inbox_open or not self._admits(s, m.name)):
             self._answer(s, m, self._refused, m, fetch, "busy", epoch)
             return
         if exchange and not pairs_exchange(s.gen, s.paired_gen):  # one exchange per published snapshot
@@ -306,7 +306,7 @@ class EventSimulation(ChurnActions):
         if not s.alive or push.seq in s.closed:
             return  # no answer (the sender settles it by a query), or a push its query already closed: stale
         s.latest_round[m.name] = max(s.latest_round.get(m.name, -1), int(push.given["round"]))
-        if not s.takes_pushes or not self._admits(s, m.name):
+        if not s.inbox_open or not self._admits(s, m.name):
             self._answer(s, m, self._verdict, m, push, PushStatus.REFUSED, "busy", epoch)
         else:
             s.inbox.append(InboxEntry(m.name, message, int(push.given["round"]), push.seq).move(SlotState.FULL))

@@ -160,13 +160,14 @@ class Member:
 
     @property
     def closing(self) -> bool:
-        """Takes no more exchanges (refused ``busy``) and is no heir: finished and lingering, or leaving."""
+        """No heir for a leaving member's hand-off: finished and lingering, or leaving."""
         return self.phase is Phase.FINISHED or self.leaving
 
     @property
-    def takes_pushes(self) -> bool:
-        """Takes pushes (else refused ``busy``): not finished, and -- leaving -- only during its last step, as a node
-        closes its inbox when it closes, after that step's ``update_wait`` (the hand-off folds what came)."""
+    def inbox_open(self) -> bool:
+        """Takes pushes and exchanges (else refused ``busy``): not finished, and -- leaving -- only during its last
+        step, as a node closes its inbox when it closes, after that step's ``update_wait`` (the hand-off then waits
+        for the exchanges it served to be committed and folds what came)."""
         if self.phase is Phase.FINISHED:
             return False
         return not self.leaving or self.phase in (Phase.COMPUTING, Phase.WAITING)

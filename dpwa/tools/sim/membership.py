@@ -91,12 +91,13 @@ class ChurnActions:
             self._hand_off(m, self.now)
 
     def _hand_off(self, m: Member, since: float, epoch: int | None = None) -> None:
-        """``m`` leaves: once its pushes are settled (at most two timeouts), it folds in what arrived and hands its
-        rule's share to a member. ``epoch``: a retry scheduled then, dropped if ``m`` crashed since (a restart
-        hands off anew)."""
+        """``m`` leaves: once its pushes are settled and the exchanges it served committed or aborted (at most two
+        timeouts), it folds in what arrived and hands its rule's share to a member. ``epoch``: a retry scheduled
+        then, dropped if ``m`` crashed since (a restart hands off anew)."""
         if epoch is not None and epoch != m.epoch:
             return
-        if m.alive and m.ledger.unresolved() and self.now < since + 2 * self.settings.timeout_s:
+        served = any(e.state is SlotState.SERVED for e in m.inbox)
+        if m.alive and (m.ledger.unresolved() or served) and self.now < since + 2 * self.settings.timeout_s:
             self.at(self.now + self.settings.timeout_s, self._hand_off, m, since, m.epoch)
             return
         given = None
