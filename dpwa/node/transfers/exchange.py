@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import ClassVar
 
 from dpwa.node.pushes import Push
@@ -31,6 +32,7 @@ from dpwa.node.states import SlotState
 from dpwa.node.transfers.base import Arrival, Refusal
 from dpwa.node.transfers.host import Host
 from dpwa.node.transfers.receiving import PUSH_MISSING, InboxTransfer
+from dpwa.node.transport import FetchJob
 from dpwa.node.wire import ErrorCode
 from dpwa.rules import Transfer
 
@@ -54,6 +56,8 @@ class ExchangeTransfer(InboxTransfer):
         super().__init__(host)
         self._paired_gen: int | None = None
         """The generation of the last snapshot paired with an exchange (the RX thread's alone)."""
+        self._latest: FetchJob | None = None
+        """The latest exchange this node started: a leaving node waits for the answer to its SETTLE."""
 
     def receive_buffers(self) -> int:
         return self.host.schedule.max_fanout(len(self.host.names))
@@ -80,6 +84,7 @@ class ExchangeTransfer(InboxTransfer):
             prepare=functools.partial(pool.prepare_push, snapshot),
             release=functools.partial(self.host.release_snapshot, snapshot),
         )
+        self._latest = job
         self.fetcher.submit(job)
 
     def pair_exchange(self, sender: str, seq: int, snapshot: Snapshot) -> Refusal | None:
@@ -124,7 +129,14 @@ class ExchangeTransfer(InboxTransfer):
         self._wait_out(SlotState.SERVED, deadline)
         if final_mix:
             self._mix_out(SlotState.COMMITTED)
-            return
+        else:
+            self._count_unmixed()
+        latest = self._latest  # its own latest exchange: the SETTLE answered before the sockets close, which drop
+        if latest is not None and latest.exchange_settled:  # what they have not sent (else the peer expires a commit
+            latest.settle_answered.wait(max(0.0, deadline - time.monotonic()))  # whose other half was mixed here)
+
+    def _count_unmixed(self) -> None:
+        """``hand_off`` without ``final_mix``: count the committed exchanges, and its own if the peer took it."""
         unmixed = self.inbox.slots_in(SlotState.COMMITTED)
         if self.fetcher.pending is not None:  # its own exchange: the peer mixes its half once the reply is taken
             self.fetcher.wait()

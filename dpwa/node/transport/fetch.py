@@ -74,6 +74,10 @@ class FetchJob:
     """An exchange: this push (of the fetcher's own snapshot) goes to its peer just before the FETCH."""
     exchange_settled: bool = False
     """The exchange's SETTLE (commit or abort) is queued: one per exchange (the TX thread's alone)."""
+    settle_answered: threading.Event = field(default_factory=threading.Event)
+    """The peer answered that SETTLE (ACK or ERROR), or it could not go out, or the TX thread ended: a leaving node
+    waits for it before its sockets close (dropping what they have not sent), or the peer would expire a commit
+    whose other half this node mixed."""
     lend: bool = False
     """A shared-memory reply stays lent until the rule has mixed it (the views point into the peer's segment);
     else the TX thread copies it into the receive buffer and gives it back at once."""

@@ -98,6 +98,7 @@ class TxFetcher(threading.Thread):
         self._pushes: dict[tuple[str, int], Push] = {}
         """Pushes sent and not settled yet, by (peer, sequence number)."""
         self._settles: list[tuple[str, int, str]] = []
+        self._settling: dict[tuple[str, int], FetchJob] = {}  # exchanges whose SETTLE awaits the peer's answer
         """SETTLEs to send at the end of this wake: (peer, sequence number, op)."""
         self._retry_s = retry_s
         self._shared = SharedReplies(node, lambda event, n: port.count(event, n))
@@ -193,6 +194,8 @@ class TxFetcher(threading.Thread):
                         self._job_done(self._jobs.get_nowait())
                     except queue.Empty:
                         break
+            for waiting in self._settling.values():  # nobody will take their answers now
+                waiting.settle_answered.set()
             self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -270,12 +273,21 @@ class TxFetcher(threading.Thread):
             sock = self._socket(poller, peer)
             if sock is None:  # no member any more: nobody left to answer
                 self._port.count("settles_dropped", 1)
+                self._settle_answered(peer, seq)
                 continue
             try:
                 sock.send(wire.encode_settle(self._node, seq, op), zmq.NOBLOCK)
             except zmq.Again:
                 self._port.count("settles_dropped", 1)  # a query is asked again; an unsent abort expires there
+                self._settle_answered(peer, seq)  # no answer will come
         self._settles.clear()
+
+    def _settle_answered(self, peer: str, seq: int) -> bool:
+        """The exchange ``seq`` with ``peer`` needs no more of its SETTLE; False when none awaited it."""
+        job = self._settling.pop((peer, seq), None)
+        if job is not None:
+            job.settle_answered.set()
+        return job is not None
 
     def _push_frames(self, sock: zmq.Socket, push: Push, wire_layout: Layout, *, hold: bool) -> bool:
         """Send push ``push``: its payload whole or streamed (:func:`send_push_frames`), or a header naming its
@@ -422,6 +434,7 @@ class TxFetcher(threading.Thread):
         if job.push is not None and target.peer == job.push.peer and not job.exchange_settled:
             job.exchange_settled = True
             self._settles.append((target.peer, job.push.seq, "commit" if target.status == FetchStatus.OK else "abort"))
+            self._settling[(target.peer, job.push.seq)] = job
         if settled:
             self._port.fetch_done(job, target)
         elif status != FetchStatus.TIMEOUT:
@@ -465,6 +478,9 @@ class TxFetcher(threading.Thread):
                 pass  # _header_message decodes it again and rejects the reply with the reason
             if header is not None and header.kind in (Kind.ACK, Kind.ERROR) and self._push_answer(peer, header):
                 return
+            if header is not None and header.kind in (Kind.ACK, Kind.ERROR) and header.node == peer:
+                if self._settle_answered(peer, header.req):  # the answer to an exchange's SETTLE
+                    return
             if header is not None and header.kind is Kind.ACK:  # a commit's ACK, or one for a push settled already
                 self._port.count("acks_unmatched", 1)
                 return
