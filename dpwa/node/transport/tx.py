@@ -282,12 +282,11 @@ class TxFetcher(threading.Thread):
                 self._settle_answered(peer, seq)  # no answer will come
         self._settles.clear()
 
-    def _settle_answered(self, peer: str, seq: int) -> bool:
-        """The exchange ``seq`` with ``peer`` needs no more of its SETTLE; False when none awaited it."""
+    def _settle_answered(self, peer: str, seq: int) -> None:
+        """The exchange ``seq`` with ``peer`` (if one awaits it) needs no more of its SETTLE."""
         job = self._settling.pop((peer, seq), None)
         if job is not None:
             job.settle_answered.set()
-        return job is not None
 
     def _push_frames(self, sock: zmq.Socket, push: Push, wire_layout: Layout, *, hold: bool) -> bool:
         """Send push ``push``: its payload whole or streamed (:func:`send_push_frames`), or a header naming its
@@ -479,8 +478,7 @@ class TxFetcher(threading.Thread):
             if header is not None and header.kind in (Kind.ACK, Kind.ERROR) and self._push_answer(peer, header):
                 return
             if header is not None and header.kind in (Kind.ACK, Kind.ERROR) and header.node == peer:
-                if self._settle_answered(peer, header.req):  # the answer to an exchange's SETTLE
-                    return
+                self._settle_answered(peer, header.req)  # if it answers an exchange's SETTLE; then taken as before
             if header is not None and header.kind is Kind.ACK:  # a commit's ACK, or one for a push settled already
                 self._port.count("acks_unmatched", 1)
                 return
