@@ -210,10 +210,20 @@ class EventSimulation(ChurnActions):
         arrived -- the rule finishes the step (push-sum scales the local step, an outer optimizer counts it) and the
         step is recorded (status ``crashed``) -- and the node stops (the caller's part)."""
         outcome = m.rule.mix(m.state, m.arrays, [])
+        self._record(m, outcome, (), "crashed", self._push_counts(m))
+
+    @staticmethod
+    def _push_counts(m: Member) -> dict[str, float]:
+        """A step's push figures before its verdicts are counted: ``pushed`` this step, none delivered or returned."""
+        return {"pushed": float(m.pushed), "delivered": 0.0, "returned": 0.0, "push_ms": 0.0}
+
+    def _record(
+        self, m: Member, outcome: MixOutcome, peers: tuple[str, ...], status: str, pushes: dict[str, float]
+    ) -> None:
+        """``m``'s ``update_wait`` ended now: its metrics line (``pushes`` kept for a push rule only)."""
         if self._on_step is not None:
-            push = {"pushed": float(m.pushed), "delivered": 0.0, "returned": 0.0, "push_ms": 0.0}
-            push = push if m.rule.transfer is Transfer.PUSH else {}
-            self._on_step(StepRecord(m, self.now, self.now - m.waiting_since, outcome, (), "crashed", push))
+            push = pushes if m.rule.transfer is Transfer.PUSH else {}
+            self._on_step(StepRecord(m, self.now, self.now - m.waiting_since, outcome, peers, status, push))
 
     def snapshot_bytes(self, arrays: Sequence[np.ndarray]) -> int:
         """Bytes of ``arrays`` on the wire (the wire dtype's itemsize for floating arrays, when one is set)."""
@@ -499,7 +509,7 @@ class EventSimulation(ChurnActions):
             if f.status is FetchStatus.TIMEOUT:
                 m.rule.on_reply_lost(m.state, None)
         peers += self._drain(m)
-        pushes = {"pushed": float(m.pushed), "delivered": 0.0, "returned": 0.0, "push_ms": 0.0}
+        pushes = self._push_counts(m)
         for push in m.ledger.collect():
             if push.status is PushStatus.REFUSED:
                 peers.append(m.push_of(push))
@@ -513,11 +523,7 @@ class EventSimulation(ChurnActions):
         if others and (outcome.peers or any(not p.repeat for p in others)):
             m.count("mixes")
         statuses = [f.status.value for f in m.fetches] or (["pushed"] if m.rule.transfer is Transfer.PUSH else [])
-        if self._on_step is not None:
-            push = pushes if m.rule.transfer is Transfer.PUSH else {}
-            names = tuple(p.state.name for p in others)
-            record = StepRecord(m, self.now, self.now - m.waiting_since, outcome, names, ",".join(statuses), push)
-            self._on_step(record)
+        self._record(m, outcome, tuple(p.state.name for p in others), ",".join(statuses), pushes)
         if m.leaving:  # closing: it takes nothing more, settles its pushes and hands off
             m.move(Phase.FINISHED)
             self._hand_off(m, self.now)
