@@ -34,7 +34,8 @@ NUMBERS = [
     "mix_memcpy", "block", "fm_memcpy",
 ]  # fmt: skip
 CHECKS = [
-    "ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_send", "ok_mix", "ok_block", "ok_push", "ok_fm_memcpy", "ok_pf_memcpy",
+    "ok_fetch_a", "ok_fetch_a2", "ok_fm_c", "ok_socket", "ok_send", "ok_mix", "ok_block", "ok_push", "ok_fm_memcpy",
+    "ok_pf_memcpy",
 ]  # fmt: skip
 PUSH = ["push_ms", "fold_ms", "push_fetch"]  # (d), in the float32 and float32+shm rows only
 

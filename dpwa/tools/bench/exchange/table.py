@@ -24,6 +24,8 @@ TARGETS = {
     "fetch_a": 1.15,  # (b) fetch <= 1.15 x (a), float32 wire
     "fm_c_32": 1.1,  # (b) fetch + mix <= 1.1 x (c), float32 wire
     "fm_c_16": 0.7,  # ... <= 0.7 x (c), a narrower wire (16-bit or int8)
+    "socket_32": 0.6,  # the socket path close to the wire: (b) fetch + mix <= 0.6 x (c), float32 wire
+    "socket_16": 0.45,  # ... <= 0.45 x (c), a 16-bit wire
     "send_memcpy": 1.2,  # update_send <= 1.2 x memcpy
     "mix_memcpy": 1.5,  # mix <= 1.5 x memcpy
     "block": 0.05,  # update_wait's wait < 5 % of a step longer than the exchange
@@ -65,6 +67,7 @@ RATIOS = [
     Column("ok_fetch_a2", "<=1.15 "),
     Column("fm_c", "(fetch+mix)/c", ".2f"),
     Column("ok_fm_c", "<=1.1|0.7"),
+    Column("ok_socket", "<=0.6|0.45"),
     Column("floor_c", "(a3+mix)/c", ".2f"),
     Column("send_memcpy", "send/memcpy", ".2f"),
     Column("ok_send", "<=1.2"),
@@ -167,6 +170,9 @@ def _checks(wire: str, ratios: dict[str, float]) -> dict[str, str]:
         "ok_fetch_a2": _ok(ratios["fetch_a2"], TARGETS["fetch_a"]) if wire == "float32" else "-",
         "ok_fm_c": _ok(ratios["fm_c"], TARGETS["fm_c_32" if wire == "float32" else "fm_c_16"])
         if wire != SHARED
+        else "-",
+        "ok_socket": _ok(ratios["fm_c"], TARGETS["socket_32" if wire == "float32" else "socket_16"])
+        if wire in ("float32", "float16", "bfloat16")
         else "-",
         "ok_send": _ok(ratios["send_memcpy"], TARGETS["send_memcpy"]),
         "ok_mix": _ok(ratios["mix_memcpy"], TARGETS["mix_memcpy"]),
