@@ -27,7 +27,7 @@ import numpy as np
 from dpwa.checkpoint import DpwaState
 from dpwa.config import ClusterConfig, JoinAddress
 from dpwa.node import contact, following, recovery, report, serving, wire
-from dpwa.node.allocator import give_back_freed, keep_freed_blocks
+from dpwa.node.allocator import give_back_freed, set_up_allocator
 from dpwa.node.loans import Loans
 from dpwa.node.members import Member
 from dpwa.node.membership import Membership
@@ -209,8 +209,7 @@ class Node:
     def setup_layout(self, params: Sequence[np.ndarray]) -> None:
         """The first arrays: the snapshot pool for their layout (:func:`~dpwa.node.snapshots.open_pool`), then the
         transfer's buffers; the layouts are set last (until then the RX thread answers "not ready")."""
-        if self.config.transport.memory == "normal":
-            keep_freed_blocks()  # libzmq's received chunks reuse freed blocks: no page faulted in per chunk
+        set_up_allocator(self.config.transport.memory)  # freed message blocks reused (normal) or unmapped (low)
         self.pool = pool = open_pool(
             self.rule.public_arrays(params),
             self.config.wire_dtype,
