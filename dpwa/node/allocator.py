@@ -65,20 +65,22 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
-    """The C library's ``name`` taking ``argtypes`` and returning an int, or None where it has none (not glibc)."""
+@functools.cache
+def _function(name: str, argtypes: tuple[type, ...]) -> Callable[..., int] | None:
+    """The C library's ``name`` taking ``argtypes`` and returning an int, or None where it has none (not glibc);
+    looked up and typed once (``malloc_trim`` runs after every mix of a ``low`` node)."""
     libc = _libc()
     function = getattr(libc, name, None) if libc is not None else None
     if function is None:  # pragma: no cover - not glibc
         return None
-    function.argtypes = argtypes
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function
 
 
 def give_back_freed() -> bool:
     """Return the allocator's free pages to the kernel where the C library can (glibc); True when some went."""
-    trim = _function("malloc_trim", [ctypes.c_size_t])
+    trim = _function("malloc_trim", (ctypes.c_size_t,))
     return bool(trim(0)) if trim is not None else False
 
 
@@ -98,7 +100,7 @@ def set_up_allocator(memory: str) -> bool:
     with _lock:
         if _applied is None:
             _applied = ""
-            mallopt = _function("mallopt", [ctypes.c_int, ctypes.c_int])
+            mallopt = _function("mallopt", (ctypes.c_int, ctypes.c_int))
             if user_tuned_malloc():
                 log.info("malloc left as the environment tunes it (GLIBC_TUNABLES / MALLOC_*_)")
             elif (
