@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.rules.workers import PARALLEL_MIN, current_workers, run_ranges
+from dpwa.rules.workers import run_ranges, splitting
 from dpwa.utils.bfloat16 import from_float32, is_bfloat16, to_float32
 
 __all__ = [
@@ -159,7 +159,7 @@ def _for_blocks(
     :func:`~dpwa.rules.workers.run_ranges` (the whole array, or its split over the active mix workers: the same
     blocks either way, so the same bits). A range run by a worker gets a scratch of its own and the caller's numpy
     error state (a thread's is its own); ``raise_overflow``: every range runs under ``np.errstate(over="raise")``."""
-    if n < PARALLEL_MIN or current_workers() is None:  # the common case, many small arrays: no split, no closure
+    if splitting(n) is None:  # the common case, many small arrays or one mix thread: no split, no closure
         with np.errstate(over="raise") if raise_overflow else contextlib.nullcontext():
             for start in range(0, n, BLOCK):
                 block_fn(start, min(start + BLOCK, n), scratch)

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["PARALLEL_MIN", "MixWorkers", "current_workers", "run_ranges", "split_ranges"]
+__all__ = ["PARALLEL_MIN", "MixWorkers", "current_workers", "run_ranges", "split_ranges", "splitting"]
 
 PARALLEL_MIN = 1 << 20
 """Elements an array needs before its mix is split (1M: a few ms of work against ~50 us to hand a range over)."""
@@ -86,12 +86,19 @@ def current_workers() -> MixWorkers | None:
     return getattr(_local, "workers", None)
 
 
-def run_ranges(n: int, block: int, body: Callable[[int, int], None]) -> None:
-    """``body(start, stop)`` over ``[0, n)``: in one call on this thread, or -- with active workers and ``n >=
-    PARALLEL_MIN`` -- one call per range of :func:`split_ranges`, the first on this thread. Returns once every
-    range is done; the first exception of a range is raised after all have ended (none is left writing)."""
+def splitting(n: int) -> MixWorkers | None:
+    """The workers a mix of ``n`` elements on this thread splits over: the active ones, when they have more than one
+    thread and ``n >= PARALLEL_MIN``; else None (the mix runs whole on this thread)."""
     workers = current_workers()
-    if workers is None or workers.threads == 1 or n < PARALLEL_MIN:
+    return workers if workers is not None and workers.threads > 1 and n >= PARALLEL_MIN else None
+
+
+def run_ranges(n: int, block: int, body: Callable[[int, int], None]) -> None:
+    """``body(start, stop)`` over ``[0, n)``: in one call on this thread, or -- when it is :func:`splitting` --
+    one call per range of :func:`split_ranges`, the first on this thread. Returns once every range is done; the
+    first exception of a range is raised after all have ended (none is left writing)."""
+    workers = splitting(n)
+    if workers is None:
         if n > 0:
             body(0, n)
         return
