@@ -98,8 +98,9 @@ class TxFetcher(threading.Thread):
         self._pushes: dict[tuple[str, int], Push] = {}
         """Pushes sent and not settled yet, by (peer, sequence number)."""
         self._settles: list[tuple[str, int, str]] = []
-        self._settling: dict[tuple[str, int], FetchJob] = {}  # exchanges whose SETTLE awaits the peer's answer
         """SETTLEs to send at the end of this wake: (peer, sequence number, op)."""
+        self._settling: dict[tuple[str, int], FetchJob] = {}
+        """Exchanges whose SETTLE awaits the peer's answer, by (peer, sequence number)."""
         self._retry_s = retry_s
         self._shared = SharedReplies(node, lambda event, n: port.count(event, n))
         self._sndhwm = 4
