@@ -60,6 +60,7 @@ __all__ = [
     "Rule",
     "Transfer",
     "check_repeats",
+    "checked_step",
     "fresh_peers",
 ]
 
@@ -122,6 +123,13 @@ def check_repeats(value: str) -> str:
     if value not in REPEATS:
         raise ValueError(f"repeats must be one of {', '.join(REPEATS)}, got {value!r}")
     return value
+
+
+def checked_step(step: object) -> int:
+    """``step`` when it is a node's step (an int >= 0, not a bool), for :meth:`Rule.follow`; else ValueError."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    return step
 
 
 def fresh_peers(peers: Sequence[PeerSnapshot], repeats: str) -> tuple[list[PeerSnapshot], int]:

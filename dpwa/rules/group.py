@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, checked_step
 from dpwa.rules.mixing import add_differences_
 from dpwa.utils.settings import Settings, setting
 
@@ -129,9 +129,7 @@ class GroupRule(Rule):
     def follow(self, step: int) -> None:
         """The node's step is ``step``: the next publish starts step ``step`` (the schedule's sync steps and this
         rule's agree after a restored checkpoint)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        self._sends = step
+        self._sends = checked_step(step)
 
     def on_publish(self, own: NodeState, published: Sequence[np.ndarray]) -> None:
         """Keep the views of ``x_pub`` (valid until the next ``update_send``) and count the step."""

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer
+from dpwa.rules.base import MixOutcome, NodeState, PeerSnapshot, Rule, Transfer, checked_step
 from dpwa.rules.mixing import BLOCK, Scratch, compute_dtype, is_half, narrow, widen
 from dpwa.rules.schedules import Round, Schedule
 from dpwa.rules.state import load_model_arrays, save_model_arrays
@@ -344,9 +344,7 @@ class OuterRule(Rule):
 
     def follow(self, step: int) -> None:
         """The node's step is ``step`` now (a checkpoint restored it): the next :meth:`mix` ends step ``step``."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        self.round = step
+        self.round = checked_step(step)
         self.base.follow(step)
 
     def step_without_mix(self) -> None:
